@@ -1,0 +1,27 @@
+"""tether.algo: the mathematics of KL-regularized policy gradients, as plain functions on tensors.
+
+Imports nothing but torch. Where to look:
+
+- ``kl.py``           KL estimators (k1..k5, exact, top-k, GRPO, RPG), by name in ``KL_ESTIMATORS``
+- ``trust_region.py`` trust regions (ratio, dual, KL3 via Lambert W, TV, binary KL, CISPO, GSPO)
+- ``objectives.py``   the loss: surrogate x region + beta x KL, and ``compute_loss``
+- ``advantages.py``   GRPO, Dr.GRPO, RLOO, REINFORCE++, RPG baselines
+- ``aggregation.py``  token-mean and the sequence-mean modes
+- ``recipes.py``      ``AlgoConfig``, validation, and the named recipes
+
+The anchor (fixed / EMA / iterative / reset) lives in ``tether.anchor``.
+"""
+
+from .advantages import ADVANTAGES, compute_advantages, zero_variance_groups
+from .aggregation import AGGREGATIONS, aggregate
+from .kl import KL_ESTIMATORS, KLInputs, KLOptions
+from .objectives import LossOut, compute_loss, policy_term
+from .recipes import RECIPES, AlgoConfig, AnchorConfig, ConfigError, KLConfig, describe, recipe, validate
+from .trust_region import REGIONS, RegionConfig, kl3_bounds, lambert_w
+
+__all__ = [
+    "ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "REGIONS", "RECIPES",
+    "AlgoConfig", "AnchorConfig", "ConfigError", "KLConfig", "KLInputs", "KLOptions", "LossOut", "RegionConfig",
+    "aggregate", "compute_advantages", "compute_loss", "describe", "kl3_bounds", "lambert_w", "policy_term",
+    "recipe", "validate", "zero_variance_groups",
+]

@@ -1,0 +1,230 @@
+"""The algorithm as one typed config, and the named recipes of the three papers and baselines.
+
+    algorithm = advantage x trust region x surrogate form x KL estimator x anchor x aggregation
+
+Every field is documented where it is declared. ``validate`` turns combinations that
+cannot work, or options that would have no effect, into errors that list valid choices.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+from .advantages import ADVANTAGES
+from .aggregation import AGGREGATIONS
+from .kl import EXACT_ESTIMATORS, KL_ESTIMATORS, RPG_ESTIMATORS, TOPK_ESTIMATORS
+from .registry import unknown_choice
+from .trust_region import REGIONS, REINFORCE_ONLY_REGIONS, RegionConfig, kl3_bounds
+
+ANCHORS = ("none", "fixed", "ema", "iterative", "reset", "kl_reset")
+SURROGATES = ("ratio", "reinforce")
+PLACEMENTS = ("loss", "reward", "advantage")
+
+
+@dataclass
+class KLConfig:
+    """The KL term that ties the policy to the anchor (see tether.algo.kl for every estimator's equation)."""
+
+    estimator: str = "none"  # none | k1 | k2 | k3 | k3pp | k4 | k5 | exact_rev | exact_fwd | topk_rev | topk_fwd | topk_*_legacy | grpo_k3 | grpo_k3_corrected | rpg_fkl | rpg_rkl | rpg_ufkl | rpg_urkl
+    beta: float = 0.0  # KL coefficient (> 0 whenever estimator != none)
+    placement: str = "loss"  # loss: + beta*KL in the loss | reward: per-token penalty-to-go in the advantage | advantage: RPG's A' = A - beta*C_KL (rpg_rkl/rpg_urkl)
+    topk: int = 32  # top-k estimators: head size k (EMA-PG: 32); 0 = pure sampled tail; >= |V| = exact
+    truncated: bool = False  # top-k estimators: drop the tail, KL over the head only (a biased, distillation-style KL)
+    s_min: float = 0.0  # sampled and top-k estimators: lower clip of s = sg(pi/pi_old) (0 = none; a documented bias)
+    s_max: float = 0.0  # sampled and top-k estimators: upper clip of s (0 = none; a documented bias)
+
+
+@dataclass
+class AnchorConfig:
+    """Which policy the KL term ties to, and how it moves (tether.anchor)."""
+
+    kind: str = "none"  # none (no KL) | fixed (initial policy; GRPO) | ema (EMA-PG) | iterative (= sampler; RPG) | reset (copy every N) | kl_reset (copy when KL > kappa)
+    eta: float = 0.95  # ema: theta_a <- eta*theta_a + (1-eta)*theta (EMA-PG: 0.9-0.95)
+    every: int = 10  # ema, reset: update every N optimizer steps (EMA-PG: 10)
+    kappa: float = 0.0  # kl_reset: reset when the moving average of the token KL exceeds kappa (> 0)
+    kl_smoothing: float = 0.9  # kl_reset: the moving average's factor m in kl_ma <- m*kl_ma + (1-m)*kl
+
+
+@dataclass
+class AlgoConfig:
+    """One point in the design space. Named recipes are instances; every field can be overridden."""
+
+    name: str = "custom"  # recipe name, for logs
+    advantage: str = "grpo"  # grpo | dr_grpo | group_mean | batch_mean | rloo | reinforce_pp | reinforce_pp_baseline
+    adv_eps: float = 1e-6  # grpo, reinforce_pp*: epsilon added to the std
+    surrogate: str = "ratio"  # ratio: -A*rho (PPO) | reinforce: -sg(A*rho)*log pi (RPG, CISPO); same gradient
+    region: RegionConfig = field(default_factory=RegionConfig)  # the trust region (tether.algo.trust_region)
+    kl: KLConfig = field(default_factory=KLConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    agg_max_len: int = 0  # seq-mean-token-sum-norm: the fixed length L (0 = the rollout's max_new_tokens)
+
+    def copy(self) -> "AlgoConfig":
+        return copy.deepcopy(self)
+
+
+class ConfigError(ValueError):
+    """An invalid or ineffective algorithm configuration."""
+
+
+def validate(cfg: AlgoConfig) -> AlgoConfig:
+    """Raise ConfigError listing every invalid combination or ineffective option; return cfg."""
+    errs: list[str] = []
+    d_kl, d_anchor, d_region = KLConfig(), AnchorConfig(), RegionConfig()
+    if cfg.advantage not in ADVANTAGES:
+        errs.append(unknown_choice("advantage", cfg.advantage, ADVANTAGES.names()))
+    if cfg.surrogate not in SURROGATES:
+        errs.append(unknown_choice("surrogate", cfg.surrogate, SURROGATES))
+    if cfg.aggregation not in AGGREGATIONS:
+        errs.append(unknown_choice("aggregation", cfg.aggregation, AGGREGATIONS))
+    if cfg.agg_max_len and cfg.aggregation != "seq-mean-token-sum-norm":
+        errs.append("agg_max_len only applies to aggregation seq-mean-token-sum-norm")
+
+    r = cfg.region
+    if r.kind not in REGIONS:
+        errs.append(unknown_choice("trust region", r.kind, REGIONS.names()))
+    else:
+        uses = {
+            "none": set(), "ratio": {"eps_low", "eps_high", "clip_c"}, "dual": {"eps_low", "eps_high", "clip_c"},
+            "rpg_clip": {"eps_low", "eps_high", "clip_c"}, "kl3": {"delta", "clip_c"}, "tv": {"delta", "clip_c"},
+            "binary_kl": {"delta", "clip_c"}, "cispo": {"eps_high"}, "gspo": {"eps_low", "eps_high", "clip_c"},
+        }[r.kind]
+        for f in ("eps_low", "eps_high", "clip_c", "delta"):
+            if f not in uses and getattr(r, f) != getattr(d_region, f):
+                errs.append(f"region.{f} has no effect with trust region {r.kind!r}")
+        if r.kind in ("dual", "rpg_clip") and not r.clip_c > 1:
+            errs.append(f"trust region {r.kind!r} needs region.clip_c > 1 (RPG uses 3)")
+        if r.clip_c and not r.clip_c > 1:
+            errs.append(f"region.clip_c must be > 1 or 0 (off), got {r.clip_c}")
+        if r.kind in ("kl3", "tv", "binary_kl") and not r.delta > 0:
+            errs.append(f"trust region {r.kind!r} needs region.delta > 0")
+        if r.kind in REINFORCE_ONLY_REGIONS and cfg.surrogate != "reinforce":
+            errs.append(f"trust region {r.kind!r} is defined for surrogate 'reinforce', got {cfg.surrogate!r}")
+        if not (0 <= r.eps_low < 1 and r.eps_high >= 0):
+            errs.append(f"need 0 <= region.eps_low < 1 and region.eps_high >= 0, got {r.eps_low}, {r.eps_high}")
+
+    k, a = cfg.kl, cfg.anchor
+    if k.estimator != "none" and k.estimator not in KL_ESTIMATORS:
+        errs.append(unknown_choice("KL estimator", k.estimator, ["none", *KL_ESTIMATORS.names()]))
+    if a.kind not in ANCHORS:
+        errs.append(unknown_choice("anchor", a.kind, ANCHORS))
+    if k.estimator == "none":
+        if k.beta:
+            errs.append("kl.beta is set but kl.estimator is 'none'; pick an estimator: " + ", ".join(KL_ESTIMATORS.names()))
+        if a.kind != "none":
+            errs.append(f"anchor {a.kind!r} has no effect without a KL term (kl.estimator is 'none'); set anchor.kind=none")
+        for f in ("placement", "topk", "truncated", "s_min", "s_max"):
+            if getattr(k, f) != getattr(d_kl, f):
+                errs.append(f"kl.{f} has no effect without a KL term")
+    else:
+        if not k.beta > 0:
+            errs.append(f"kl.estimator {k.estimator!r} needs kl.beta > 0")
+        if a.kind == "none":
+            errs.append(f"kl.estimator {k.estimator!r} needs an anchor; choose anchor.kind from: "
+                        + ", ".join(x for x in ANCHORS if x != "none"))
+        if k.placement not in PLACEMENTS:
+            errs.append(unknown_choice("KL placement", k.placement, PLACEMENTS))
+        if k.placement == "advantage" and k.estimator not in ("rpg_rkl", "rpg_urkl"):
+            errs.append("kl.placement 'advantage' (RPG-Style Clip's A') needs kl.estimator rpg_rkl or rpg_urkl")
+        if k.placement == "reward" and k.estimator in RPG_ESTIMATORS and cfg.surrogate == "reinforce":
+            errs.append("kl.placement 'reward' uses the estimator's value; the RPG REINFORCE form has none")
+        if k.estimator not in TOPK_ESTIMATORS:
+            for f in ("topk", "truncated"):
+                if getattr(k, f) != getattr(d_kl, f):
+                    errs.append(f"kl.{f} only applies to top-k estimators ({', '.join(TOPK_ESTIMATORS)})")
+        elif k.topk < 0:
+            errs.append(f"kl.topk must be >= 0, got {k.topk}")
+        weighted = k.estimator in TOPK_ESTIMATORS or k.estimator in ("k1", "k2", "k3", "k3pp", "k4", "k5")
+        if not weighted and (k.s_min or k.s_max):
+            errs.append(f"kl.s_min/s_max clip the sampling weight s, which {k.estimator!r} does not use")
+        if k.estimator in EXACT_ESTIMATORS:
+            pass  # needs full-vocabulary log-probs; the trainer checks it can supply them
+    if a.kind == "ema" and not 0 <= a.eta < 1:
+        errs.append(f"anchor.eta must be in [0, 1), got {a.eta}")
+    if a.kind in ("ema", "reset") and a.every < 1:
+        errs.append(f"anchor.every must be >= 1, got {a.every}")
+    if a.kind == "kl_reset" and not a.kappa > 0:
+        errs.append("anchor 'kl_reset' needs anchor.kappa > 0")
+    used = {"ema": {"eta", "every"}, "reset": {"every"}, "kl_reset": {"kappa", "kl_smoothing"}}.get(a.kind, set())
+    for f in ("eta", "every", "kappa", "kl_smoothing"):
+        if f not in used and getattr(a, f) != getattr(d_anchor, f):
+            errs.append(f"anchor.{f} has no effect with anchor {a.kind!r}")
+    if errs:
+        raise ConfigError("invalid algorithm config:\n  - " + "\n  - ".join(errs))
+    return cfg
+
+
+# ---------------------------------------------------------------- named recipes
+
+# ATR-GRPO: the KL3 radius whose Lambert-W interval is closest to DAPO's [0.8, 1.28].
+ATR_DELTA = 0.03
+
+
+def _grpo() -> AlgoConfig:
+    return AlgoConfig(name="grpo", advantage="grpo", region=RegionConfig("ratio", 0.2, 0.2),
+                      kl=KLConfig("k3", beta=1e-3), anchor=AnchorConfig("fixed"),
+                      aggregation="seq-mean-token-mean")
+
+
+def _rpg(variant: str, reinforce: bool) -> AlgoConfig:
+    region = RegionConfig("rpg_clip" if reinforce else "dual", 0.2, 0.28, clip_c=3.0)
+    placement = "advantage" if reinforce and variant in ("rkl", "urkl") else "loss"
+    return AlgoConfig(name=f"rpg_{'reinforce_' if reinforce else ''}{variant}", advantage="group_mean",
+                      surrogate="reinforce" if reinforce else "ratio", region=region,
+                      kl=KLConfig(f"rpg_{variant}", beta=1e-4, placement=placement),
+                      anchor=AnchorConfig("iterative"), aggregation="token-mean")
+
+
+RECIPES = {
+    # GRPO (DeepSeekMath): group-normalized advantage, symmetric ratio clip, k3 in the loss, frozen reference.
+    "grpo": _grpo,
+    # DAPO: clip-higher 0.2/0.28, token-mean, no KL (dynamic sampling and overlong shaping live in the trainer).
+    "dapo": lambda: AlgoConfig(name="dapo", region=RegionConfig("ratio", 0.2, 0.28), aggregation="token-mean"),
+    # Dr.GRPO: no std normalization, no length normalization (fixed-L sum), no KL.
+    "dr_grpo": lambda: AlgoConfig(name="dr_grpo", advantage="dr_grpo", region=RegionConfig("ratio", 0.2, 0.2),
+                                  aggregation="seq-mean-token-sum-norm"),
+    # EMA-PG (arXiv 2602.04417): EMA anchor, unbiased top-k reverse KL with k = 32, clip-higher.
+    "ema_pg": lambda: AlgoConfig(name="ema_pg", region=RegionConfig("ratio", 0.2, 0.28),
+                                 kl=KLConfig("topk_rev", beta=1e-3, topk=32),
+                                 anchor=AnchorConfig("ema", eta=0.95, every=10), aggregation="token-mean"),
+    # ATR-GRPO (arXiv 2602.05494): the KL3 trust region instead of the ratio clip; otherwise GRPO.
+    "atr_grpo": lambda: AlgoConfig(name="atr_grpo", advantage="grpo", region=RegionConfig("kl3", delta=ATR_DELTA),
+                                   kl=KLConfig("k3", beta=1e-3), anchor=AnchorConfig("fixed"),
+                                   aggregation="seq-mean-token-mean"),
+    # REINFORCE++: batch-normalized advantage, PPO clip, k3 KL as a per-token reward penalty.
+    "reinforce_pp": lambda: AlgoConfig(name="reinforce_pp", advantage="reinforce_pp",
+                                       region=RegionConfig("ratio", 0.2, 0.2),
+                                       kl=KLConfig("k3", beta=1e-3, placement="reward"),
+                                       anchor=AnchorConfig("fixed"), aggregation="token-mean"),
+    # CISPO (MiniMax-M1): no mask; REINFORCE with the truncated IS weight sg(min(rho, 1 + eps_high)).
+    "cispo": lambda: AlgoConfig(name="cispo", surrogate="reinforce",
+                                region=RegionConfig("cispo", eps_high=0.28), aggregation="token-mean"),
+    # GSPO (Qwen): sequence-level geometric-mean ratio with a tight clip.
+    "gspo": lambda: AlgoConfig(name="gspo", region=RegionConfig("gspo", eps_low=3e-4, eps_high=4e-4),
+                               aggregation="seq-mean-token-mean"),
+}
+for _v in ("fkl", "rkl", "ufkl", "urkl"):
+    # RPG (arXiv 2505.17508): off-policy-correct KL to the sampler (iterative anchor), dual clip 0.2/0.28, c = 3.
+    RECIPES[f"rpg_{_v}"] = (lambda v: lambda: _rpg(v, reinforce=False))(_v)
+    # RPG-REINFORCE: the stop-gradient form with RPG-Style Clip; rkl/urkl fold the KL into A'.
+    RECIPES[f"rpg_reinforce_{_v}"] = (lambda v: lambda: _rpg(v, reinforce=True))(_v)
+
+
+def recipe(name: str) -> AlgoConfig:
+    """A fresh, validated AlgoConfig for a named recipe."""
+    if name not in RECIPES:
+        raise ConfigError(unknown_choice("recipe", name, RECIPES))
+    return validate(RECIPES[name]())
+
+
+def describe(cfg: AlgoConfig) -> str:
+    """One line naming every choice of cfg, for logs."""
+    r, k, a = cfg.region, cfg.kl, cfg.anchor
+    reg = {"kl3": lambda: "kl3(delta=%g -> [%.3f, %.3f])" % ((r.delta,) + kl3_bounds(r.delta))}.get(
+        r.kind, lambda: f"{r.kind}(eps={r.eps_low:g}/{r.eps_high:g}" + (f", c={r.clip_c:g})" if r.clip_c else ")"))()
+    kl = "none" if k.estimator == "none" else f"{k.estimator}(beta={k.beta:g}, {k.placement}" + (
+        f", k={k.topk})" if k.estimator in TOPK_ESTIMATORS else ")")
+    anc = a.kind + (f"(eta={a.eta:g}, every={a.every})" if a.kind == "ema" else "")
+    return (f"{cfg.name}: advantage={cfg.advantage} surrogate={cfg.surrogate} region={reg} kl={kl} "
+            f"anchor={anc} aggregation={cfg.aggregation}")

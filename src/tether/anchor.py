@@ -1,0 +1,166 @@
+"""The anchor pi_a: the policy the KL term ties the trained policy to (EMA-PG, RPG, GRPO).
+
+An anchor is a set of tensors, one per *tracked* parameter of the policy module: the
+parameters with ``requires_grad`` (all of them in full fine-tuning, only the adapters with
+LoRA). The anchor model is the policy module with those tensors swapped in (``applied``):
+no second model object is kept, and with LoRA the anchor costs only the adapters.
+
+| kind | rule (after optimizer step ``n``) |
+| --- | --- |
+| fixed | theta_a = theta_0, never changes (GRPO's reference model) |
+| ema | every ``every`` steps: theta_a <- eta theta_a + (1 - eta) theta (EMA-PG) |
+| iterative | theta_a = theta_old: the anchor *is* the sampler; no tensors, no forward pass (RPG) |
+| reset | every ``every`` steps: theta_a <- theta |
+| kl_reset | theta_a <- theta when kl_ma > kappa, kl_ma <- m kl_ma + (1 - m) KL (RPG's suggestion) |
+
+The EMA accumulates in fp32 whatever the policy's dtype (a bf16 accumulator loses every
+update smaller than 2^-8 of a weight), with one fused in-place ``torch._foreach_lerp_``.
+When the policy is not fp32 a compute-dtype copy is kept for the forward pass and
+refreshed after each update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from .algo.recipes import AnchorConfig
+from .algo.registry import unknown_choice
+
+ANCHOR_KINDS = ("fixed", "ema", "iterative", "reset", "kl_reset")
+
+
+def tracked_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters an anchor follows: those that train (all, or only LoRA adapters)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters; an anchor would equal the policy")
+    return params
+
+
+class Anchor:
+    """An anchor over a module's tracked parameters. ``needs_forward`` is False for the iterative anchor."""
+
+    def __init__(self, cfg: AnchorConfig, model: Optional[nn.Module] = None):
+        if cfg.kind not in ANCHOR_KINDS:
+            raise ValueError(unknown_choice("anchor", cfg.kind, ANCHOR_KINDS))
+        self.cfg = cfg
+        self.kind = cfg.kind
+        self.needs_forward = cfg.kind != "iterative"
+        self.num_updates = 0  # EMA updates or resets applied so far
+        self.kl_ma = 0.0  # kl_reset: moving average of the token KL
+        self.names: list[str] = []
+        self.master: list[torch.Tensor] = []  # anchor values (fp32 for ema)
+        self._compute: list[torch.Tensor] = []  # forward copies in the policy's dtype (empty when = master)
+        if self.needs_forward:
+            if model is None:
+                raise ValueError(f"anchor {cfg.kind!r} needs the policy model to copy")
+            params = tracked_parameters(model)
+            self.names = [n for n, _ in params]
+            acc = torch.float32 if cfg.kind == "ema" else None
+            self.master = [p.detach().to(dtype=acc or p.dtype, copy=True) for _, p in params]
+            self._sync_compute([p for _, p in params])
+
+    # ------------------------------------------------------------ updates
+
+    def _params(self, model: nn.Module) -> list[nn.Parameter]:
+        named = dict(model.named_parameters())
+        try:
+            return [named[n] for n in self.names]
+        except KeyError as e:
+            raise ValueError(f"anchor tracks parameter {e.args[0]!r}, which the model does not have") from None
+
+    def _sync_compute(self, ps: list[torch.Tensor]) -> None:
+        """Refresh the forward copies when the policy's dtype differs from the anchor's."""
+        if all(m.dtype == p.dtype for m, p in zip(self.master, ps)):
+            self._compute = []
+        else:
+            with torch.no_grad():
+                if self._compute:
+                    for c, m in zip(self._compute, self.master):
+                        c.copy_(m)
+                else:
+                    self._compute = [m.to(p.dtype) for m, p in zip(self.master, ps)]
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, step: int, token_kl: Optional[float] = None) -> bool:
+        """Apply the anchor rule after optimizer step ``step`` (1-based). Returns True if the anchor moved."""
+        c = self.cfg
+        if self.kind in ("fixed", "iterative"):
+            return False
+        params = self._params(model)
+        if self.kind == "ema":
+            if step % c.every:
+                return False
+            if all(p.dtype == torch.float32 for p in params):
+                torch._foreach_lerp_(self.master, [p.detach() for p in params], 1.0 - c.eta)
+            else:  # per tensor, so only one fp32 temporary exists at a time
+                for m, p in zip(self.master, params):
+                    m.lerp_(p.detach().float(), 1.0 - c.eta)
+        elif self.kind == "reset":
+            if step % c.every:
+                return False
+            torch._foreach_copy_(self.master, [p.detach() for p in params])
+        elif self.kind == "kl_reset":
+            if token_kl is None:
+                raise ValueError("anchor 'kl_reset' needs the step's token KL")
+            self.kl_ma = c.kl_smoothing * self.kl_ma + (1.0 - c.kl_smoothing) * float(token_kl)
+            if self.kl_ma <= c.kappa:
+                return False
+            torch._foreach_copy_(self.master, [p.detach() for p in params])
+            self.kl_ma = 0.0
+        self._sync_compute(params)
+        self.num_updates += 1
+        return True
+
+    # ------------------------------------------------------------ using the anchor as a model
+
+    @contextlib.contextmanager
+    def applied(self, model: nn.Module) -> Iterator[nn.Module]:
+        """Within the block, ``model`` computes pi_a: the anchor tensors are swapped in (no copy)."""
+        if not self.needs_forward:
+            raise ValueError("the iterative anchor is the sampler itself; use the sampler's log-probs")
+        params = self._params(model)
+        values = self._compute or self.master
+        saved = [p.data for p in params]
+        try:
+            for p, v in zip(params, values):
+                p.data = v
+            yield model
+        finally:
+            for p, s in zip(params, saved):
+                p.data = s
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """name -> anchor value (fp32 for ema), for checkpoints and for exporting the anchor as a model."""
+        return dict(zip(self.names, self.master))
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume: the tensors and the counters."""
+        return {"kind": self.kind, "num_updates": self.num_updates, "kl_ma": self.kl_ma, "tensors": self.tensors()}
+
+    def load_state_dict(self, state: dict, model: Optional[nn.Module] = None) -> None:
+        """Restore from ``state_dict``; ``model`` (the policy) sets the forward dtype."""
+        if state["kind"] != self.kind:
+            raise ValueError(f"checkpoint holds a {state['kind']!r} anchor, the config asks for {self.kind!r}")
+        self.num_updates = int(state["num_updates"])
+        self.kl_ma = float(state["kl_ma"])
+        tensors = state["tensors"]
+        if set(tensors) != set(self.names):
+            missing = sorted(set(self.names) - set(tensors))[:3]
+            raise ValueError(f"checkpoint anchor does not match the model's trainable parameters (missing e.g. {missing})")
+        with torch.no_grad():
+            for m, n in zip(self.master, self.names):
+                m.copy_(tensors[n])
+        if model is not None:
+            self._sync_compute(self._params(model))
+
+
+def make_anchor(cfg: AnchorConfig, model: nn.Module) -> Optional[Anchor]:
+    """The anchor for ``cfg`` (None when there is no KL term)."""
+    return None if cfg.kind == "none" else Anchor(cfg, model)

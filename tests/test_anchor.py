@@ -1,0 +1,161 @@
+"""Anchors: EMA closed form, fp32 accumulation under bf16, reset/kl_reset/iterative semantics, swapping, state."""
+
+import pytest
+import torch
+from torch import nn
+
+from tether.algo.recipes import AnchorConfig
+from tether.anchor import Anchor, make_anchor
+
+
+def net(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+
+
+def set_params(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+
+
+def flat(tensors):
+    return torch.cat([t.flatten().double() for t in tensors])
+
+
+def test_ema_closed_form_after_n_updates():
+    model = net()
+    theta0 = flat(model.parameters())
+    eta, every = 0.9, 3
+    anchor = Anchor(AnchorConfig("ema", eta=eta, every=every), model)
+    want = theta0.clone()
+    thetas = []
+    for step in range(1, 13):
+        set_params(model, step)
+        moved = anchor.update(model, step)
+        assert moved == (step % every == 0)
+        if moved:
+            thetas.append(flat(model.parameters()))
+    n = len(thetas)
+    closed = eta**n * theta0 + sum((1 - eta) * eta ** (n - 1 - i) * t for i, t in enumerate(thetas))
+    assert anchor.num_updates == n == 4
+    assert torch.allclose(flat(anchor.master), closed, atol=1e-6)
+
+
+def test_ema_accumulates_in_fp32_for_a_bf16_policy():
+    """An update far below bf16 resolution is lost by a bf16 EMA and retained by tether's fp32 one."""
+    model = net(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0)
+    anchor = Anchor(AnchorConfig("ema", eta=0.99, every=1), model)
+    assert all(m.dtype == torch.float32 for m in anchor.master)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(1.0078125)  # 1 + 2^-7: each EMA step moves 1e-2 * 2^-7 ~ 7.8e-5, far below bf16's 2^-7 spacing at 1
+    bf16_ema = [torch.ones_like(p) for p in model.parameters()]
+    for step in range(1, 51):
+        anchor.update(model, step)
+        for e, p in zip(bf16_ema, model.parameters()):
+            e.lerp_(p.detach(), 0.01)
+    want = 1.0 + 2**-7 * (1 - 0.99**50)
+    assert torch.allclose(anchor.master[0], torch.full_like(anchor.master[0], want), atol=1e-6)
+    assert (bf16_ema[0] == 1.0).all()  # the bf16 accumulator never moved
+    # the forward copy is in the policy's dtype and tracks the fp32 master
+    with anchor.applied(model):
+        assert model[0].weight.dtype == torch.bfloat16
+        assert torch.equal(model[0].weight, anchor.master[0].to(torch.bfloat16))
+
+
+def test_applied_swaps_without_copy_and_restores():
+    model = net()
+    anchor = Anchor(AnchorConfig("fixed"), model)
+    x = torch.randn(5, 4)
+    y0 = model(x).detach()
+    set_params(model, 7)
+    y_policy = model(x).detach()
+    ptr = model[0].weight.data_ptr()
+    with anchor.applied(model):
+        assert torch.allclose(model(x), y0)
+        assert model[0].weight.data_ptr() == anchor.master[0].data_ptr()
+    assert torch.allclose(model(x), y_policy) and model[0].weight.data_ptr() == ptr
+    # the swap never disturbs training: a gradient step after the anchor pass uses the policy weights
+    loss = model(x).sum()
+    loss.backward()
+    assert model[0].weight.grad is not None
+
+
+def test_fixed_never_moves_and_reset_copies_every_n():
+    model = net()
+    theta0 = flat(model.parameters())
+    fixed = Anchor(AnchorConfig("fixed"), model)
+    reset = Anchor(AnchorConfig("reset", every=2), model)
+    set_params(model, 1)
+    assert not fixed.update(model, 1) and not reset.update(model, 1)
+    assert torch.equal(flat(reset.master), theta0)
+    assert reset.update(model, 2)
+    assert torch.equal(flat(reset.master), flat(model.parameters()))
+    assert torch.equal(flat(fixed.master), theta0)
+
+
+def test_kl_triggered_reset():
+    model = net()
+    a = Anchor(AnchorConfig("kl_reset", kappa=0.05, kl_smoothing=0.5), model)
+    set_params(model, 3)
+    assert not a.update(model, 1, token_kl=0.04)  # ma 0.02
+    assert not a.update(model, 2, token_kl=0.06)  # ma 0.04
+    assert a.update(model, 3, token_kl=0.1)  # ma 0.07 > 0.05 -> reset
+    assert a.kl_ma == 0.0 and torch.equal(flat(a.master), flat(model.parameters()))
+    with pytest.raises(ValueError, match="token KL"):
+        a.update(model, 4)
+
+
+def test_iterative_anchor_keeps_nothing():
+    model = net()
+    a = make_anchor(AnchorConfig("iterative"), model)
+    assert not a.needs_forward and a.master == [] and not a.update(model, 1)
+    with pytest.raises(ValueError, match="sampler"):
+        with a.applied(model):
+            pass
+    assert make_anchor(AnchorConfig("none"), model) is None
+
+
+def test_state_round_trip():
+    model = net()
+    a = Anchor(AnchorConfig("ema", eta=0.5, every=1), model)
+    set_params(model, 2)
+    a.update(model, 1)
+    state = a.state_dict()
+    b = Anchor(AnchorConfig("ema", eta=0.5, every=1), net(seed=5))
+    b.load_state_dict(state, model)
+    assert b.num_updates == 1 and torch.equal(flat(b.master), flat(a.master))
+    with pytest.raises(ValueError, match="'ema' anchor"):
+        Anchor(AnchorConfig("fixed"), model).load_state_dict(state)
+
+
+def test_lora_tracks_only_adapters():
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(LlamaForCausalLM(cfg), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    a = Anchor(AnchorConfig("ema", eta=0.9, every=1), model)
+    assert a.names and all("lora_" in n for n in a.names)
+    n_adapter = sum(t.numel() for t in a.master)
+    assert n_adapter < 0.1 * sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.1)
+        y_pol = model(ids).logits
+        with a.applied(model):
+            y_anchor = model(ids).logits
+        y_base = model.get_base_model()(ids).logits if False else None
+    assert not torch.allclose(y_pol, y_anchor)
+    with model.disable_adapter(), torch.no_grad():
+        y_base = model(ids).logits
+    assert torch.allclose(y_anchor, y_base, atol=1e-6)  # the initial adapters (B = 0) = the base model

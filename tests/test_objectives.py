@@ -1,0 +1,225 @@
+"""RPG objectives on an exactly enumerable bandit, and the composed loss.
+
+The bandit: all sequences y = (y1, y2) over V = 3 tokens (9 arms), an autoregressive
+policy pi(y) = pi(y1) pi(y2|y1) with logits theta, a fixed anchor and a different fixed
+sampler pi_old. For each RPG variant D in {FKL, RKL, UFKL, URKL}:
+
+    sum_y pi_old(y) loss_y(theta)   has gradient   -grad (E_pi[R] - beta D(pi, pi_a))
+
+for both the fully differentiable and the REINFORCE (stop-gradient) loss forms.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from tether.algo import AlgoConfig, KLConfig, RegionConfig, compute_loss, recipe
+from tether.algo.aggregation import aggregate
+from tether.algo.kl import KL_ESTIMATORS, KLInputs, KLOptions, rpg_score_coef
+from tether.algo.objectives import policy_term
+from tether.algo.recipes import AnchorConfig
+from tether.algo.trust_region import REGIONS
+
+pytestmark = pytest.mark.usefixtures("float64")
+V, L = 3, 2
+SEQS = torch.tensor(list(itertools.product(range(V), repeat=L)))  # [9, 2]
+BETA = 0.37
+
+
+def seq_logp(first, second):
+    """log pi(y) for every sequence: first [V] logits, second [V, V] logits (row = y1)."""
+    lp1 = first.log_softmax(-1)[SEQS[:, 0]]
+    lp2 = second.log_softmax(-1)[SEQS[:, 0], SEQS[:, 1]]
+    return lp1 + lp2  # [9]
+
+
+def make(seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(V, generator=g) * scale, torch.randn(V, V, generator=g) * scale
+
+
+def divergence(name, lp, la):
+    p, a = lp.exp(), la.exp()
+    return {
+        "rpg_fkl": (a * (la - lp)).sum(),
+        "rpg_rkl": (p * (lp - la)).sum(),
+        "rpg_ufkl": (a * (la - lp)).sum() + (p - a).sum(),
+        "rpg_urkl": (p * (lp - la)).sum() + (a - p).sum(),
+    }[name]
+
+
+@pytest.fixture
+def bandit():
+    theta = [t.requires_grad_(True) for t in make(0)]
+    anchor, sampler = seq_logp(*make(1)), seq_logp(*make(2, 1.3))
+    reward = torch.randn(len(SEQS), generator=torch.Generator().manual_seed(3))
+    return theta, anchor.detach(), sampler.detach(), reward
+
+
+def grads(scalar, theta):
+    return torch.cat([g.flatten() for g in torch.autograd.grad(scalar, theta)])
+
+
+@pytest.mark.parametrize("variant", ["rpg_fkl", "rpg_rkl", "rpg_ufkl", "rpg_urkl"])
+@pytest.mark.parametrize("baseline", [0.0, 0.4])
+def test_rpg_both_forms_equal_exact_objective_gradient(bandit, variant, baseline):
+    theta, la, lo, R = bandit
+    adv = R - baseline  # a constant baseline leaves the expected gradient unchanged
+
+    def exact():
+        lp = seq_logp(*theta)
+        return -((lp.exp() * R).sum() - BETA * divergence(variant, lp, la))  # minimize -J
+
+    def surrogate(form):
+        lp = seq_logp(*theta)
+        inp = KLInputs(logp=lp[None], ref_logp=la[None], old_logp=lo[None])
+        rho = torch.exp(lp - lo)
+        if form == "full":  # -w R + beta * KL term
+            per = -rho * adv + BETA * KL_ESTIMATORS[variant](inp, KLOptions())[0]
+        else:  # -sg(w R - beta g) log pi
+            per = -(rho * adv - BETA * rpg_score_coef(variant, inp)[0]).detach() * lp
+        return (lo.exp() * per).sum()
+
+    g_exact = grads(exact(), theta)
+    g_full, g_rf = grads(surrogate("full"), theta), grads(surrogate("reinforce"), theta)
+    assert torch.allclose(g_full, g_exact, atol=1e-12)
+    assert torch.allclose(g_rf, g_exact, atol=1e-12)
+    assert g_exact.abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("variant", ["rpg_fkl", "rpg_rkl", "rpg_ufkl", "rpg_urkl"])
+def test_rpg_value_is_the_divergence(bandit, variant):
+    theta, la, lo, _ = bandit
+    lp = seq_logp(*theta)
+    inp = KLInputs(logp=lp[None], ref_logp=la[None], old_logp=lo[None])
+    val = (lo.exp() * KL_ESTIMATORS[variant](inp, KLOptions())[0]).sum()
+    assert float(val.detach()) == pytest.approx(float(divergence(variant, lp, la).detach()), abs=1e-12)
+
+
+def test_rpg_with_iterative_anchor_matches_paper_formulas(bandit):
+    """With pi_a = pi_old the terms are the paper's: FKL -log pi, RKL w log w, UFKL w - log w - 1, URKL w log w - w."""
+    theta, _, lo, _ = bandit
+    lp = seq_logp(*theta)
+    w = torch.exp(lp - lo)
+    inp = KLInputs(logp=lp[None], ref_logp=lo[None], old_logp=lo[None])
+    paper = {"rpg_fkl": -lp + lo, "rpg_rkl": w * w.log(), "rpg_ufkl": w - w.log() - 1, "rpg_urkl": w * w.log() - w + 1}
+    for name, want in paper.items():
+        assert torch.allclose(KL_ESTIMATORS[name](inp, KLOptions())[0], want), name
+    paper_coef = {"rpg_fkl": -torch.ones_like(w), "rpg_rkl": w * (w.log() + 1), "rpg_ufkl": w - 1, "rpg_urkl": w * w.log()}
+    for name, want in paper_coef.items():
+        assert torch.allclose(rpg_score_coef(name, inp)[0], want.detach()), name
+
+
+def random_batch(seed=0, B=4, T=7):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g) * 2 - 0.05
+    logp = (old + 0.3 * torch.randn(B, T, generator=g)).clamp(max=-1e-3).requires_grad_(True)
+    ref = old + 0.2 * torch.randn(B, T, generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 5:] = False
+    mask[3, 2:] = False
+    adv = torch.randn(B, generator=g)
+    return dict(logp=logp, old_logp=old, ref_logp=ref.clamp(max=-1e-3), mask=mask, adv=adv)
+
+
+@pytest.mark.parametrize("variant", ["fkl", "rkl", "ufkl", "urkl"])
+def test_rpg_recipes_full_and_reinforce_forms_have_equal_gradients(variant):
+    """With no trust region, rpg_X (ratio form) and rpg_reinforce_X (REINFORCE form, incl. A' folding) agree per token."""
+    b = random_batch()
+    grads_ = []
+    for name in (f"rpg_{variant}", f"rpg_reinforce_{variant}"):
+        cfg = recipe(name)
+        cfg.region = RegionConfig("none")
+        cfg.surrogate = "ratio" if name == f"rpg_{variant}" else "reinforce"
+        out = compute_loss(cfg, **b)
+        (g,) = torch.autograd.grad(out.loss, b["logp"])
+        grads_.append(g)
+    assert torch.allclose(grads_[0], grads_[1], atol=1e-12)
+
+
+def test_compute_loss_equals_manual_composition():
+    """loss = aggregate(-A*rho (masked) + beta*KL) with every piece computed by hand."""
+    b = random_batch(1)
+    cfg = AlgoConfig(region=RegionConfig("ratio", 0.2, 0.28), kl=KLConfig("k3", beta=0.1),
+                     anchor=AnchorConfig("fixed"), aggregation="seq-mean-token-mean")
+    out = compute_loss(cfg, **b)
+    logp, old, ref, mask, adv = b["logp"], b["old_logp"], b["ref_logp"], b["mask"], b["adv"][:, None]
+    rho = torch.exp(logp - old)
+    ppo = -torch.minimum(rho * adv, rho.clamp(0.8, 1.28) * adv)
+    s = torch.exp(logp.detach() - old)
+    k3 = s * (torch.exp(ref - logp) - 1 - (ref - logp))
+    tok = ppo + 0.1 * k3
+    want = ((tok * mask).sum(-1) / mask.sum(-1)).mean()
+    (g1,) = torch.autograd.grad(out.loss, logp)
+    (g2,) = torch.autograd.grad(want, logp)
+    assert torch.allclose(g1, g2, atol=1e-12)
+    assert out.metrics["kl"] == pytest.approx(float((k3.detach() * mask).sum() / mask.sum()))
+
+
+def test_kl_in_reward_is_penalty_to_go():
+    b = random_batch(2)
+    cfg = AlgoConfig(region=RegionConfig("none"), kl=KLConfig("k1", beta=0.5, placement="reward"),
+                     anchor=AnchorConfig("fixed"), aggregation="token-mean")
+    out = compute_loss(cfg, **b)
+    logp, old, ref, mask = b["logp"], b["old_logp"], b["ref_logp"], b["mask"]
+    s = torch.exp(logp.detach() - old)
+    kl = (s * (logp.detach() - ref)) * mask
+    togo = kl.flip(-1).cumsum(-1).flip(-1)
+    a = b["adv"][:, None] - 0.5 * togo
+    want = aggregate(-a * torch.exp(logp - old), mask, "token-mean")
+    (g1,) = torch.autograd.grad(out.loss, logp)
+    (g2,) = torch.autograd.grad(want, logp)
+    assert torch.allclose(g1, g2, atol=1e-12)
+
+
+def test_on_policy_none_old_equals_detached_logp():
+    b = random_batch(3)
+    cfg = recipe("ema_pg")
+    cfg.kl = KLConfig("k3", beta=1e-3)
+    b2 = dict(b, old_logp=None)
+    b3 = dict(b, old_logp=b["logp"].detach())
+    o2, o3 = compute_loss(cfg, **b2), compute_loss(cfg, **b3)
+    g2 = torch.autograd.grad(o2.loss, b["logp"])[0]
+    g3 = torch.autograd.grad(o3.loss, b["logp"])[0]
+    assert torch.equal(g2, g3) and o2.metrics["ratio_mean"] == pytest.approx(1.0)
+
+
+def test_micro_batches_sum_to_the_full_batch_gradient():
+    b = random_batch(4, B=6)
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        cfg = recipe("grpo")
+        cfg.aggregation = agg
+        full = compute_loss(cfg, **b, max_len=7).loss
+        (g_full,) = torch.autograd.grad(full, b["logp"])
+        n_tok, n_seq = float(b["mask"].sum()), 6.0
+        g_acc = torch.zeros_like(g_full)
+        for sl in (slice(0, 2), slice(2, 5), slice(5, 6)):
+            part = {k: (v[sl] if torch.is_tensor(v) else v) for k, v in b.items()}
+            lp = b["logp"].detach()[sl].clone().requires_grad_(True)
+            part["logp"] = lp
+            loss = compute_loss(cfg, **part, num_tokens=n_tok, num_seqs=n_seq, max_len=7).loss
+            (g,) = torch.autograd.grad(loss, lp)
+            g_acc[sl] = g
+        assert torch.allclose(g_full, g_acc, atol=1e-12), agg
+
+
+def test_every_recipe_gives_a_finite_loss_and_gradient():
+    from tether.algo import RECIPES
+    b = random_batch(5)
+    k = 4
+    g = torch.Generator().manual_seed(9)
+    head = torch.randn(4, 7, k, generator=g).log_softmax(-1) - 1.0
+    for name in RECIPES:
+        cfg = recipe(name)
+        extra = {}
+        if cfg.kl.estimator.startswith("topk"):
+            extra = dict(head_logp=head.clone().requires_grad_(True), head_ref_logp=head.detach() + 0.1,
+                         in_head=torch.zeros(4, 7, dtype=torch.bool))
+        args = dict(b)
+        if cfg.anchor.kind == "iterative":
+            args["ref_logp"] = b["old_logp"]
+        out = compute_loss(cfg, **args, **extra, max_len=7)
+        (gr,) = torch.autograd.grad(out.loss, b["logp"])
+        assert torch.isfinite(out.loss) and torch.isfinite(gr).all(), name
+        assert all(v == v for v in out.metrics.values()), name
