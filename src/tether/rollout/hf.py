@@ -1,0 +1,323 @@
+"""`HFEngine`: rollouts with Hugging Face ``model.generate`` on the training model itself.
+
+No second copy of the weights: the engine samples from the very module the trainer
+optimizes, so `sync_weights` has nothing to do. Each `generate` call
+
+1. expands every prompt ``n`` times (rows of a prompt contiguous),
+2. orders the rows by prompt length (longest first) and cuts them into sub-batches of
+   ``batch_size`` sequences, so each sub-batch carries little left padding,
+3. runs ``model.generate`` per sub-batch in eval mode under ``torch.no_grad`` with the KV
+   cache on (``use_cache=True``, even if training disabled it for gradient checkpointing),
+   then restores the previous train/eval mode,
+4. post-processes every row: cut after the first EOS (EOS kept, mask True) or right after
+   the token that completes a stop string, and records the finish reason,
+5. restores the original row order and pads everything into a `RolloutBatch`.
+
+Sampling distribution. Only the requested knobs are applied (temperature, top-p, top-k;
+argmax when greedy). Knobs that a checkpoint's ``generation_config.json`` may set and that
+would change the distribution the policy-gradient assumes (repetition penalty, n-gram
+blocking, min-p, typical-p, epsilon/eta cutoffs, a default top-k of 50) are explicitly
+neutralized, because transformers 5.x fills every generate argument left unset from the
+model's generation config.
+
+Stop strings. A stopping criterion decodes each unfinished row's *response* tokens (special
+tokens skipped) after every step and ends the row once the text contains a stop string, so
+generation stops early and saves compute. The same rule is re-applied afterwards to find
+the exact cut: the shortest token prefix whose decoded text contains a stop string.
+transformers' own ``stop_strings=`` option is deliberately not used: it matches over the
+whole sequence including the prompt, so a stop string that begins in the prompt (e.g.
+``"\\n\\n"`` after a chat template ending in ``"\\n"``) would end a response at its first
+token.
+
+Seeding. With ``params.seed`` set, the call runs inside ``torch.random.fork_rng`` (CPU and
+the model's CUDA device) after ``torch.manual_seed(seed)``: the same prompts, params,
+``batch_size`` and device give the same output, and the global RNG state is left as it
+was. Results depend on ``batch_size`` (rows draw from one RNG stream in sub-batch order).
+Without a seed, sampling draws from (and advances) the global RNG.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterable
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from .base import RolloutBatch, SamplingParams
+
+
+def _as_id_list(x) -> list[int]:
+    """Normalize an int / list of ints / None to a list of ints."""
+    if x is None:
+        return []
+    if isinstance(x, (list, tuple)):
+        return [int(i) for i in x]
+    if isinstance(x, torch.Tensor):
+        return [int(i) for i in x.flatten().tolist()]
+    return [int(x)]
+
+
+def _model_device(model) -> torch.device:
+    """Device of the model's first parameter."""
+    dev = getattr(model, "device", None)
+    if isinstance(dev, torch.device):
+        return dev
+    return next(model.parameters()).device
+
+
+def _generation_config(model):
+    """The generation config transformers will merge into generate() calls (unwrapping peft)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return getattr(base, "generation_config", None)
+
+
+class _StopOnStrings(StoppingCriteria):
+    """Stopping criterion: a row is done once its decoded response contains any stop string.
+
+    Only the response part (columns from `prompt_len`) is decoded, with special tokens
+    skipped. Rows already done, or already ended by an EOS, are not decoded again.
+    """
+
+    def __init__(self, tokenizer, stops: list[str], prompt_len: int, eos_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.prompt_len = prompt_len
+        self.eos_ids = torch.tensor(eos_ids, dtype=torch.long)
+        self.done: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
+        if self.done is None:
+            self.done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        resp = input_ids[:, self.prompt_len :].cpu()
+        ended = torch.isin(resp, self.eos_ids).any(dim=1)
+        rows = (~self.done & ~ended).nonzero().flatten().tolist()
+        if rows:
+            texts = self.tokenizer.batch_decode(resp[rows].tolist(), skip_special_tokens=True)
+            for i, text in zip(rows, texts):
+                if any(s in text for s in self.stops):
+                    self.done[i] = True
+        return self.done.to(input_ids.device)
+
+
+def _chunks(seq: list[int], size: int) -> Iterable[list[int]]:
+    """Consecutive slices of `seq` of length `size` (the last may be shorter)."""
+    for i in range(0, len(seq), size):
+        yield seq[i : i + size]
+
+
+class HFEngine:
+    """Rollout engine running ``model.generate`` on the (shared) training model; see the module doc.
+
+    Args:
+        model: a transformers causal LM or a peft wrapper of one (the training model itself).
+        tokenizer: its tokenizer (used for the pad/EOS ids and to decode texts and stop strings).
+        batch_size: number of sequences (prompts x n) per ``model.generate`` call.
+        show_progress: show a tqdm bar over the sub-batches.
+    """
+
+    def __init__(self, model, tokenizer, batch_size: int = 32, show_progress: bool = False):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.show_progress = show_progress
+        gen_cfg = _generation_config(model)
+        eos = _as_id_list(getattr(gen_cfg, "eos_token_id", None)) + _as_id_list(tokenizer.eos_token_id)
+        self.eos_token_ids: list[int] = list(dict.fromkeys(eos))  # ordered, unique
+        if not self.eos_token_ids:
+            raise ValueError("Neither the model's generation_config nor the tokenizer defines an EOS token")
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = getattr(gen_cfg, "pad_token_id", None)
+        self.pad_token_id: int = int(pad) if pad is not None else self.eos_token_ids[0]
+
+    # ------------------------------------------------------------------ interface
+
+    def sync_weights(self, model) -> None:
+        """No-op when `model` is the engine's model (shared weights); otherwise adopt `model`."""
+        if model is not self.model:
+            self.model = model
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
+        """Sample ``params.n`` responses for each tokenized prompt.
+
+        Args:
+            prompts: token-id lists (no padding, each non-empty), e.g. from
+                ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``.
+            params: sampling parameters.
+
+        Returns:
+            A `RolloutBatch` with ``len(prompts) * params.n`` rows in prompt order, ``n``
+            consecutive rows per prompt (``group`` = prompt index).
+        """
+        params.validate()
+        prompts = [list(map(int, p)) for p in prompts]
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        t0 = time.perf_counter()
+        n = params.n
+        row_group = [g for g in range(len(prompts)) for _ in range(n)]
+        num_rows = len(row_group)
+        # Longest prompts first (stable, so the n copies of a prompt stay adjacent).
+        order = sorted(range(num_rows), key=lambda i: -len(prompts[row_group[i]]))
+        results: list[Any] = [None] * num_rows
+
+        model = self.model
+        device = _model_device(model)
+        gen_kwargs = self._generate_kwargs(params)
+        was_training = model.training
+        rng_devices = []
+        if device.type == "cuda":
+            rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
+        rng_ctx = torch.random.fork_rng(devices=rng_devices) if params.seed is not None else contextlib.nullcontext()
+
+        from tqdm.auto import tqdm
+
+        chunks = list(_chunks(order, self.batch_size))
+        bar = tqdm(total=len(chunks), desc="rollout", disable=not self.show_progress, leave=False)
+        try:
+            with rng_ctx:
+                if params.seed is not None:
+                    torch.manual_seed(params.seed)
+                model.eval()
+                for chunk in chunks:
+                    rows = self._generate_chunk([prompts[row_group[i]] for i in chunk], params, gen_kwargs, device)
+                    for i, row in zip(chunk, rows):
+                        results[i] = row
+                    bar.update(1)
+        finally:
+            model.train(was_training)
+            bar.close()
+
+        batch = self._assemble(prompts, row_group, results)
+        batch.gen_time_s = time.perf_counter() - t0
+        return batch
+
+    # ------------------------------------------------------------------ internals
+
+    def _generate_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        """Keyword arguments for ``model.generate`` implementing `params` (and nothing else)."""
+        kw: dict[str, Any] = dict(
+            max_new_tokens=params.max_new_tokens,
+            pad_token_id=self.pad_token_id,
+            eos_token_id=list(self.eos_token_ids),
+            use_cache=True,
+            num_beams=1,
+            num_return_sequences=1,
+            min_length=0,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+        )
+        gen_cfg = _generation_config(self.model)
+        if getattr(gen_cfg, "min_new_tokens", None):
+            kw["min_new_tokens"] = 0
+        if params.is_greedy:
+            kw["do_sample"] = False
+        else:
+            kw.update(
+                do_sample=True,
+                temperature=float(params.temperature),
+                top_p=float(params.top_p),
+                top_k=int(params.top_k),  # 0 disables (transformers' own default would be 50)
+                typical_p=1.0,
+                epsilon_cutoff=0.0,
+                eta_cutoff=0.0,
+            )
+            if getattr(gen_cfg, "min_p", None) is not None:
+                kw["min_p"] = 0.0
+        return kw
+
+    @torch.no_grad()
+    def _generate_chunk(
+        self, chunk_prompts: list[list[int]], params: SamplingParams, gen_kwargs: dict[str, Any], device
+    ) -> list[tuple[list[int], str, str]]:
+        """Generate for one sub-batch; return ``(response tokens, finish reason, text)`` per row."""
+        width = max(len(p) for p in chunk_prompts)
+        ids = torch.full((len(chunk_prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk_prompts), width), dtype=torch.long)
+        for r, p in enumerate(chunk_prompts):
+            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            mask[r, width - len(p) :] = 1
+        kwargs = dict(gen_kwargs)
+        if params.stop:
+            crit = _StopOnStrings(self.tokenizer, list(params.stop), width, self.eos_token_ids)
+            kwargs["stopping_criteria"] = StoppingCriteriaList([crit])
+        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+        if not isinstance(out, torch.Tensor):  # return_dict_in_generate set in a generation config
+            out = out.sequences
+        resp = out[:, width:].cpu().tolist()
+        return [self._finish_row(tokens, params) for tokens in resp]
+
+    def _finish_row(self, tokens: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
+        """Cut one generated row at EOS / stop string; return ``(tokens, finish_reason, text)``."""
+        eos = set(self.eos_token_ids)
+        cut = next((k + 1 for k, t in enumerate(tokens) if t in eos), None)
+        candidate = tokens[:cut] if cut is not None else tokens
+        if params.stop:
+            k = self._stop_prefix(candidate, params.stop)
+            if k is not None and (cut is None or k < cut):
+                kept = candidate[:k]
+                text = self.tokenizer.decode(kept, skip_special_tokens=True)
+                end = min(text.find(s) + len(s) for s in params.stop if s in text)
+                return kept, "stop", text[:end]
+        text = self.tokenizer.decode(candidate, skip_special_tokens=True)
+        if cut is not None:
+            return candidate, "stop", text
+        if len(tokens) < params.max_new_tokens:
+            # Only possible if generate stopped a row for a reason we do not model
+            # (e.g. a stopping criterion from the model's generation config).
+            return candidate, "stop", text
+        return candidate, "length", text
+
+    def _stop_prefix(self, tokens: list[int], stops: list[str]) -> int | None:
+        """Length of the shortest prefix of `tokens` whose decoded text contains a stop string."""
+
+        def hit(k: int) -> bool:
+            text = self.tokenizer.decode(tokens[:k], skip_special_tokens=True)
+            return any(s in text for s in stops)
+
+        if not tokens or not hit(len(tokens)):
+            return None
+        lo, hi = 1, len(tokens)  # invariant: hit(hi)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if hit(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        if hi > 1 and hit(hi - 1):  # containment not monotone (partial UTF-8 bytes): scan linearly
+            hi = next(k for k in range(1, len(tokens) + 1) if hit(k))
+        return hi
+
+    def _assemble(self, prompts: list[list[int]], row_group: list[int], results: list[Any]) -> RolloutBatch:
+        """Pad per-row results into a `RolloutBatch` (rows in prompt order)."""
+        num_rows = len(row_group)
+        p_width = max((len(prompts[g]) for g in row_group), default=0)
+        r_width = max((len(r[0]) for r in results), default=0)
+        prompt_ids = torch.full((num_rows, p_width), self.pad_token_id, dtype=torch.long)
+        prompt_mask = torch.zeros((num_rows, p_width), dtype=torch.bool)
+        response_ids = torch.full((num_rows, r_width), self.pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros((num_rows, r_width), dtype=torch.bool)
+        for i, g in enumerate(row_group):
+            p = prompts[g]
+            prompt_ids[i, p_width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            prompt_mask[i, p_width - len(p) :] = True
+            toks = results[i][0]
+            if toks:
+                response_ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+                response_mask[i, : len(toks)] = True
+        return RolloutBatch(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=response_ids,
+            response_mask=response_mask,
+            finish_reason=[r[1] for r in results],
+            group=torch.tensor(row_group, dtype=torch.long),
+            texts=[r[2] for r in results],
+            gen_time_s=0.0,
+            gen_tokens=int(response_mask.sum()),
+            pad_token_id=self.pad_token_id,
+        )
