@@ -1,0 +1,62 @@
+"""Tasks: datasets of prompts with verifiable answers, and the rewards that check them.
+
+* :mod:`tether.tasks.base` -- :class:`Example`, :class:`RewardResult`, :class:`DataError`.
+* :mod:`tether.tasks.arithmetic` -- :class:`ArithmeticTask`, the seeded synthetic default task.
+* :mod:`tether.tasks.data` -- :func:`load_examples` for files, named datasets and hub ids.
+* :mod:`tether.tasks.math` -- :func:`extract_answer`, :func:`is_equivalent` (math-verify).
+* :mod:`tether.tasks.rewards` -- :func:`load_reward`, :func:`call_reward`, built-in rewards.
+
+Nothing here touches the network unless a hub dataset is requested explicitly (and the
+optional ``datasets`` package is installed).
+"""
+
+from .arithmetic import DEFAULT_DIFFICULTY, DEFAULT_INSTRUCTION, LEVELS, ArithmeticTask, apply_ops
+from .base import DataError, Example, RewardFn, RewardResult
+from .data import (
+    DATA_DIR_ENV,
+    NAMED_DATASETS,
+    NamedDataset,
+    default_reward_name,
+    load_examples,
+    resolve_dataset_name,
+)
+from .math import extract_answer, extract_boxed, gsm8k_reference, has_answer_format, is_equivalent
+from .rewards import (
+    BUILTIN_REWARDS,
+    arithmetic_reward,
+    call_reward,
+    gsm8k_reward,
+    load_reward,
+    math_reward,
+    normalize_reward_output,
+)
+
+__all__ = [
+    "ArithmeticTask",
+    "BUILTIN_REWARDS",
+    "DATA_DIR_ENV",
+    "DEFAULT_DIFFICULTY",
+    "DEFAULT_INSTRUCTION",
+    "DataError",
+    "Example",
+    "LEVELS",
+    "NAMED_DATASETS",
+    "NamedDataset",
+    "RewardFn",
+    "RewardResult",
+    "apply_ops",
+    "arithmetic_reward",
+    "call_reward",
+    "default_reward_name",
+    "extract_answer",
+    "extract_boxed",
+    "gsm8k_reference",
+    "gsm8k_reward",
+    "has_answer_format",
+    "is_equivalent",
+    "load_examples",
+    "load_reward",
+    "math_reward",
+    "normalize_reward_output",
+    "resolve_dataset_name",
+]

@@ -1,0 +1,312 @@
+"""Reward functions, loading them by name or ``module:function``, and calling them safely.
+
+A reward function has the signature ``fn(completion: str, example: Example)`` and returns a
+:class:`~tether.tasks.base.RewardResult`, a float or a bool. The trainer never calls it
+directly but through :func:`call_reward`, which normalizes the return value and turns an
+exception (or a non-finite reward) into reward 0 plus an error string, so one bad completion
+cannot stop training.
+
+Built-in rewards (see :func:`load_reward`):
+
+``"math"``
+    :func:`~tether.tasks.math.extract_answer` on the completion, then
+    :func:`~tether.tasks.math.is_equivalent` against the reference (math-verify). When the
+    example carries several equivalent reference forms in ``meta["answers"]`` any of them
+    counts.
+``"gsm8k"``
+    The extracted answer is compared numerically with the number after ``####`` in the
+    reference (:func:`~tether.tasks.math.gsm8k_reference`).
+``"arithmetic"``
+    The extracted answer must be exactly the reference integer (``"12.0"`` and ``"1,234"``
+    are accepted spellings of 12 and 1234; ``"12.5"`` never equals 12).
+
+For ``gsm8k`` and ``arithmetic`` an extracted answer that is not a number by itself
+(``The final answer is 8 + 4 = 12 pencils.`` gives ``8 + 4 = 12 pencils``) is reduced to its
+last number (``12``).
+
+Format bonus: with ``format_weight = w`` (default 0) every built-in reward becomes::
+
+    reward = float(correct) + w * float(has_answer_format(completion))
+
+where :func:`~tether.tasks.math.has_answer_format` is true when the completion contains a
+complete ``\\boxed{...}``, or ``####`` followed by an answer on the same line, or a line
+starting with ``Answer:`` / ``Final answer:``. ``correct`` (the accuracy metric) is not
+affected by the bonus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import math
+import numbers
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .base import Example, RewardFn, RewardResult
+from .math import extract_answer, gsm8k_reference, has_answer_format, is_equivalent, last_number, parse_number
+
+__all__ = [
+    "math_reward",
+    "gsm8k_reward",
+    "arithmetic_reward",
+    "BUILTIN_REWARDS",
+    "FormatBonusReward",
+    "load_reward",
+    "call_reward",
+    "normalize_reward_output",
+    "reference_answers",
+]
+
+
+def reference_answers(example: Example) -> list[str]:
+    """All accepted reference forms of ``example``: ``example.answer`` followed by any extra
+    equivalent forms in ``example.meta["answers"]`` (duplicates removed, order kept)."""
+    refs = [example.answer]
+    extra = example.meta.get("answers") if isinstance(example.meta, dict) else None
+    if isinstance(extra, (list, tuple)):
+        refs.extend(str(a) for a in extra)
+    seen: set[str] = set()
+    out = []
+    for r in refs:
+        r = str(r).strip()
+        if r and r not in seen:
+            seen.add(r)
+            out.append(r)
+    return out
+
+
+def math_reward(completion: str, example: Example) -> RewardResult:
+    """1.0 if the answer extracted from ``completion`` is mathematically equivalent
+    (math-verify) to any reference form of ``example``, else 0.0."""
+    pred = extract_answer(completion)
+    correct = pred is not None and any(is_equivalent(pred, ref) for ref in reference_answers(example))
+    return RewardResult(reward=float(correct), correct=bool(correct), pred=pred)
+
+
+def gsm8k_reward(completion: str, example: Example) -> RewardResult:
+    """1.0 if the answer extracted from ``completion`` equals (numerically, relative
+    tolerance 1e-6) the number after ``####`` in ``example.answer`` (or the answer itself when
+    it has no ``####``), else 0.0."""
+    pred = _numeric_pred(extract_answer(completion))
+    ref = gsm8k_reference(example.answer)
+    correct = False
+    if pred is not None:
+        a, b = parse_number(pred), parse_number(ref)
+        if a is not None and b is not None:
+            correct = math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+        else:
+            correct = is_equivalent(pred, ref)
+    return RewardResult(reward=float(correct), correct=bool(correct), pred=pred)
+
+
+def _numeric_pred(pred: str | None) -> str | None:
+    """For numeric rewards: an extracted answer that is not itself a number (``"8 + 4 = 12
+    pencils"``) is replaced by its last number (``"12"``)."""
+    if pred is None or parse_number(pred) is not None:
+        return pred
+    return last_number(pred) or pred
+
+
+def _as_int(s: str | None) -> int | None:
+    if s is None:
+        return None
+    v = parse_number(s)
+    if v is None or not math.isfinite(v) or not float(v).is_integer():
+        return None
+    # parse_number goes through float; re-parse plain integers exactly to avoid rounding
+    t = s.strip().replace(",", "").replace("$", "").rstrip(".")
+    try:
+        return int(t)
+    except ValueError:
+        return int(v)
+
+
+def arithmetic_reward(completion: str, example: Example) -> RewardResult:
+    """1.0 if the answer extracted from ``completion`` is exactly the integer
+    ``example.answer``, else 0.0."""
+    pred = _numeric_pred(extract_answer(completion))
+    ref = _as_int(example.answer)
+    got = _as_int(pred)
+    correct = ref is not None and got is not None and got == ref
+    return RewardResult(reward=float(correct), correct=bool(correct), pred=pred)
+
+
+#: Built-in reward functions by name.
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "arithmetic": arithmetic_reward,
+    "gsm8k": gsm8k_reward,
+    "math": math_reward,
+}
+
+
+@dataclass
+class FormatBonusReward:
+    """A reward function plus a format bonus (picklable when ``fn`` is importable).
+
+    ``reward = base.reward + format_weight * has_answer_format(completion)``; ``correct`` and
+    ``pred`` come from the base reward unchanged.
+    """
+
+    fn: RewardFn
+    format_weight: float = 0.0
+    name: str = ""
+
+    def __call__(self, completion: str, example: Example) -> RewardResult:
+        """Score ``completion``: the base reward plus the weighted format bonus."""
+        base = normalize_reward_output(self.fn(completion, example))
+        bonus = self.format_weight * float(has_answer_format(completion)) if self.format_weight else 0.0
+        return RewardResult(reward=base.reward + bonus, correct=base.correct, pred=base.pred)
+
+
+def _valid_choices() -> str:
+    return ", ".join(sorted(BUILTIN_REWARDS)) + ", or 'module:function' / 'path/to/file.py:function'"
+
+
+def _import_file(path: Path):
+    path = path.expanduser().resolve()
+    if not path.is_file():
+        raise ValueError(f"reward file not found: {path}")
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    mod_name = f"tether_user_reward_{path.stem}_{digest}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot import reward file {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(mod_name, None)
+        raise
+    return module
+
+
+def _load_user_reward(spec: str) -> Callable:
+    target, _, func_name = spec.rpartition(":")
+    if not target or not func_name:
+        raise ValueError(f"bad reward spec {spec!r}: expected 'module:function'")
+    looks_like_file = target.endswith(".py") or "/" in target or os.sep in target
+    if looks_like_file:
+        module = _import_file(Path(target))
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as e:
+            raise ValueError(f"cannot import reward module {target!r} (from {spec!r}): {e}") from e
+    obj = module
+    for part in func_name.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"reward module {target!r} has no attribute {func_name!r}") from None
+    if not callable(obj):
+        raise ValueError(f"reward {spec!r} is not callable")
+    return obj
+
+
+def load_reward(spec: str | Callable, format_weight: float = 0.0) -> RewardFn:
+    """Resolve a reward specification to a reward function.
+
+    Args:
+        spec: ``"math"``, ``"gsm8k"`` or ``"arithmetic"`` (see the module docstring), a user
+            reward ``"package.module:function"`` (imported with :mod:`importlib`; dotted
+            attributes such as ``module:Class.method`` work) or ``"path/to/file.py:function"``
+            (a file path, relative to the working directory), or a callable (returned as is).
+        format_weight: Weight of the format bonus (default 0, no bonus). With ``w != 0`` the
+            result returns ``reward = base_reward + w * has_answer_format(completion)``; for the
+            built-in rewards ``base_reward = float(correct)``.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid choices), or a module / file /
+            function that cannot be imported.
+    """
+    if callable(spec):
+        fn = spec
+        name = getattr(spec, "__name__", repr(spec))
+    else:
+        if not isinstance(spec, str) or not spec.strip():
+            raise ValueError(f"reward must be a non-empty string; choose one of: {_valid_choices()}")
+        name = spec.strip()
+        if name in BUILTIN_REWARDS:
+            fn = BUILTIN_REWARDS[name]
+        elif ":" in name:
+            fn = _load_user_reward(name)
+        else:
+            raise ValueError(f"unknown reward {name!r}; choose one of: {_valid_choices()}")
+    w = float(format_weight or 0.0)
+    if not math.isfinite(w):
+        raise ValueError(f"format_weight must be finite, got {format_weight!r}")
+    if w == 0.0:
+        return fn
+    return FormatBonusReward(fn=fn, format_weight=w, name=name)
+
+
+def normalize_reward_output(out: Any) -> RewardResult:
+    """Convert what a reward function returned into a :class:`RewardResult`.
+
+    * ``RewardResult``: returned with ``reward`` as float, ``correct`` as bool;
+    * ``bool``: reward 1.0 / 0.0, ``correct`` = the bool;
+    * a real number (Python, NumPy, or a one-element tensor/array via ``.item()``):
+      ``reward`` = the number, ``correct = reward > 0``.
+
+    Raises:
+        TypeError: for any other type.
+        ValueError: when the reward is NaN or infinite.
+    """
+    if isinstance(out, RewardResult):
+        reward = _to_float(out.reward)
+        pred = None if out.pred is None else str(out.pred)
+        res = RewardResult(reward=reward, correct=bool(out.correct), pred=pred)
+    elif isinstance(out, bool) or type(out).__name__ == "bool_":
+        res = RewardResult(reward=float(bool(out)), correct=bool(out), pred=None)
+    else:
+        reward = _to_float(out)
+        res = RewardResult(reward=reward, correct=reward > 0, pred=None)
+    if not math.isfinite(res.reward):
+        raise ValueError(f"reward function returned a non-finite reward: {res.reward!r}")
+    return res
+
+
+def _to_float(x: Any) -> float:
+    if isinstance(x, numbers.Real):
+        return float(x)
+    item = getattr(x, "item", None)
+    if callable(item):
+        try:
+            v = item()
+        except Exception:
+            v = None
+        if isinstance(v, numbers.Real):
+            return float(v)
+    raise TypeError(
+        f"reward function returned {type(x).__name__} ({x!r:.80}); expected RewardResult, float or bool"
+    )
+
+
+def call_reward(fn: RewardFn, completion: str, example: Example) -> tuple[RewardResult, str | None]:
+    """Call ``fn(completion, example)`` safely.
+
+    Returns ``(result, error)``. On success ``error`` is None and ``result`` is the normalized
+    return value (see :func:`normalize_reward_output`). If ``fn`` raises, returns a bad type,
+    or a non-finite reward, ``result`` is ``RewardResult(0.0, False, None)`` and ``error`` is
+    the formatted traceback (or a one-line message for a non-finite / bad-type return) so the
+    trainer can count errors, log the first one, and keep training. ``KeyboardInterrupt`` and
+    ``SystemExit`` are not caught.
+    """
+    try:
+        out = fn(completion, example)
+    except Exception:
+        return RewardResult(0.0, False, None), traceback.format_exc()
+    try:
+        return normalize_reward_output(out), None
+    except (TypeError, ValueError) as e:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        return RewardResult(0.0, False, None), f"reward {name}: {e}"
