@@ -1,0 +1,203 @@
+"""Checkpoints in safetensors, written atomically: a crash never leaves a half checkpoint.
+
+Layout of ``RUN/checkpoints/step-000010/``:
+
+    policy.safetensors      trainable parameters (all of them, or the LoRA adapters)
+    anchor.safetensors      the anchor's tensors (EMA in fp32), when the anchor keeps any
+    optimizer.safetensors   AdamW moments, keyed ``state.<param index>.<name>``
+    rng.safetensors         torch CPU (and CUDA) generator states
+    state.json              step, data position, scheduler, optimizer groups, anchor counters, python RNG
+
+A checkpoint is written into ``step-N.tmp-<pid>``, flushed to disk, renamed to ``step-N``
+and only then named in ``RUN/checkpoints/latest``; an interrupted write leaves the
+previous checkpoint as the latest loadable one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .anchor import Anchor
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name -> tensor of the parameters that train (the policy's checkpointed weights)."""
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer state dict into safetensors-able tensors and JSON-able metadata."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for idx, st in sd["state"].items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                tensors[f"state.{idx}.{k}"] = v
+            else:
+                scalars[f"{idx}.{k}"] = v
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state: dict[int, dict[str, Any]] = {}
+    for key, v in tensors.items():
+        _, idx, name = key.split(".", 2)
+        state.setdefault(int(idx), {})[name] = v
+    for key, v in meta["scalars"].items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = v
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, anchor: Optional[Anchor],
+                    optimizer: torch.optim.Optimizer, scheduler, trainer_state: dict, keep: int = 2) -> Path:
+    """Write checkpoint ``step`` atomically and prune to the newest ``keep``; returns its directory."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = root / f"step-{step:06d}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    _save_tensors(trainable_state(model), tmp / "policy.safetensors")
+    if anchor is not None and anchor.master:
+        _save_tensors(anchor.tensors(), tmp / "anchor.safetensors")
+    opt_t, opt_meta = optimizer_tensors(optimizer)
+    _save_tensors(opt_t, tmp / "optimizer.safetensors")
+    rng = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"cuda.{i}"] = s
+    _save_tensors(rng, tmp / "rng.safetensors")
+    state = {
+        "step": step,
+        "trainer": trainer_state,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "optimizer": opt_meta,
+        "anchor": None if anchor is None else {"kind": anchor.kind, "num_updates": anchor.num_updates,
+                                               "kl_ma": anchor.kl_ma},
+        "python_rng": _jsonable_rng(random.getstate()),
+    }
+    _write_text_atomic(tmp / "state.json", json.dumps(state, indent=1, default=_json_default))
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_text_atomic(root / "latest", final.name + "\n")
+    _prune(root, keep)
+    return final
+
+
+def _json_default(o):
+    if torch.is_tensor(o):
+        return o.item() if o.numel() == 1 else o.tolist()
+    raise TypeError(f"cannot serialize {type(o).__name__}")
+
+
+def _jsonable_rng(state) -> list:
+    return [state[0], list(state[1]), state[2]]
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and ".tmp-" not in p.name)
+    for p in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob("step-*.tmp-*"):  # leftovers of interrupted writes
+        if p.is_dir() and not p.name.endswith(f".tmp-{os.getpid()}"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The newest complete checkpoint of a run (None if there is none)."""
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / "latest"
+    if pointer.is_file():
+        p = root / pointer.read_text().strip()
+        if (p / "state.json").is_file():
+            return p
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and ".tmp-" not in p.name
+                  and (p / "state.json").is_file())
+    return done[-1] if done else None
+
+
+def load_policy_weights(ckpt: Path, model: torch.nn.Module) -> None:
+    """Load a checkpoint's policy tensors into ``model`` (which must have the same trainable parameters)."""
+    tensors = load_file(str(Path(ckpt) / "policy.safetensors"))
+    named = dict(model.named_parameters())
+    missing = [n for n in tensors if n not in named]
+    if missing:
+        raise ValueError(f"{ckpt}: checkpoint parameter {missing[0]!r} is not in the model")
+    with torch.no_grad():
+        for n, t in tensors.items():
+            named[n].copy_(t)
+
+
+def load_anchor_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's anchor tensors (raises if the run's anchor keeps none, e.g. iterative)."""
+    path = Path(ckpt) / "anchor.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"{ckpt} holds no anchor (the run had no anchor, or an iterative one)")
+    return load_file(str(path))
+
+
+def load_checkpoint(ckpt: Path, model: torch.nn.Module, anchor: Optional[Anchor],
+                    optimizer: torch.optim.Optimizer, scheduler) -> dict:
+    """Restore everything saved by ``save_checkpoint``; returns the trainer state (step, data position...)."""
+    ckpt = Path(ckpt)
+    state = json.loads((ckpt / "state.json").read_text())
+    load_policy_weights(ckpt, model)
+    if anchor is not None and anchor.master:
+        anchor.load_state_dict({"kind": state["anchor"]["kind"], "num_updates": state["anchor"]["num_updates"],
+                                "kl_ma": state["anchor"]["kl_ma"], "tensors": load_anchor_tensors(ckpt)}, model)
+    elif anchor is not None:
+        anchor.num_updates = state["anchor"]["num_updates"]
+        anchor.kl_ma = state["anchor"]["kl_ma"]
+    optimizer.load_state_dict(_optimizer_state(load_file(str(ckpt / "optimizer.safetensors")), state["optimizer"]))
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    rng = load_file(str(ckpt / "rng.safetensors"))
+    torch.set_rng_state(rng["torch"])
+    if torch.cuda.is_available():
+        cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)
+    py = state["python_rng"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    return {"step": state["step"], **state["trainer"]}

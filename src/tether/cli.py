@@ -1,0 +1,96 @@
+"""The ``tether`` command: train, plot, recipes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _train(args) -> int:
+    from .config import load_config, parse_overrides
+    from .train import resume, train
+
+    overrides = parse_overrides(args.overrides)
+    for flag, key in (("model", "model.name"), ("data", "data.task"), ("steps", "train.steps"),
+                      ("output_dir", "run.output_dir")):
+        v = getattr(args, flag)
+        if v is not None:
+            overrides[key] = v
+    if args.resume:
+        if args.config or args.recipe:
+            raise SystemExit("tether train --resume RUN_DIR continues with the run's saved config; "
+                             "drop --config/--recipe (key=value overrides such as train.steps=60 are allowed)")
+        resume(Path(args.resume), overrides)
+        return 0
+    cfg = load_config(args.config, overrides, recipe_name=args.recipe)
+    train(cfg)
+    return 0
+
+
+def _plot(args) -> int:
+    from .plot import plot_runs
+
+    out = Path(args.out) if args.out else Path(args.runs[0]) / "curves.png"
+    print(plot_runs([Path(r) for r in args.runs], out, smooth=args.smooth))
+    return 0
+
+
+def _recipes(args) -> int:
+    from .algo import RECIPES, describe, recipe
+
+    for name in RECIPES:
+        print(describe(recipe(name)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tether", description="RL of language models with verifiable rewards, "
+                                "built around anchors, KL estimators and trust regions.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("train", help="train a policy (no arguments: SmolLM2-135M on synthetic arithmetic with ema_pg)",
+                       description="Train. Settings resolve as: recipe -> --config YAML -> key=value overrides "
+                       "(e.g. train.lr=1e-5 algo.kl.beta=0.01 rollout.n=8). See docs/config.md for every key.")
+    t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=50")
+    t.add_argument("--config", help="YAML config file")
+    t.add_argument("--recipe", help="named algorithm (tether recipes lists them); default ema_pg")
+    t.add_argument("--model", help="hub id, local directory, .gguf file, or 'smollm2' (the embedded default)")
+    t.add_argument("--data", help="arithmetic | gsm8k | math500 | ... | a .jsonl/.json/.parquet file | a hub id")
+    t.add_argument("--steps", type=int, help="trainer steps (= train.steps)")
+    t.add_argument("--output-dir", dest="output_dir", help="run directory (= run.output_dir)")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
+    t.set_defaults(fn=_train)
+
+    pl = sub.add_parser("plot", help="plot the curves of one or more runs, overlaid")
+    pl.add_argument("runs", nargs="+", help="run directories")
+    pl.add_argument("--out", help="PNG path (default RUN/curves.png)")
+    pl.add_argument("--smooth", type=int, default=1, help="moving-average window")
+    pl.set_defaults(fn=_plot)
+
+    r = sub.add_parser("recipes", help="list the named recipes and their settings")
+    r.set_defaults(fn=_recipes)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may stand anywhere on the line, also after options
+    if args.cmd == "train":
+        args.overrides += [e for e in extra if "=" in e and not e.startswith("-")]
+        extra = [e for e in extra if not ("=" in e and not e.startswith("-"))]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from .algo.recipes import ConfigError
+    from .tasks.base import DataError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, DataError) as e:
+        print(f"tether: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,332 @@
+"""The run configuration: typed dataclasses, YAML files, recipes and dotted CLI overrides.
+
+Resolution order (later wins): field defaults -> the recipe's algorithm (``--recipe`` or the
+YAML's ``recipe:``) and its trainer defaults -> the YAML file -> ``key=value`` overrides.
+Unknown keys, and keys that have no effect under the resolved settings, are errors with a
+did-you-mean. The resolved config is written to the run directory as ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from .algo.recipes import RECIPES, AlgoConfig, ConfigError, recipe, validate
+from .models import ModelConfig
+
+DEFAULT_RECIPE = "ema_pg"
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from and how responses are scored."""
+
+    task: str = "arithmetic"  # arithmetic (synthetic, no files) | gsm8k | math500 | aime24 | amc | minerva | olympiadbench | a .jsonl/.json/.parquet file | a hub dataset id
+    split: str = "train"  # dataset split (named and hub datasets)
+    prompt_key: Optional[str] = None  # files/hub: the prompt field (default: first of prompt, question, problem)
+    answer_key: Optional[str] = None  # files/hub: the answer field (default: answer)
+    data_dir: Optional[str] = None  # named datasets: local directory tried before $TETHER_DATA_DIR and the hub
+    limit: int = 0  # use only the first N examples (0 = all)
+    shuffle: bool = True  # files/datasets: visit examples in a seeded random order (train.seed)
+    difficulty: int = 1  # arithmetic: number of steps per problem (1-4)
+    reward: str = "auto"  # auto (by task) | arithmetic | gsm8k | math | module:function | path.py:function
+    format_weight: float = 0.0  # reward += format_weight when the answer is in the requested format
+    system_prompt: str = ""  # system message prepended through the model's chat template ("" = none)
+
+
+@dataclass
+class RolloutConfig:
+    """Generation: how many responses per step and how they are sampled."""
+
+    engine: str = "hf"  # hf (transformers generate on the training model) | vllm (GPU; see docs)
+    prompts_per_step: int = 8  # prompts per trainer step
+    n: int = 4  # samples per prompt (the group size G)
+    temperature: float = 1.0  # sampling temperature; log-probs are taken at the same temperature
+    top_p: float = 1.0  # nucleus sampling (1 = off)
+    top_k: int = 0  # top-k sampling (0 = off)
+    max_new_tokens: int = 96  # response length cap; longer responses are truncated
+    stop: list = field(default_factory=list)  # stop strings; the response ends right after one
+    batch_size: int = 32  # sequences per generate call
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and refill with new prompts
+    max_refill_rounds: int = 3  # dynamic_sampling: at most this many extra generation rounds per step
+    overlong_buffer_frac: float = 0.0  # DAPO soft overlong penalty: linear penalty over the last frac of max_new_tokens (0 = off)
+    overlong_penalty: float = 1.0  # overlong_buffer_frac > 0: penalty at (and beyond) max_new_tokens
+    mask_truncated: bool = False  # exclude responses cut at max_new_tokens from the loss (DAPO overlong filtering)
+
+
+@dataclass
+class TrainConfig:
+    """Optimization: the update over one rollout batch."""
+
+    steps: int = 30  # trainer steps (rollout + update)
+    lr: float = 1e-6  # AdamW learning rate (EMA-PG: 1e-6)
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    warmup_steps: int = 0  # linear warm-up, in optimizer steps
+    schedule: str = "constant"  # constant | cosine | linear (after warm-up, to 0 at the last optimizer step)
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+    epochs: int = 1  # passes over each rollout batch (> 1 makes the update off-policy)
+    mini_batches: int = 1  # optimizer steps per epoch; each sees 1/mini_batches of the batch
+    micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
+    logprob_chunk: int = 1024  # tokens per chunk in the log-prob engine (peak memory ~ chunk x vocab)
+    seed: int = 0  # seeds data order, sampling and initialization
+
+
+@dataclass
+class RunConfig:
+    """Outputs: run directory, checkpoints, logs."""
+
+    output_dir: str = ""  # run directory ("" = runs/<recipe>-<task>-<timestamp>)
+    save_every: int = 10  # checkpoint every N trainer steps (0 = only at the end)
+    keep_checkpoints: int = 2  # keep the newest N checkpoints
+    log_samples: int = 2  # prompts/responses per step written to samples.jsonl
+    exact_kl_samples: int = 1  # responses per step whose exact full-vocabulary KL to the anchor is logged (0 = off)
+    progress: bool = True  # a progress bar with live reward and KL
+    plot: bool = True  # write curves.png when the run ends
+    tensorboard: bool = False  # also log to TensorBoard (needs the tensorboard package)
+    wandb: bool = False  # also log to Weights & Biases (needs wandb; honours WANDB_* variables)
+    wandb_project: str = "tether"  # wandb: project name
+
+
+@dataclass
+class Config:
+    """Everything a training run needs."""
+
+    recipe: str = DEFAULT_RECIPE  # named algorithm (tether.algo.recipes); `algo.*` keys override its fields
+    algo: AlgoConfig = field(default_factory=lambda: recipe(DEFAULT_RECIPE))
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+# Trainer settings a recipe brings along (the algorithm alone does not define them).
+RECIPE_TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "dapo": {"rollout.dynamic_sampling": True, "rollout.overlong_buffer_frac": 0.25},
+    # RPG ties pi to the sampler pi_old: the KL only acts when the update is off-policy.
+    **{f"rpg_{r}{v}": {"train.mini_batches": 2} for r in ("", "reinforce_") for v in ("fkl", "rkl", "ufkl", "urkl")},
+}
+
+
+# ---------------------------------------------------------------- generic dataclass plumbing
+
+
+def _fields(obj) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(obj)}
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert a YAML/CLI value to the field's declared type."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or isinstance(tp, types.UnionType):
+        args = typing.get_args(tp)
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+            return None
+        args = [a for a in args if a is not type(None)]
+        for a in args:  # a value that already has one of the types stays as it is
+            plain = typing.get_origin(a) or a
+            if isinstance(plain, type) and isinstance(value, plain) and not isinstance(value, bool) or a is bool and isinstance(value, bool):
+                return value
+        args = sorted(args, key=lambda a: a is str)  # otherwise convert, trying str last
+        for a in args:
+            try:
+                return _coerce(value, a, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: {value!r} is not a valid {tp}")
+    if tp in (list, typing.List) or origin in (list, typing.List):
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return list(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if tp is int:
+        try:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value) if not isinstance(value, str) else int(float(value)) if "e" in value.lower() else int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if tp is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _set(obj, dotted: str, value: Any, prefix: str = "") -> None:
+    head, _, rest = dotted.partition(".")
+    fields = _fields(obj)
+    full = prefix + head
+    if head not in fields:
+        close = difflib.get_close_matches(head, list(fields), n=1)
+        hint = f" Did you mean {prefix + close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown config key {full!r}.{hint} Valid keys here: {', '.join(prefix + f for f in fields)}")
+    cur = getattr(obj, head)
+    hints = typing.get_type_hints(type(obj))
+    if dataclasses.is_dataclass(cur):
+        if rest:
+            _set(cur, rest, value, full + ".")
+            return
+        if not isinstance(value, dict):
+            raise ConfigError(f"{full!r} is a section; set its keys ({full}.<key>=...) or give a mapping")
+        for k, v in value.items():
+            _set(cur, str(k), v, full + ".")
+        return
+    if rest:
+        raise ConfigError(f"{full!r} is not a section (cannot set {prefix + dotted!r})")
+    setattr(obj, head, _coerce(value, hints[head], full))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k not in ("stop",):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def to_dict(cfg) -> dict:
+    """A plain dict of the config (for YAML and logs)."""
+    return dataclasses.asdict(cfg)
+
+
+# ---------------------------------------------------------------- building a config
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """['a.b=1', 'c=x'] -> {'a.b': 1, 'c': 'x'} (values parsed as YAML scalars)."""
+    out = {}
+    for it in items:
+        if "=" not in it:
+            raise ConfigError(f"override {it!r} is not of the form key=value (e.g. train.lr=1e-5)")
+        k, v = it.split("=", 1)
+        out[k.strip()] = yaml.safe_load(v) if v.strip() else ""
+    return out
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] = None,
+                recipe_name: Optional[str] = None) -> Config:
+    """Resolve a Config from an optional YAML file, overrides and recipe name, then validate it."""
+    file_vals: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of config keys")
+        file_vals = _flatten(data)
+    overrides = dict(overrides or {})
+    name = recipe_name or overrides.pop("recipe", None) or file_vals.pop("recipe", None) or DEFAULT_RECIPE
+    file_vals.pop("recipe", None)
+    overrides.pop("recipe", None)
+    if name not in RECIPES:
+        from .algo.registry import unknown_choice
+        raise ConfigError(unknown_choice("recipe", name, RECIPES))
+    cfg = Config(recipe=name, algo=recipe(name))
+    for k, v in RECIPE_TRAINER_DEFAULTS.get(name, {}).items():
+        _set(cfg, k, v)
+    for source, vals in ((path or "config file", file_vals), ("override", overrides)):
+        for k, v in vals.items():
+            try:
+                _set(cfg, k, v)
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {e}") from None
+    base = recipe(name)
+    cfg.algo.name = base.name
+    cfg.algo.name = name if cfg.algo == base else f"{name}+custom"
+    return check(cfg)
+
+
+def check(cfg: Config) -> Config:
+    """Validate the algorithm and the trainer settings together; errors list every problem."""
+    errs: list[str] = []
+    try:
+        validate(cfg.algo)
+    except ConfigError as e:
+        errs.extend(line.strip()[2:] for line in str(e).splitlines()[1:])
+    d, r, t = cfg.data, cfg.rollout, cfg.train
+    dd, dr = DataConfig(), RolloutConfig()
+    if d.task != "arithmetic" and d.difficulty != dd.difficulty:
+        errs.append("data.difficulty only applies to data.task=arithmetic")
+    if d.task == "arithmetic":
+        for k in ("prompt_key", "answer_key", "data_dir", "split"):
+            if getattr(d, k) != getattr(dd, k):
+                errs.append(f"data.{k} has no effect with the synthetic arithmetic task")
+        if not 1 <= d.difficulty <= 4:
+            errs.append(f"data.difficulty must be 1-4, got {d.difficulty}")
+    if r.engine not in ("hf", "vllm"):
+        errs.append(f"unknown rollout.engine {r.engine!r}. Valid choices: hf, vllm")
+    if not r.dynamic_sampling and r.max_refill_rounds != dr.max_refill_rounds:
+        errs.append("rollout.max_refill_rounds only applies with rollout.dynamic_sampling=true")
+    if r.overlong_buffer_frac == 0 and r.overlong_penalty != dr.overlong_penalty:
+        errs.append("rollout.overlong_penalty only applies with rollout.overlong_buffer_frac > 0")
+    if not 0 <= r.overlong_buffer_frac <= 1:
+        errs.append("rollout.overlong_buffer_frac must be in [0, 1]")
+    for k in ("prompts_per_step", "n", "max_new_tokens", "batch_size"):
+        if getattr(r, k) < 1:
+            errs.append(f"rollout.{k} must be >= 1")
+    for k in ("steps", "epochs", "mini_batches", "micro_batch_size", "logprob_chunk"):
+        if getattr(t, k) < 1:
+            errs.append(f"train.{k} must be >= 1")
+    if t.schedule not in ("constant", "cosine", "linear"):
+        errs.append(f"unknown train.schedule {t.schedule!r}. Valid choices: constant, cosine, linear")
+    if len(t.betas) != 2:
+        errs.append("train.betas must be two numbers")
+    if r.prompts_per_step * r.n < t.mini_batches:
+        errs.append("train.mini_batches exceeds the number of sequences per step")
+    if (cfg.algo.anchor.kind == "iterative" and t.epochs == 1 and t.mini_batches == 1
+            and cfg.algo.kl.estimator != "none"):
+        errs.append("anchor 'iterative' with train.epochs=1 and train.mini_batches=1 is exactly on-policy: "
+                    "pi_a = pi_old = pi, so the KL term is identically zero; use train.mini_batches > 1 "
+                    "or train.epochs > 1, or another anchor")
+    if cfg.run.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except Exception:
+            errs.append("run.tensorboard=true needs the tensorboard package (pip install tensorboard)")
+    if cfg.run.wandb:
+        try:
+            import wandb  # noqa: F401
+        except Exception:
+            errs.append("run.wandb=true needs the wandb package (pip install wandb)")
+    if errs:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+    return cfg
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    """Write the resolved config as YAML (loadable with ``--config``)."""
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def config_from_dict(data: dict) -> Config:
+    """Rebuild a Config from ``to_dict`` output (used on resume), re-validated."""
+    data = dict(data)
+    name = data.pop("recipe", DEFAULT_RECIPE)
+    return load_config(None, _flatten(data), recipe_name=name)

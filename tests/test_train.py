@@ -1,0 +1,258 @@
+"""End-to-end trainer tests on a tiny random model: every recipe, failures, resume, atomic checkpoints."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tether.algo import RECIPES
+from tether.algo.recipes import ConfigError
+from tether.checkpoint import latest_checkpoint, load_checkpoint
+from tether.config import load_config
+from tether.tasks.base import DataError
+from tether.train import Trainer, resume, train
+
+REWARD = '''
+def digits(completion, example):
+    """Trivially learnable: the fraction of characters that are digits."""
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+CALLS = {"n": 0}
+
+def flaky(completion, example):
+    CALLS["n"] += 1
+    if CALLS["n"] % 5 == 0:
+        raise RuntimeError("boom from a user reward")
+    return 0.5
+'''
+TIMING = ("time", "tokens_per_s", "peak_")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory, tiny_model_dir):
+    d = tmp_path_factory.mktemp("train")
+    (d / "rew.py").write_text(REWARD)
+    with open(d / "prompts.jsonl", "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)}) + "\n")
+    return d
+
+
+def cfg_for(workdir, tiny_model_dir, recipe, steps, **over):
+    base = {
+        "model.name": str(tiny_model_dir), "data.task": str(workdir / "prompts.jsonl"),
+        "data.reward": f"{workdir / 'rew.py'}:digits", "train.steps": steps, "train.lr": 1e-2,
+        "rollout.max_new_tokens": 8, "rollout.prompts_per_step": 4, "rollout.n": 4,
+        "run.progress": False, "run.plot": False, "run.exact_kl_samples": 0, "run.save_every": 0,
+    }
+    base.update(over)
+    return load_config(None, base, recipe_name=recipe)
+
+
+def rows(run_dir):
+    return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+LEARNERS = ["grpo", "ema_pg", "rpg_reinforce_urkl", "atr_grpo"]
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_every_recipe_trains(recipe, workdir, tiny_model_dir, tmp_path):
+    learner = recipe in LEARNERS
+    steps = 12 if learner else 2
+    over = {}
+    if recipe == "ema_pg":
+        over["algo.anchor.every"] = 2  # let the EMA anchor move within the short run
+    cfg = cfg_for(workdir, tiny_model_dir, recipe, steps, **over)
+    run = train(cfg, tmp_path / recipe, log=lambda *a: None)
+    m = rows(run)
+    assert len(m) == steps
+    for r in m:
+        assert math.isfinite(r["pg_loss"]) and math.isfinite(r["grad_norm"]), (recipe, r)
+        assert r["skipped_updates"] == 0
+        if cfg.algo.kl.estimator != "none":
+            assert math.isfinite(r["kl"])
+    if learner:
+        first = sum(r["reward_mean"] for r in m[:3]) / 3
+        last = sum(r["reward_mean"] for r in m[-3:]) / 3
+        assert last > first + 0.03, (recipe, [round(r["reward_mean"], 3) for r in m])
+    if recipe == "ema_pg":
+        assert m[-1]["anchor_updates"] == steps // 2 and m[-1]["kl"] > 0
+
+
+def test_bad_row_fails_before_training(workdir, tiny_model_dir, tmp_path, monkeypatch):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "a", "answer": "1"}\n{"question": "b"}\n')
+    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"data.task": str(bad)})
+    import tether.models
+    monkeypatch.setattr(tether.models, "load_model", lambda *a, **k: pytest.fail("model loaded before data check"))
+    with pytest.raises(DataError, match=r"bad.jsonl.* 2.*answer"):
+        Trainer(cfg, tmp_path / "run")
+
+
+def test_bad_keys_are_errors_with_did_you_mean(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'train.lrr'.*Did you mean 'train.lr'"):
+        load_config(None, {"train.lrr": 1e-5})
+    with pytest.raises(ConfigError, match="region.delta has no effect"):
+        load_config(None, {"algo.region.delta": 0.1}, recipe_name="grpo")
+    with pytest.raises(ConfigError, match="data.difficulty only applies"):
+        load_config(None, {"data.task": "gsm8k", "data.difficulty": 3})
+    with pytest.raises(ConfigError, match="identically zero"):
+        load_config(None, {"train.mini_batches": 1}, recipe_name="rpg_urkl")
+    with pytest.raises(ConfigError, match="expected an integer"):
+        load_config(None, {"train.steps": "many"})
+    y = tmp_path / "c.yaml"
+    y.write_text("recipe: grpo\ntrain:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"c.yaml.*'train.stepz'.*Did you mean 'train.steps'"):
+        load_config(str(y))
+
+
+def test_yaml_then_overrides_and_saved_config(workdir, tiny_model_dir, tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("recipe: atr_grpo\ntrain:\n  lr: 0.5\n  steps: 1\nalgo:\n  kl:\n    beta: 0.01\n")
+    cfg = load_config(str(y), {"train.lr": 0.25})
+    assert cfg.recipe == "atr_grpo" and cfg.train.lr == 0.25 and cfg.algo.kl.beta == 0.01
+    assert cfg.algo.name == "atr_grpo+custom" and cfg.algo.region.kind == "kl3"
+    cfg = cfg_for(workdir, tiny_model_dir, "dapo", 1)
+    run = train(cfg, tmp_path / "run", log=lambda *a: None)
+    saved = load_config(str(run / "config.yaml"))
+    assert saved == cfg
+
+
+def test_raising_reward_scores_zero_and_training_goes_on(workdir, tiny_model_dir, tmp_path):
+    logs = []
+    cfg = cfg_for(workdir, tiny_model_dir, "dapo", 2, **{"data.reward": f"{workdir / 'rew.py'}:flaky"})
+    run = train(cfg, tmp_path / "run", log=logs.append)
+    m = rows(run)
+    assert len(m) == 2 and m[-1]["reward_errors"] >= 5
+    assert "boom from a user reward" in (run / "reward_errors.log").read_text()
+    assert sum("reward function raised" in str(x) for x in logs) == 1  # the first traceback only
+
+
+def test_non_finite_loss_skips_the_update(workdir, tiny_model_dir, tmp_path, monkeypatch):
+    import tether.algo as algo
+
+    real = algo.compute_loss
+    calls = {"n": 0}
+
+    def poisoned(*a, **k):
+        out = real(*a, **k)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(algo, "compute_loss", poisoned)
+    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"train.micro_batch_size": 16})
+    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    before = [p.detach().clone() for p in t.params]
+    m = t.train_step()
+    assert m["skipped_updates"] == 1
+    assert all(torch.equal(a, p) for a, p in zip(before, t.params))
+    assert all(p.grad is None for p in t.params)
+    m = t.train_step()  # the next step trains normally
+    assert m["skipped_updates"] == 1 and any(not torch.equal(a, p) for a, p in zip(before, t.params))
+
+
+def _strip(m):
+    return {k: v for k, v in m.items() if not any(s in k for s in TIMING)}
+
+
+@pytest.mark.parametrize("recipe", ["ema_pg", "rpg_reinforce_urkl"])
+def test_resume_is_exact(recipe, workdir, tiny_model_dir, tmp_path):
+    over = {"run.save_every": 2, "algo.anchor.every": 1} if recipe == "ema_pg" else {"run.save_every": 2}
+    full = train(cfg_for(workdir, tiny_model_dir, recipe, 4, **over), tmp_path / "full", log=lambda *a: None)
+    part = cfg_for(workdir, tiny_model_dir, recipe, 2, **over)
+    train(part, tmp_path / "part", log=lambda *a: None)
+    resume(tmp_path / "part", {"train.steps": 4}, log=lambda *a: None)
+    a, b = rows(full), rows(tmp_path / "part")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a[2:], b[2:]):
+        assert _strip(x) == _strip(y)
+
+
+def test_interrupted_checkpoint_write_leaves_previous_loadable(workdir, tiny_model_dir, tmp_path, monkeypatch):
+    import tether.checkpoint as ck
+
+    cfg = cfg_for(workdir, tiny_model_dir, "ema_pg", 1, **{"run.save_every": 1})
+    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t.train_step()
+    good = t.save()
+    t.train_step()
+    real = ck._save_tensors
+
+    def dies(tensors, path):
+        if path.name == "optimizer.safetensors":
+            raise KeyboardInterrupt("killed mid-write")
+        real(tensors, path)
+
+    monkeypatch.setattr(ck, "_save_tensors", dies)
+    with pytest.raises(KeyboardInterrupt):
+        t.save()
+    monkeypatch.setattr(ck, "_save_tensors", real)
+    assert latest_checkpoint(tmp_path / "run") == good
+    assert any(".tmp-" in p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    t2 = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    st = load_checkpoint(good, t2.model, t2.anchor, t2.optimizer, t2.scheduler)
+    assert st["step"] == 1
+    t.save()  # the next successful save cleans the leftover
+    assert not any(".tmp-" in p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+
+
+def test_cli_bad_key_exit_code(capsys):
+    from tether.cli import main
+
+    assert main(["train", "train.lrr=1"]) == 2
+    assert "Did you mean 'train.lr'" in capsys.readouterr().err
+    assert main(["recipes"]) == 0
+    assert "ema_pg" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recipe,want", [
+    ("grpo", ["anchor"]),                        # on-policy: no sampler pass
+    ("dapo", []),                                # no KL, on-policy: neither pass
+    ("ema_pg", ["sampler", "anchor"]),           # reverse top-k needs the sampler's top-k ids
+    ("rpg_reinforce_urkl", ["sampler"]),         # iterative anchor: the sampler pass is the anchor pass
+])
+def test_needless_passes_are_skipped(recipe, want, workdir, tiny_model_dir, tmp_path, monkeypatch):
+    cfg = cfg_for(workdir, tiny_model_dir, recipe, 1)
+    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    calls = []
+    real = t._pass
+    monkeypatch.setattr(t, "_pass", lambda b, **k: calls.append("anchor" if k.get("with_anchor") else "sampler") or real(b, **k))
+    t.train_step()
+    assert calls == want
+
+
+@pytest.mark.parametrize("over", [
+    {"model.lora_r": 4, "model.lora_target_modules": ["q_proj", "v_proj"]},
+    {"model.dtype": "bfloat16"},
+    {"model.gradient_checkpointing": True},
+])
+def test_lora_bf16_and_checkpointing(over, workdir, tiny_model_dir, tmp_path):
+    cfg = cfg_for(workdir, tiny_model_dir, "ema_pg", 2, **{"algo.anchor.every": 1, **over})
+    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    if "model.lora_r" in over:
+        assert t.anchor.names and all("lora_" in n for n in t.anchor.names)
+    assert all(m.dtype == torch.float32 for m in t.anchor.master)  # the EMA is fp32 whatever the policy
+    for _ in range(2):
+        m = t.train_step()
+        assert math.isfinite(m["pg_loss"]) and m["skipped_updates"] == 0
+    assert t.anchor.num_updates == 2
+
+
+def test_plot_cli_overlays_runs(workdir, tiny_model_dir, tmp_path):
+    from tether.cli import main
+
+    a = train(cfg_for(workdir, tiny_model_dir, "dapo", 2), tmp_path / "a", log=lambda *x: None)
+    b = train(cfg_for(workdir, tiny_model_dir, "grpo", 2), tmp_path / "b", log=lambda *x: None)
+    out = tmp_path / "cmp.png"
+    assert main(["plot", str(a), str(b), "--out", str(out)]) == 0
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_shipped_configs_are_valid():
+    for y in sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")):
+        load_config(str(y))
