@@ -21,6 +21,12 @@ def digits(completion, example):
 
 CALLS = {"n": 0}
 
+def half_constant(completion, example):
+    """Prompts with an even answer always score 1 (a zero-variance group); odd ones score digits."""
+    if int(example.answer) % 2 == 0:
+        return 1.0
+    return digits(completion, example)
+
 def flaky(completion, example):
     CALLS["n"] += 1
     if CALLS["n"] % 5 == 0:
@@ -256,3 +262,34 @@ def test_plot_cli_overlays_runs(workdir, tiny_model_dir, tmp_path):
 def test_shipped_configs_are_valid():
     for y in sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")):
         load_config(str(y))
+
+
+def test_dynamic_sampling_drops_zero_variance_groups_and_refills(workdir, tiny_model_dir, tmp_path):
+    cfg = cfg_for(workdir, tiny_model_dir, "dapo", 1, **{"data.reward": f"{workdir / 'rew.py'}:half_constant",
+                                                          "data.shuffle": False, "rollout.overlong_buffer_frac": 0.0})
+    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    b, m = t._rollout()
+    # prompts 0..3 give 2 informative groups; one refill round of 2 prompts (4, 5) gives 1 more, then 6, 7 ...
+    answers = sorted({int(e.answer) for e in b.examples})
+    assert all(a % 2 == 1 for a in answers) and len(answers) == 4 == m["ds_groups_kept"]
+    assert m["ds_rounds"] > 1 and t.data.position > 4
+    assert len(b.rb) == 16 and b.adv.abs().sum() > 0
+
+
+def test_overlong_penalty_and_truncation_mask(workdir, tiny_model_dir, tmp_path):
+    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"rollout.overlong_buffer_frac": 0.5,
+                                                          "rollout.overlong_penalty": 2.0,
+                                                          "rollout.mask_truncated": True,
+                                                          "data.reward": f"{workdir / 'rew.py'}:flaky"})
+    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    b, _ = t._rollout()
+    L = b.rb.response_mask.sum(-1).float()
+    raw = torch.tensor([0.0 if r == 0 else 0.5 for r in b.rewards.tolist()])  # flaky scores 0.5 (or 0 on error)
+    start, cache = 4.0, 4.0  # max_new_tokens 8, buffer 50%
+    pen = 2.0 * ((L - start).clamp(min=0) / cache).clamp(max=1)
+    base = b.rewards + pen
+    assert torch.allclose(base, torch.where(base.abs() < 1e-6, base, torch.full_like(base, 0.5)), atol=1e-6)
+    assert (pen > 0).any()
+    trunc = torch.tensor([f == "length" for f in b.rb.finish_reason])
+    assert trunc.any() and not b.loss_mask[trunc].any()
+    assert torch.equal(b.loss_mask[~trunc], b.rb.response_mask[~trunc])

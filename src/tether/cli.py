@@ -1,4 +1,4 @@
-"""The ``tether`` command: train, plot, recipes."""
+"""The ``tether`` command: train, eval, plot, recipes."""
 
 from __future__ import annotations
 
@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("recipes", help="list the named recipes and their settings")
     r.set_defaults(fn=_recipes)
+
+    from .evaluate import add_eval_parser
+
+    add_eval_parser(sub)
     return p
 
 
@@ -83,11 +87,12 @@ def main(argv=None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from .algo.recipes import ConfigError
+    from .evaluate import EvalError
     from .tasks.base import DataError
 
     try:
         return args.fn(args)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, EvalError) as e:
         print(f"tether: error: {e}", file=sys.stderr)
         return 2
 

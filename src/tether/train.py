@@ -122,6 +122,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, run_dir: Path, model=None, tokenizer=None, log=print):
         self.cfg, self.run_dir, self.log = cfg, Path(run_dir), log
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         random.seed(t.seed)
         torch.manual_seed(t.seed)

@@ -1,0 +1,363 @@
+"""Tests for tether.evaluate and `tether eval`: pass@k, maj@n, custom and named benchmarks,
+evaluating a run's policy and anchor, and input errors caught before any generation."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tether.cli import main
+from tether.config import load_config
+from tether.evaluate import (
+    EvalError,
+    default_ks,
+    evaluate,
+    evaluate_during_training,
+    load_benchmark,
+    load_eval_model,
+    majority_vote,
+    pass_at_k,
+    summarize,
+)
+from tether.tasks.base import DataError
+from tether.train import train
+
+REWARDS = '''
+from tether.tasks import RewardResult
+
+def judge(completion, example):
+    """Correct iff the reference starts with 'yes' (independent of the response)."""
+    ok = example.answer.startswith("yes")
+    return RewardResult(reward=float(ok), correct=ok, pred=example.answer)
+
+def parity(completion, example):
+    """Correct iff the response has an even number of characters; the 'answer' is len % 3."""
+    ok = len(completion) % 2 == 0
+    return RewardResult(reward=float(ok), correct=ok, pred=str(len(completion) % 3))
+
+def digits(completion, example):
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+'''
+
+GOLD = ["yes-1", "no-2", "yes-3", "yes-4", "no-5", "no-6"]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("eval")
+    (d / "rew.py").write_text(REWARDS)
+    (d / "custom.json").write_text(json.dumps(
+        [{"q": f"Question number {i}: say something", "gold": g, "extra": i} for i, g in enumerate(GOLD)]))
+    with open(d / "prompts.jsonl", "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)}) + "\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    model, tok, desc = load_eval_model(str(tiny_model_dir))
+    return model, tok
+
+
+def _train_run(work, tiny_model_dir, run_dir, recipe, steps, **over):
+    base = {
+        "model.name": str(tiny_model_dir), "data.task": str(work / "prompts.jsonl"),
+        "data.reward": f"{work / 'rew.py'}:digits", "train.steps": steps, "train.lr": 1e-2,
+        "rollout.max_new_tokens": 6, "rollout.prompts_per_step": 2, "rollout.n": 2,
+        "run.progress": False, "run.plot": False, "run.exact_kl_samples": 0, "run.save_every": 0,
+    }
+    base.update(over)
+    return train(load_config(None, base, recipe_name=recipe), run_dir, log=lambda *a: None)
+
+
+@pytest.fixture(scope="module")
+def ema_run(work, tiny_model_dir, tmp_path_factory):
+    return _train_run(work, tiny_model_dir, tmp_path_factory.mktemp("runs") / "ema", "ema_pg", 2,
+                      **{"algo.anchor.every": 1})
+
+
+@pytest.fixture(scope="module")
+def dapo_run(work, tiny_model_dir, tmp_path_factory):
+    return _train_run(work, tiny_model_dir, tmp_path_factory.mktemp("runs") / "dapo", "dapo", 1)
+
+
+# ------------------------------------------------------------------ pass@k, maj@n
+
+
+def test_pass_at_k_hand_cases():
+    assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 0, 4) == 0.0
+    assert pass_at_k(4, 4, 1) == 1.0 and pass_at_k(4, 4, 3) == 1.0
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(5, 2)) == pytest.approx(0.7)
+    assert pass_at_k(5, 2, 4) == 1.0  # n - c < k: every 4-subset holds a correct sample
+    assert pass_at_k(1000, 1, 1) == pytest.approx(1e-3)
+    # large n stays finite and accurate where the binomials would overflow floats
+    assert pass_at_k(2000, 3, 1000) == pytest.approx(1 - math.comb(1997, 1000) / math.comb(2000, 1000))
+    for bad in [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5), (0, 0, 1)]:
+        with pytest.raises(ValueError):
+            pass_at_k(*bad)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 8])
+def test_pass_at_k_matches_subset_enumeration(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(range(n), k))
+            brute = sum(any(i < c for i in s) for s in subsets) / len(subsets)  # samples 0..c-1 correct
+            assert pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12), (n, c, k)
+
+
+def test_default_ks():
+    assert default_ks(1) == [1] and default_ks(4) == [1, 2, 4] and default_ks(6) == [1, 2, 4, 6]
+    assert default_ks(16) == [1, 2, 4, 8, 16]
+
+
+def test_majority_vote_pools_equivalent_answers():
+    v = majority_vote(["0.5", "\\frac{1}{2}", "1/3"], "1/2")
+    assert v.answer == "0.5" and v.count == 2 and v.correct and v.clusters == 2
+    v = majority_vote(["1/3", "0.5", "\\frac{1}{2}", "\\dfrac{1}{2}"], ["0.5"])
+    assert v.answer == "0.5" and v.count == 3 and v.correct
+    v = majority_vote(["1,000", "1000", "999", "999.0", "1000.0"], "1000")
+    assert v.answer == "1,000" and v.count == 3 and v.correct
+    v = majority_vote(["x+1", "1 + x", "2"], "x + 1")  # math-verify pools symbolic forms
+    assert v.count == 2 and v.correct
+
+
+def test_majority_vote_none_and_ties():
+    v = majority_vote([None, None, None, "3"], "4")
+    assert v.answer == "3" and v.count == 1 and v.index == 3 and not v.correct
+    v = majority_vote([None, None], "4")
+    assert v.answer is None and not v.correct
+    assert majority_vote([None, None], correct=[True, False]).correct  # no vote: the first sample's verdict
+    v = majority_vote(["2", "3", "3", "2"], "3")  # tie: first occurrence wins
+    assert v.answer == "2" and v.count == 2 and not v.correct
+    v = majority_vote(["3", "2", "2", "3"], "3")
+    assert v.answer == "3" and v.correct
+    v = majority_vote(["5", "7", "7", "9"], "5")  # the plurality beats the first occurrence
+    assert v.answer == "7" and not v.correct
+    # scored by the reward's per-sample verdicts when no reference is given
+    v = majority_vote(["7", "7", "8"], correct=[False, False, True])
+    assert v.answer == "7" and not v.correct
+    v = majority_vote(["8", "7", "8"], correct=[True, False, True])
+    assert v.answer == "8" and v.correct
+    assert majority_vote([], "1").answer is None
+
+
+# ------------------------------------------------------------------ evaluate on the tiny model
+
+
+def test_evaluate_sampling_metrics_match_rows(work, tiny):
+    model, tok = tiny
+    b = load_benchmark(str(work / "custom.json"), prompt_key="q", answer_key="gold",
+                       reward=f"{work / 'rew.py'}:parity")
+    assert [e.answer for e in b.examples] == GOLD and b.name == "custom"
+    rng = torch.get_rng_state()
+    res = evaluate(model, tok, b.examples, b.reward_fn, n=4, temperature=1.0, top_p=1.0, max_new_tokens=12,
+                   greedy=False, batch_size=8, seed=3, show_progress=False)
+    assert torch.equal(rng, torch.get_rng_state())  # sampling runs in a forked RNG
+    m, rows = res.metrics, res.per_problem
+    assert [r["id"] for r in rows] == [e.id for e in b.examples]
+    assert m["n_problems"] == 6 and m["n_samples"] == 4 and m["n_responses"] == 24
+    assert set(m) >= {"avg@4", "pass@1", "pass@2", "pass@4", "maj@4", "mean_response_tokens",
+                      "truncation_rate", "wall_time_s", "tokens_per_s", "gen_tokens"}
+    for r in rows:
+        assert len(r["responses"]) == len(r["correct"]) == len(r["lengths"]) == len(r["finish_reasons"]) == 4
+        assert r["correct"] == [len(t) % 2 == 0 for t in r["responses"]]
+        assert r["preds"] == [str(len(t) % 3) for t in r["responses"]]
+        assert all(1 <= x <= 12 for x in r["lengths"])
+        v = majority_vote(r["preds"], correct=r["correct"])
+        assert (r["maj_answer"], r["maj_correct"]) == (v.answer, v.correct)
+    flat = [c for r in rows for c in r["correct"]]
+    assert m["avg@4"] == pytest.approx(sum(flat) / 24)
+    assert m["pass@1"] == pytest.approx(m["avg@4"])
+    for k in (2, 4):
+        assert m[f"pass@{k}"] == pytest.approx(sum(pass_at_k(4, sum(r["correct"]), k) for r in rows) / 6)
+    assert m["maj@4"] == pytest.approx(sum(r["maj_correct"] for r in rows) / 6)
+    assert m["mean_response_tokens"] == pytest.approx(sum(x for r in rows for x in r["lengths"]) / 24)
+    trunc = sum(f == "length" for r in rows for f in r["finish_reasons"]) / 24
+    assert m["truncation_rate"] == pytest.approx(trunc)
+    assert m["gen_tokens"] == sum(x for r in rows for x in r["lengths"])
+    assert m == pytest.approx(summarize(rows, 4) | {k: m[k] for k in m if k not in summarize(rows, 4)})
+    # same seed and batch size -> same responses; another seed -> (almost surely) different ones
+    again = evaluate(model, tok, b.examples, b.reward_fn, n=4, temperature=1.0, top_p=1.0, max_new_tokens=12,
+                     greedy=False, batch_size=8, seed=3, show_progress=False)
+    assert [r["responses"] for r in again.per_problem] == [r["responses"] for r in rows]
+    other = evaluate(model, tok, b.examples, b.reward_fn, n=4, temperature=1.0, top_p=1.0, max_new_tokens=12,
+                     greedy=False, batch_size=8, seed=4, show_progress=False)
+    assert [r["responses"] for r in other.per_problem] != [r["responses"] for r in rows]
+
+
+def test_greedy_settings_are_checked(work, tiny):
+    model, tok = tiny
+    ex = load_benchmark(str(work / "custom.json"), prompt_key="q", answer_key="gold").examples
+    with pytest.raises(EvalError, match="greedy"):
+        evaluate(model, tok, ex, "math", n=4, temperature=1.0, top_p=1.0, max_new_tokens=4, greedy=True,
+                 batch_size=4, show_progress=False)
+    with pytest.raises(EvalError, match="1 <= k <= n"):
+        evaluate(model, tok, ex, "math", n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, greedy=False,
+                 batch_size=4, show_progress=False, ks=[4])
+    res = evaluate(model, tok, ex, "math", n=1, temperature=0.7, top_p=1.0, max_new_tokens=4, greedy=True,
+                   batch_size=4, show_progress=False)
+    assert res.settings["temperature"] == 0.0 and res.settings["n"] == 1 and "avg@1" in res.metrics
+
+
+def test_cli_custom_benchmark_greedy(work, tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = main(["eval", "--model", str(tiny_model_dir), "--benchmarks", str(work / "custom.json"),
+               "--prompt-key", "q", "--answer-key", "gold", "--reward", f"{work / 'rew.py'}:judge",
+               "--greedy", "--max-new-tokens", "8", "--batch-size", "4", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "custom" in printed and "avg@1" in printed and "maj@1" in printed
+    res = json.loads((out / "results.json").read_text())
+    assert res["settings"]["greedy"] and res["settings"]["n"] == 1 and res["settings"]["temperature"] == 0
+    m = res["benchmarks"]["custom"]["metrics"]
+    assert m["n_problems"] == 6 and m["n_samples"] == 1
+    assert m["avg@1"] == m["pass@1"] == m["maj@1"] == pytest.approx(3 / 6)
+    rows = [json.loads(x) for x in (out / "custom.jsonl").read_text().splitlines()]
+    assert [r["answer"] for r in rows] == GOLD
+    assert [r["correct"] for r in rows] == [[g.startswith("yes")] for g in GOLD]
+    assert all(len(r["responses"]) == 1 and r["preds"] == [r["answer"]] for r in rows)
+    # greedy is deterministic: a second run writes the same responses
+    out2 = tmp_path / "out2"
+    assert main(["eval", "--model", str(tiny_model_dir), "--benchmarks", str(work / "custom.json"),
+                 "--prompt-key", "q", "--answer-key", "gold", "--reward", f"{work / 'rew.py'}:judge",
+                 "--greedy", "--max-new-tokens", "8", "--batch-size", "3", "--out", str(out2), "--no-progress"]) == 0
+    rows2 = [json.loads(x) for x in (out2 / "custom.jsonl").read_text().splitlines()]
+    assert [r["responses"] for r in rows2] == [r["responses"] for r in rows]
+
+
+def test_evaluate_during_training(work, tiny):
+    model, tok = tiny
+    model.train()
+    ex = load_benchmark(str(work / "custom.json"), prompt_key="q", answer_key="gold").examples
+    out = evaluate_during_training(model, tok, {"custom": ex}, {"custom": f"{work / 'rew.py'}:judge"},
+                                   {"max_new_tokens": 4, "batch_size": 4})
+    assert out["eval/custom/avg@1"] == pytest.approx(0.5) and out["eval/custom/n_problems"] == 6
+    assert all(k.startswith("eval/custom/") and isinstance(v, float) for k, v in out.items())
+    assert model.training  # mode restored
+    model.eval()
+    with pytest.raises(EvalError, match="unknown eval setting"):
+        evaluate_during_training(model, tok, {"custom": ex}, "math", {"max_tokens": 4})
+
+
+# ------------------------------------------------------------------ runs, checkpoints, anchors
+
+
+def test_eval_run_anchor_and_policy(ema_run, work):
+    ckpt = ema_run / "checkpoints" / "step-000002"
+    assert ckpt.is_dir()
+    anchor_t = load_file(str(ckpt / "anchor.safetensors"))
+    policy_t = load_file(str(ckpt / "policy.safetensors"))
+    am, tok, desc = load_eval_model(ema_run, anchor=True)
+    assert "anchor" in desc and "step 2" in desc
+    named = dict(am.named_parameters())
+    assert set(anchor_t) <= set(named)
+    for k, t in anchor_t.items():
+        assert torch.equal(named[k], t.to(named[k].dtype)), k
+    pm, _, pdesc = load_eval_model(ema_run, anchor=False)
+    pnamed = dict(pm.named_parameters())
+    for k, t in policy_t.items():
+        assert torch.equal(pnamed[k], t), k
+    assert "policy" in pdesc
+    assert any(not torch.equal(named[k], pnamed[k]) for k in anchor_t)  # the EMA lags the policy
+    # a checkpoint directory works too
+    cm, _, cdesc = load_eval_model(ckpt, anchor=True)
+    assert all(torch.equal(p, named[k]) for k, p in cm.named_parameters())
+    # and the anchor can be evaluated
+    ex = load_benchmark(str(work / "custom.json"), prompt_key="q", answer_key="gold").examples[:2]
+    res = evaluate(am, tok, ex, f"{work / 'rew.py'}:judge", n=2, temperature=1.0, top_p=1.0, max_new_tokens=4,
+                   greedy=False, batch_size=4, show_progress=False)
+    assert res.metrics["n_problems"] == 2 and res.metrics["avg@2"] == pytest.approx(0.5)
+
+
+def test_eval_lora_run_anchor(work, tiny_model_dir, tmp_path):
+    run = _train_run(work, tiny_model_dir, tmp_path / "lora", "ema_pg", 1,
+                     **{"algo.anchor.every": 1, "model.lora_r": 4, "model.lora_target_modules": ["q_proj", "v_proj"]})
+    ckpt = run / "checkpoints" / "step-000001"
+    anchor_t = load_file(str(ckpt / "anchor.safetensors"))
+    assert anchor_t and all("lora_" in k for k in anchor_t)
+    am, tok, desc = load_eval_model(run, anchor=True, merge_lora=False)
+    named = dict(am.named_parameters())
+    for k, t in anchor_t.items():
+        assert torch.equal(named[k], t), k
+    merged, _, _ = load_eval_model(run, anchor=True)  # adapters folded into the base weights
+    assert not any("lora_" in k for k, _ in merged.named_parameters()) and "LoRA r=4" in desc
+    ids = torch.tensor([tok("What is 2 + 2?")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, am(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_eval_run_errors(ema_run, dapo_run, tiny_model_dir, tmp_path, work, capsys):
+    with pytest.raises(EvalError, match=r"no anchor.*no KL term"):
+        load_eval_model(dapo_run, anchor=True)
+    load_eval_model(dapo_run)  # its policy is fine
+    with pytest.raises(EvalError, match="needs a training run"):
+        load_eval_model(str(tiny_model_dir), anchor=True)
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    shutil.copy(ema_run / "config.yaml", empty / "config.yaml")
+    (empty / "checkpoints").mkdir()
+    with pytest.raises(EvalError, match="no complete checkpoint"):
+        load_eval_model(empty)
+    rc = main(["eval", "--model", str(dapo_run), "--anchor", "--benchmarks", str(work / "custom.json"),
+               "--prompt-key", "q", "--answer-key", "gold", "--out", str(tmp_path / "o"), "--no-progress"])
+    assert rc == 2 and "no anchor" in capsys.readouterr().err
+    rc = main(["eval", "--model", str(tiny_model_dir), "--greedy", "--n", "4", "--benchmarks", "gsm8k"])
+    assert rc == 2 and "--greedy" in capsys.readouterr().err
+
+
+def test_malformed_row_fails_before_model_and_generation(work, tmp_path, monkeypatch, capsys):
+    import tether.evaluate as ev
+    import tether.models
+
+    bad = tmp_path / "broken.jsonl"
+    bad.write_text('{"q": "fine", "gold": "1"}\n\n{"q": "no answer here"}\n')
+    fail = lambda *a, **k: pytest.fail("model loaded or generation started before the data check")  # noqa: E731
+    monkeypatch.setattr(ev, "load_eval_model", fail)
+    monkeypatch.setattr(ev, "evaluate", fail)
+    monkeypatch.setattr(tether.models, "load_model", fail)
+    with pytest.raises(DataError, match=r"broken.jsonl row 3.*'gold'"):
+        ev.load_benchmarks([str(work / "custom.json"), str(bad)], prompt_key="q", answer_key="gold")
+    # the good benchmark comes first: it is not evaluated before the bad one is found
+    rc = main(["eval", "--model", "smollm2", "--benchmarks", str(work / "custom.json"), str(bad),
+               "--prompt-key", "q", "--answer-key", "gold", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tether: error:" in err and "broken.jsonl row 3" in err and "'gold'" in err
+    assert not (tmp_path / "o").exists()
+    rc = main(["eval", "--model", "smollm2", "--benchmarks", str(work / "custom.json"), "--prompt-key", "q",
+               "--answer-key", "gold", "--reward", "no_such_reward"])
+    assert rc == 2 and "unknown reward" in capsys.readouterr().err
+
+
+def _shared_data_dir() -> Path | None:
+    env = os.environ.get("TETHER_DATA_DIR")
+    for d in ([Path(env)] if env else []) + [Path(__file__).resolve().parents[1].parent / "shared" / "data" / "math"]:
+        if (d / "gsm8k_test.jsonl").is_file():
+            return d
+    return None
+
+
+def test_named_gsm8k_plumbing(tiny_model_dir, tmp_path):
+    d = _shared_data_dir()
+    if d is None:
+        pytest.skip("no shared data dir with gsm8k_test.jsonl ($TETHER_DATA_DIR or ../shared/data/math)")
+    out = tmp_path / "g"
+    assert main(["eval", "--model", str(tiny_model_dir), "--benchmarks", "gsm8k", "--limit", "3", "--data-dir",
+                 str(d), "--n", "2", "--max-new-tokens", "6", "--out", str(out), "--no-progress"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    g = res["benchmarks"]["gsm8k"]
+    assert g["split"] == "test" and g["reward"] == "gsm8k" and g["metrics"]["n_problems"] == 3
+    assert set(g["metrics"]) >= {"avg@2", "pass@1", "pass@2", "maj@2"}
+    rows = [json.loads(x) for x in (out / "gsm8k.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["gsm8k_test:0", "gsm8k_test:1", "gsm8k_test:2"]
+    assert all(len(r["responses"]) == 2 for r in rows)
