@@ -293,3 +293,18 @@ def test_overlong_penalty_and_truncation_mask(workdir, tiny_model_dir, tmp_path)
     trunc = torch.tensor([f == "length" for f in b.rb.finish_reason])
     assert trunc.any() and not b.loss_mask[trunc].any()
     assert torch.equal(b.loss_mask[~trunc], b.rb.response_mask[~trunc])
+
+
+def test_evaluation_during_training(workdir, tiny_model_dir, tmp_path):
+    cfg = cfg_for(workdir, tiny_model_dir, "ema_pg", 2, **{
+        "eval.every": 2, "eval.benchmarks": ["arithmetic", str(workdir / "prompts.jsonl")], "eval.limit": 3,
+        "eval.max_new_tokens": 4, "eval.anchor": True, "algo.anchor.every": 1})
+    run = train(cfg, tmp_path / "run", log=lambda *a: None)
+    m = rows(run)
+    assert "eval/arithmetic/avg@1" not in m[0]  # only every 2 steps
+    for k in ("eval/arithmetic/avg@1", "eval/prompts/avg@1", "eval_anchor/arithmetic/avg@1"):
+        assert k in m[1], sorted(m[1])
+    with pytest.raises(ConfigError, match="eval.limit has no effect"):
+        load_config(None, {"eval.limit": 3})
+    with pytest.raises(ConfigError, match="eval.anchor=true needs an anchor"):
+        load_config(None, {"eval.every": 1, "eval.anchor": True}, recipe_name="dapo")

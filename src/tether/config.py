@@ -96,6 +96,20 @@ class RunConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation during training (off by default); the same metrics as `tether eval`."""
+
+    every: int = 0  # evaluate every N trainer steps and after the last one (0 = off)
+    benchmarks: list = field(default_factory=lambda: ["arithmetic"])  # arithmetic (the held-out synthetic split) | gsm8k | math500 | ... | a file
+    limit: int = 50  # problems per benchmark
+    n: int = 1  # samples per problem
+    greedy: bool = True  # temperature 0 (n must be 1); false samples at eval.temperature
+    temperature: float = 1.0  # greedy=false: sampling temperature
+    max_new_tokens: int = 256  # response length cap during evaluation
+    anchor: bool = False  # also evaluate the anchor (fixed / ema / reset / kl_reset), as eval_anchor/...
+
+
+@dataclass
 class Config:
     """Everything a training run needs."""
 
@@ -106,6 +120,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # Trainer settings a recipe brings along (the algorithm alone does not define them).
@@ -305,6 +320,22 @@ def check(cfg: Config) -> Config:
         errs.append("anchor 'iterative' with train.epochs=1 and train.mini_batches=1 is exactly on-policy: "
                     "pi_a = pi_old = pi, so the KL term is identically zero; use train.mini_batches > 1 "
                     "or train.epochs > 1, or another anchor")
+    e, de = cfg.eval, EvalConfig()
+    if e.every == 0:
+        for k in ("benchmarks", "limit", "n", "greedy", "temperature", "max_new_tokens", "anchor"):
+            if getattr(e, k) != getattr(de, k):
+                errs.append(f"eval.{k} has no effect while eval.every=0 (evaluation off)")
+    else:
+        if e.every < 0 or e.limit < 1 or e.n < 1 or e.max_new_tokens < 1:
+            errs.append("eval.every, eval.limit, eval.n and eval.max_new_tokens must be positive")
+        if e.greedy and e.n != 1:
+            errs.append("eval.greedy=true gives n identical samples; set eval.n=1 or eval.greedy=false")
+        if e.greedy and e.temperature != de.temperature:
+            errs.append("eval.temperature has no effect with eval.greedy=true")
+        if e.anchor and cfg.algo.anchor.kind in ("none", "iterative"):
+            errs.append(f"eval.anchor=true needs an anchor with its own weights, not {cfg.algo.anchor.kind!r}")
+        if not e.benchmarks:
+            errs.append("eval.benchmarks is empty")
     if cfg.run.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401

@@ -156,6 +156,39 @@ class Trainer:
         else:
             self.head_from, self.k = None, 0
         self.on_policy = t.epochs == 1 and t.mini_batches == 1
+        self.eval_sets = self._load_eval_sets() if cfg.eval.every else {}
+
+    def _load_eval_sets(self) -> dict:
+        """Held-out benchmarks for evaluation during training: name -> (examples, reward function)."""
+        from .evaluate import load_benchmark
+        from .tasks.arithmetic import ArithmeticTask
+        from .tasks.rewards import load_reward
+        e, d = self.cfg.eval, self.cfg.data
+        out = {}
+        for src in e.benchmarks:
+            if src == "arithmetic":  # the synthetic task's test split: never trained on
+                task = ArithmeticTask(seed=self.cfg.train.seed, difficulty=d.difficulty, split="test")
+                out["arithmetic"] = (task.examples(e.limit), load_reward("arithmetic"))
+            else:
+                b = load_benchmark(src, limit=e.limit, data_dir=d.data_dir)
+                out[b.name] = (b.examples, b.reward_fn)
+        return out
+
+    def evaluate(self) -> dict:
+        """eval/<bench>/<metric> for the policy (and eval_anchor/... for the anchor when asked)."""
+        from .evaluate import evaluate_during_training
+        e = self.cfg.eval
+        settings = dict(n=e.n, greedy=e.greedy, temperature=0.0 if e.greedy else e.temperature,
+                        max_new_tokens=e.max_new_tokens, system_prompt=self.cfg.data.system_prompt,
+                        batch_size=self.cfg.rollout.batch_size, seed=self.cfg.train.seed)
+        examples = {k: v[0] for k, v in self.eval_sets.items()}
+        rewards = {k: v[1] for k, v in self.eval_sets.items()}
+        out = evaluate_during_training(self.model, self.tokenizer, examples, rewards, settings)
+        if e.anchor:
+            with self.anchor.applied(self.model):
+                res = evaluate_during_training(self.model, self.tokenizer, examples, rewards, settings)
+            out.update({"eval_anchor/" + k[len("eval/"):]: v for k, v in res.items()})
+        return out
 
     def _make_engine(self):
         r = self.cfg.rollout
@@ -483,6 +516,10 @@ class Trainer:
         try:
             while self.step < cfg.train.steps:
                 m = self.train_step()
+                if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == cfg.train.steps):
+                    t0 = time.perf_counter()
+                    m.update(self.evaluate())
+                    m["time_eval_s"] = time.perf_counter() - t0
                 logger.log(self.step, m)
                 logger.log_samples(self.step, self.samples(self._last_batch, cfg.run.log_samples))
                 if bar is not None:
