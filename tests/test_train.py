@@ -308,3 +308,11 @@ def test_evaluation_during_training(workdir, tiny_model_dir, tmp_path):
         load_config(None, {"eval.limit": 3})
     with pytest.raises(ConfigError, match="eval.anchor=true needs an anchor"):
         load_config(None, {"eval.every": 1, "eval.anchor": True}, recipe_name="dapo")
+
+
+def test_config_reference_is_complete_and_current():
+    """Every key has a comment where it is declared, and docs/config.md is the generated reference."""
+    from tether.config import reference
+
+    doc = Path(__file__).parents[1] / "docs" / "config.md"
+    assert doc.read_text().strip() == reference().strip(), "regenerate with: tether config --reference > docs/config.md"

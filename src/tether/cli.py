@@ -36,6 +36,19 @@ def _plot(args) -> int:
     return 0
 
 
+def _config(args) -> int:
+    from .config import load_config, parse_overrides, reference, to_dict
+
+    if args.reference:
+        print(reference())
+        return 0
+    import yaml
+
+    cfg = load_config(args.config, parse_overrides(args.overrides), recipe_name=args.recipe)
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
 def _recipes(args) -> int:
     from .algo import RECIPES, describe, recipe
 
@@ -51,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a policy (no arguments: SmolLM2-135M on synthetic arithmetic with ema_pg)",
                        description="Train. Settings resolve as: recipe -> --config YAML -> key=value overrides "
-                       "(e.g. train.lr=1e-5 algo.kl.beta=0.01 rollout.n=8). See docs/config.md for every key.")
+                       "(e.g. train.lr=1e-5 algo.kl.beta=0.01 rollout.n=8). Every key: docs/config.md or `tether config --reference`.")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=50")
     t.add_argument("--config", help="YAML config file")
     t.add_argument("--recipe", help="named algorithm (tether recipes lists them); default ema_pg")
@@ -68,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--smooth", type=int, default=1, help="moving-average window")
     pl.set_defaults(fn=_plot)
 
+    c = sub.add_parser("config", help="print the resolved config (recipe -> YAML -> overrides), or the key reference")
+    c.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    c.add_argument("--config", help="YAML config file")
+    c.add_argument("--recipe", help="named algorithm")
+    c.add_argument("--reference", action="store_true", help="print the reference of every key (docs/config.md)")
+    c.set_defaults(fn=_config)
+
     r = sub.add_parser("recipes", help="list the named recipes and their settings")
     r.set_defaults(fn=_recipes)
 
@@ -81,7 +101,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may stand anywhere on the line, also after options
-    if args.cmd == "train":
+    if args.cmd in ("train", "config"):
         args.overrides += [e for e in extra if "=" in e and not e.startswith("-")]
         extra = [e for e in extra if not ("=" in e and not e.startswith("-"))]
     if extra:
