@@ -45,7 +45,7 @@ class DataConfig:
 class RolloutConfig:
     """Generation: how many responses per step and how they are sampled."""
 
-    engine: str = "hf"  # hf (transformers generate on the training model) | vllm (GPU; see docs)
+    engine: str = "hf"  # hf: transformers generate on the training model (the only engine so far; others implement tether.rollout.Engine)
     prompts_per_step: int = 8  # prompts per trainer step
     n: int = 4  # samples per prompt (the group size G)
     temperature: float = 1.0  # sampling temperature; log-probs are taken at the same temperature
@@ -295,8 +295,8 @@ def check(cfg: Config) -> Config:
                 errs.append(f"data.{k} has no effect with the synthetic arithmetic task")
         if not 1 <= d.difficulty <= 4:
             errs.append(f"data.difficulty must be 1-4, got {d.difficulty}")
-    if r.engine not in ("hf", "vllm"):
-        errs.append(f"unknown rollout.engine {r.engine!r}. Valid choices: hf, vllm")
+    if r.engine not in ("hf",):
+        errs.append(f"unknown rollout.engine {r.engine!r}. Valid choices: hf")
     if not r.dynamic_sampling and r.max_refill_rounds != dr.max_refill_rounds:
         errs.append("rollout.max_refill_rounds only applies with rollout.dynamic_sampling=true")
     if r.overlong_buffer_frac == 0 and r.overlong_penalty != dr.overlong_penalty:

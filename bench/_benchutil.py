@@ -1,0 +1,271 @@
+"""Shared helpers of the benchmark scripts in bench/ (not part of the tether package).
+
+Kept free of torch imports so that a parent process that only drives child processes stays
+small (its peak RSS would otherwise leak into a vfork'ed child's ``ru_maxrss``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+# --------------------------------------------------------------------------- paths and data
+
+
+def default_data_dir() -> str | None:
+    """Directory with gsm8k_train.jsonl: $TETHER_DATA_DIR, else shared/data/math next to or above the repo."""
+    env = os.environ.get("TETHER_DATA_DIR")
+    if env:
+        return env
+    for cand in (ROOT / "shared" / "data" / "math", ROOT.parent / "shared" / "data" / "math"):
+        if (cand / "gsm8k_train.jsonl").is_file():
+            return str(cand)
+    return None
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def proc_status_kb(field: str) -> int | None:
+    """A ``/proc/self/status`` field in KiB (VmHWM, VmRSS), or None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss() -> dict:
+    """This process's peak resident set size in MiB.
+
+    ``peak_rss_mb`` is VmHWM (the high-water mark of this process's own address space, so a
+    parent's memory never counts); ``ru_maxrss_mb`` is getrusage's figure, which on Linux also
+    carries the peak of the address space a (v)forked child started from.
+    """
+    hwm = proc_status_kb("VmHWM")
+    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    return {"peak_rss_mb": hwm / 1024.0 if hwm is not None else ru, "ru_maxrss_mb": ru}
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def mean(xs):
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def after_warmup(xs: list) -> list:
+    """Drop the first (warm-up) element when more than one is there."""
+    return list(xs[1:]) if len(xs) > 1 else list(xs)
+
+
+def linfit(x: list[float], y: list[float]) -> dict:
+    """Least-squares line y = slope * x + intercept, with R^2 (numpy)."""
+    import numpy as np
+
+    xa, ya = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if len(xa) < 2 or np.ptp(xa) == 0:
+        return {"slope": float("nan"), "intercept": float("nan"), "r2": float("nan"), "n": len(xa)}
+    A = np.stack([xa, np.ones_like(xa)], axis=1)
+    (slope, intercept), *_ = np.linalg.lstsq(A, ya, rcond=None)
+    pred = slope * xa + intercept
+    ss_res = float(((ya - pred) ** 2).sum())
+    ss_tot = float(((ya - ya.mean()) ** 2).sum())
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    return {"slope": float(slope), "intercept": float(intercept), "r2": r2, "n": len(xa)}
+
+
+def fmt(v, nd: int = 2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and v != v:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+# --------------------------------------------------------------------------- full-length responses
+
+
+def force_full_length(trainer) -> None:
+    """Make a tether Trainer's HF engine ban EOS until ``max_new_tokens`` (bench-only).
+
+    The engine is swapped for a subclass that adds ``min_new_tokens = max_new_tokens`` to the
+    ``model.generate`` arguments (transformers then masks the EOS logits until that length), so
+    every response has exactly ``rollout.max_new_tokens`` tokens and step times do not depend on
+    where sampling happened to stop. The sampling distribution changes (no EOS), which does not
+    matter for timing. The engine's own behaviour is untouched.
+    """
+    from tether.rollout.hf import HFEngine
+
+    class FullLengthHFEngine(HFEngine):
+        def _generate_kwargs(self, params):
+            kw = super()._generate_kwargs(params)
+            kw["min_new_tokens"] = params.max_new_tokens
+            kw.pop("min_length", None)  # min_new_tokens takes precedence anyway; avoids transformers' warning
+            return kw
+
+    eng = trainer.engine
+    if not isinstance(eng, HFEngine):
+        raise RuntimeError("full-length responses need rollout.engine=hf")
+    trainer.engine = FullLengthHFEngine(eng.model, eng.tokenizer, batch_size=eng.batch_size,
+                                        show_progress=eng.show_progress)
+
+
+# --------------------------------------------------------------------------- machine and command
+
+
+def version_of(pkg: str) -> str:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = "unknown"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+                break
+    except OSError:
+        pass
+    try:
+        nproc = subprocess.run(["nproc"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        nproc = str(os.cpu_count())
+    return {
+        "nproc": nproc,
+        "cpu": cpu,
+        "memory": mem,
+        "python": platform.python_version(),
+        "torch": version_of("torch"),
+        "transformers": version_of("transformers"),
+        "trl": version_of("trl"),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "thread_env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if k in os.environ},
+    }
+
+
+def command_line() -> str:
+    """The command as run, relative to the repository root when possible."""
+    exe = sys.executable
+    try:
+        exe = os.path.relpath(exe, ROOT) if Path(exe).absolute().is_relative_to(ROOT) else exe
+    except ValueError:
+        pass
+    script = sys.argv[0]
+    try:
+        script = os.path.relpath(Path(script).resolve(), ROOT)
+    except ValueError:
+        pass
+    return " ".join(shlex.quote(a) for a in [exe, script, *sys.argv[1:]])
+
+
+def machine_lines(info: dict, cmd: str) -> list[str]:
+    thr = info.get("threads")
+    lines = [
+        f"- command: `{cmd}` (from the repository root)",
+        f"- date: {info['date']}",
+        f"- machine: {info['nproc']} CPUs (`nproc`), {info['cpu']}, {info['memory']} RAM",
+        f"- versions: python {info['python']}, torch {info['torch']}, transformers {info['transformers']}, "
+        f"trl {info['trl']}",
+    ]
+    if thr:
+        lines.append(f"- threads: {thr}")
+    return lines
+
+
+# --------------------------------------------------------------------------- markdown output
+
+
+def write_section(path: str | Path, heading: str, body: str) -> None:
+    """Write/replace the section ``heading`` (e.g. "## vs TRL") of a markdown file.
+
+    The section runs from its heading to the next heading of the same or a higher level (or
+    the end of the file); other sections are kept as they are.
+    """
+    path = Path(path)
+    level = len(heading) - len(heading.lstrip("#"))
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    lines = text.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.strip() == heading.strip()), None)
+    new = [heading, "", *body.strip("\n").splitlines(), ""]
+    if start is None:
+        while lines and not lines[-1].strip():
+            lines.pop()
+        lines += ["", *new]
+    else:
+        end = len(lines)
+        for j in range(start + 1, len(lines)):
+            m = re.match(r"^(#+)\s", lines[j])
+            if m and len(m.group(1)) <= level:
+                end = j
+                break
+        lines = lines[:start] + new + lines[end:]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines).rstrip("\n") + "\n")
+
+
+def md_table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- child processes
+
+
+def run_child(argv: list[str], log_path: Path, result_path: Path,
+              timeout: float | None = None) -> tuple[dict | None, str]:
+    """Run ``python argv...`` in a fresh process; return (its JSON result or None, an error text).
+
+    stdout and stderr of the child go to ``log_path``; the child writes its result to
+    ``result_path``.
+    """
+    result_path.unlink(missing_ok=True)
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                                  cwd=str(ROOT))
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    tail = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-40:])
+    if result_path.is_file():
+        res = json.loads(result_path.read_text())
+        if res.get("ok"):
+            return res, ""
+        return None, res.get("error", "") + f"\n(exit status {rc}; log {log_path})"
+    return None, f"child exited with status {rc} and no result; last lines of {log_path}:\n{tail}"
