@@ -93,3 +93,15 @@ def test_every_registered_estimator_validates_with_an_anchor():
     from tether.algo import KL_ESTIMATORS
     for est in KL_ESTIMATORS:
         validate(AlgoConfig(kl=KLConfig(est, beta=0.01), anchor=AnchorConfig("fixed")))
+
+
+def test_algo_layer_imports_only_torch():
+    """tether.algo (and the anchor) must be usable inside another trainer without transformers."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tether.algo, tether.anchor; "
+            "bad = [m for m in ('transformers', 'peft', 'safetensors', 'yaml') if m in sys.modules]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -157,16 +157,22 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     return done[-1] if done else None
 
 
-def load_policy_weights(ckpt: Path, model: torch.nn.Module) -> None:
-    """Load a checkpoint's policy tensors into ``model`` (which must have the same trainable parameters)."""
-    tensors = load_file(str(Path(ckpt) / "policy.safetensors"))
+def copy_named_tensors(tensors: dict[str, torch.Tensor], model: torch.nn.Module, source: str) -> None:
+    """Copy name -> tensor into the model's parameters of the same names (shapes must match)."""
     named = dict(model.named_parameters())
-    missing = [n for n in tensors if n not in named]
-    if missing:
-        raise ValueError(f"{ckpt}: checkpoint parameter {missing[0]!r} is not in the model")
+    for n, t in tensors.items():
+        if n not in named:
+            raise ValueError(f"{source}: tensor {n!r} is not a parameter of the model")
+        if named[n].shape != t.shape:
+            raise ValueError(f"{source}: tensor {n!r} has shape {tuple(t.shape)}, the model's {tuple(named[n].shape)}")
     with torch.no_grad():
         for n, t in tensors.items():
             named[n].copy_(t)
+
+
+def load_policy_weights(ckpt: Path, model: torch.nn.Module) -> None:
+    """Load a checkpoint's policy tensors into ``model`` (which must have the same trainable parameters)."""
+    copy_named_tensors(load_file(str(Path(ckpt) / "policy.safetensors")), model, str(ckpt))
 
 
 def load_anchor_tensors(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -37,7 +37,7 @@ class DataConfig:
     shuffle: bool = True  # files/datasets: visit examples in a seeded random order (train.seed)
     difficulty: int = 1  # arithmetic: number of steps per problem (1-4)
     reward: str = "auto"  # auto (by task) | arithmetic | gsm8k | math | module:function | path.py:function
-    format_weight: float = 0.0  # reward += format_weight when the answer is in the requested format
+    format_weight: float = 0.2  # reward += format_weight when the answer is in the requested format (0 = correctness only)
     system_prompt: str = ""  # system message prepended through the model's chat template ("" = none)
 
 
@@ -46,12 +46,12 @@ class RolloutConfig:
     """Generation: how many responses per step and how they are sampled."""
 
     engine: str = "hf"  # hf: transformers generate on the training model (the only engine so far; others implement tether.rollout.Engine)
-    prompts_per_step: int = 8  # prompts per trainer step
+    prompts_per_step: int = 6  # prompts per trainer step
     n: int = 4  # samples per prompt (the group size G)
     temperature: float = 1.0  # sampling temperature; log-probs are taken at the same temperature
     top_p: float = 1.0  # nucleus sampling (1 = off)
     top_k: int = 0  # top-k sampling (0 = off)
-    max_new_tokens: int = 96  # response length cap; longer responses are truncated
+    max_new_tokens: int = 48  # response length cap; longer responses are truncated
     stop: list = field(default_factory=list)  # stop strings; the response ends right after one
     batch_size: int = 32  # sequences per generate call
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and refill with new prompts
@@ -65,8 +65,8 @@ class RolloutConfig:
 class TrainConfig:
     """Optimization: the update over one rollout batch."""
 
-    steps: int = 30  # trainer steps (rollout + update)
-    lr: float = 1e-6  # AdamW learning rate (EMA-PG: 1e-6)
+    steps: int = 14  # trainer steps (rollout + update); the default run fits 20 minutes on 2 CPU cores
+    lr: float = 2e-5  # AdamW learning rate (EMA-PG used 1e-6 for hundreds of steps; the short CPU default needs more)
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     warmup_steps: int = 0  # linear warm-up, in optimizer steps

@@ -775,9 +775,7 @@ def load_eval_model(
             without anchor tensors (no KL term, or the iterative anchor), anchor tensors that
             do not match the model, or a base model that cannot be loaded.
     """
-    import torch
-
-    from .checkpoint import load_anchor_tensors, load_policy_weights
+    from .checkpoint import copy_named_tensors, load_anchor_tensors, load_policy_weights
     from .models import ModelLoadError, load_model
 
     info = spec if isinstance(spec, EvalModelSpec) else resolve_eval_spec(spec)
@@ -804,17 +802,10 @@ def load_eval_model(
             raise EvalError(f"{e} (base model {mc.name!r}, lora_r={mc.lora_r})") from None
         what = "policy"
         if anchor:
-            tensors = load_anchor_tensors(info.checkpoint)
-            named = dict(model.named_parameters())
-            missing = [k for k in tensors if k not in named]
-            if missing:
-                raise EvalError(f"{info.checkpoint}: anchor tensor {missing[0]!r} is not a parameter of the model")
-            with torch.no_grad():
-                for k, t in tensors.items():
-                    if named[k].shape != t.shape:
-                        raise EvalError(f"{info.checkpoint}: anchor tensor {k!r} has shape {tuple(t.shape)}, "
-                                        f"the model's parameter {tuple(named[k].shape)}")
-                    named[k].copy_(t)
+            try:
+                copy_named_tensors(load_anchor_tensors(info.checkpoint), model, f"{info.checkpoint} anchor")
+            except ValueError as e:
+                raise EvalError(str(e)) from None
             what = f"anchor ({info.anchor_kind})"
         lora = f", LoRA r={mc.lora_r}" if mc.lora_r else ""
         desc = f"run {info.run_dir} [{info.recipe}] step {info.step} {what}; base {mc.name}{lora}"
