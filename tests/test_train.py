@@ -107,6 +107,8 @@ def test_bad_keys_are_errors_with_did_you_mean(tmp_path):
         load_config(None, {"data.task": "gsm8k", "data.difficulty": 3})
     with pytest.raises(ConfigError, match="identically zero"):
         load_config(None, {"train.mini_batches": 1}, recipe_name="rpg_urkl")
+    with pytest.raises(ConfigError, match="data.shuffle has no effect with the synthetic"):
+        load_config(None, {"data.shuffle": False})
     with pytest.raises(ConfigError, match="expected an integer"):
         load_config(None, {"train.steps": "many"})
     y = tmp_path / "c.yaml"

@@ -290,9 +290,9 @@ def check(cfg: Config) -> Config:
     if d.task != "arithmetic" and d.difficulty != dd.difficulty:
         errs.append("data.difficulty only applies to data.task=arithmetic")
     if d.task == "arithmetic":
-        for k in ("prompt_key", "answer_key", "data_dir", "split"):
+        for k in ("prompt_key", "answer_key", "data_dir", "split", "limit", "shuffle"):
             if getattr(d, k) != getattr(dd, k):
-                errs.append(f"data.{k} has no effect with the synthetic arithmetic task")
+                errs.append(f"data.{k} has no effect with the synthetic arithmetic task (an endless seeded stream)")
         if not 1 <= d.difficulty <= 4:
             errs.append(f"data.difficulty must be 1-4, got {d.difficulty}")
     if r.engine not in ("hf",):

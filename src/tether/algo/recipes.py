@@ -78,6 +78,8 @@ def validate(cfg: AlgoConfig) -> AlgoConfig:
         errs.append(unknown_choice("surrogate", cfg.surrogate, SURROGATES))
     if cfg.aggregation not in AGGREGATIONS:
         errs.append(unknown_choice("aggregation", cfg.aggregation, AGGREGATIONS))
+    if cfg.adv_eps != AlgoConfig.adv_eps and cfg.advantage not in ("grpo", "reinforce_pp", "reinforce_pp_baseline"):
+        errs.append(f"adv_eps has no effect with advantage {cfg.advantage!r} (no std normalization)")
     if cfg.agg_max_len and cfg.aggregation != "seq-mean-token-sum-norm":
         errs.append("agg_max_len only applies to aggregation seq-mean-token-sum-norm")
 
