@@ -12,6 +12,7 @@ The mathematics lives in ``tether.algo`` and ``tether.anchor``; this file only m
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -301,7 +302,7 @@ class Trainer:
         kdim = topk or (gather.shape[-1] if gather is not None else 0)
         head = torch.zeros(B, T, kdim, device=self.device) if kdim else None
         size = 2 * self.cfg.train.micro_batch_size
-        ctx = self.anchor.applied(self.model) if with_anchor else _null()
+        ctx = self.anchor.applied(self.model) if with_anchor else contextlib.nullcontext()
         with torch.no_grad(), ctx:
             for idx in _chunks(_length_order(rb, list(range(B))), size):
                 mb = rb.select(idx)
@@ -539,14 +540,6 @@ class Trainer:
             from .plot import plot_runs
             plot_runs([self.run_dir], self.run_dir / "curves.png")
         return self.run_dir
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 def _schedule(kind: str, warmup: int, total: int):
