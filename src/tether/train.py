@@ -149,11 +149,11 @@ class Trainer:
         self._first_reward_error_logged = False
         kl = cfg.algo.kl
         self.use_kl = kl.estimator != "none"
-        vocab = model.get_output_embeddings().weight.shape[0]
+        self.vocab = model.get_output_embeddings().weight.shape[0]
         if kl.estimator in EXACT_ESTIMATORS:
-            self.head_from, self.k = "all", vocab
+            self.head_from, self.k = "all", self.vocab
         elif kl.estimator in TOPK_ESTIMATORS:
-            self.head_from, self.k = ("sampler" if "rev" in kl.estimator else "anchor"), min(kl.topk, vocab)
+            self.head_from, self.k = ("sampler" if "rev" in kl.estimator else "anchor"), min(kl.topk, self.vocab)
         else:
             self.head_from, self.k = None, 0
         self.on_policy = t.epochs == 1 and t.mini_batches == 1
@@ -319,15 +319,15 @@ class Trainer:
                     head[idx, :t] = st.ids_logp.float()
         return logp, ids, head
 
-    def _all_ids(self, b: StepBatch) -> torch.Tensor:
-        B, T = b.rb.response_ids.shape
-        return torch.arange(self.k, device=self.device).expand(B, T, self.k)
+    def _vocab_ids(self, B: int, T: int) -> torch.Tensor:
+        """Every vocabulary id at every position [B, T, V] (an expanded view, no copy)."""
+        return torch.arange(self.vocab, device=self.device).expand(B, T, self.vocab)
 
     def _sampler_pass(self, b: StepBatch) -> None:
         """pi_old's log-probs (and its top-k ids for the reverse top-k KL), unless exactly on-policy."""
         iterative = self.anchor is not None and not self.anchor.needs_forward
         if self.head_from == "all":
-            b.head_ids = self._all_ids(b)
+            b.head_ids = self._vocab_ids(*b.rb.response_ids.shape)
         need_ids = self.head_from == "sampler" or (self.head_from == "anchor" and iterative)
         if self.on_policy and not need_ids:
             return  # pi_old = pi: compute_loss uses sg(logp)
@@ -359,13 +359,12 @@ class Trainer:
         if n == 0:
             return None
         mb = b.rb.select(list(range(n)))
-        ids, att = mb.input_ids()
-        pos = (att.long().cumsum(-1) - 1).clamp(min=0)
-        P, T = mb.prompt_ids.shape[1], mb.response_ids.shape[1]
+        every_id = self._vocab_ids(*mb.response_ids.shape)
 
-        def logprobs():
-            out = self.model(input_ids=ids, attention_mask=att.long(), position_ids=pos, use_cache=False)
-            return (out.logits[:, P - 1:P + T - 1].float() / self.cfg.rollout.temperature).log_softmax(-1)
+        def logprobs():  # [n, T, V] full log-probs at response positions, through the same engine
+            return response_stats(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                                  temperature=self.cfg.rollout.temperature, gather_ids=every_id, entropy=False,
+                                  chunk_size=self.cfg.train.logprob_chunk).ids_logp.float()
 
         lp = logprobs()
         with self.anchor.applied(self.model):
