@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -305,3 +306,27 @@ def test_real_smollm2_gguf():
     # a step with an optimizer works (no "quantized model cannot be trained" refusal)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     opt.step()
+
+
+def test_column_major_weights_keep_values_gradients_and_adamw(tiny_model_dir):
+    """load_model stores CPU Linear weights column-major; outputs, grads and AdamW updates are unchanged."""
+    from tether.models import column_major_linear_weights
+
+    model, _ = load_model(ModelConfig(name=str(tiny_model_dir)))
+    lin = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert lin and all(w.t().is_contiguous() for w in lin)
+    assert column_major_linear_weights(model) == 0  # already done: idempotent
+    ref = copy.deepcopy(model)
+    for w in {id(m.weight): m.weight for m in ref.modules() if isinstance(m, torch.nn.Linear)}.values():
+        w.data = w.data.contiguous()  # the usual row-major layout
+    ids = torch.randint(0, model.config.vocab_size, (3, 7))
+    outs = []
+    for m in (model, ref):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        for _ in range(2):
+            loss = m(input_ids=ids).logits.float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        outs.append(m(input_ids=ids).logits.detach())
+    assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)

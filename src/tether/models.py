@@ -377,6 +377,32 @@ def prepare_tokenizer(tokenizer) -> Any:
     return tokenizer
 
 
+def column_major_linear_weights(model: torch.nn.Module) -> int:
+    """Store every CPU ``nn.Linear`` weight column-major (``w.t()`` contiguous); returns how many moved.
+
+    ``F.linear(x, w)`` computes ``x @ w.t()``. With the usual row-major ``w`` that is MKL's
+    "NT" sgemm, which on this class of CPU is 2-4x slower than "NN" for the few-row inputs
+    of a decode step (8-48 rows: 16 rows x 576 x 1536 takes 1.15 ms NT against 0.26 ms NN,
+    measured on 2 Xeon cores), while the two are equal for the thousands of rows of a
+    training pass. Storing ``w`` column-major turns ``w.t()`` into a contiguous matrix, so
+    every decode matmul takes the fast path; values, shapes, names and the autograd graph
+    are unchanged (the gradient is laid out like the weight). A weight shared by two
+    modules (tied embeddings) is moved once and stays shared. CUDA weights are left alone:
+    cuBLAS has no such asymmetry.
+    """
+    moved, seen = 0, set()
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if not isinstance(mod, torch.nn.Linear) or w is None or w.device.type != "cpu" or id(w) in seen:
+            continue
+        seen.add(id(w))
+        if w.dim() == 2 and not w.t().is_contiguous():
+            with torch.no_grad():
+                w.data = w.data.t().contiguous().t()
+            moved += 1
+    return moved
+
+
 def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     """Load the model and tokenizer described by `cfg`, ready for training.
 
@@ -418,6 +444,7 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     model.to(device)
+    column_major_linear_weights(model)
 
     if cfg.gradient_checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
