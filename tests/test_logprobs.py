@@ -407,3 +407,76 @@ def test_response_stats_rejects_unknown_logit_transform():
     batch = make_batch(64, [2], [3])
     with pytest.raises(ValueError, match="does not reproduce"):
         response_stats(model, *batch[:4])
+
+
+def _repeat_prompts(batch, counts):
+    """A batch whose rows repeat each prompt counts[i] times (the G samples of a group)."""
+    prompt_ids, prompt_mask, response_ids, response_mask, gather_ids = batch
+    rep = torch.tensor([i for i, c in enumerate(counts) for _ in range(c)])
+    return prompt_ids[rep], prompt_mask[rep], response_ids, response_mask, gather_ids
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_shared_prompt_equals_unshared_values_and_gradients(tie):
+    """Running each distinct prompt once (KV expanded to its rows) changes nothing but the work."""
+    vocab = 97
+    model = tiny_llama(vocab=vocab, tie=tie, dtype=torch.float64)
+    # 3 distinct prompts of lengths 5, 2, 4 (left padding), repeated 3, 1, 2 times; ragged responses.
+    base = make_batch(vocab, [5, 2, 4, 1, 1, 1], [6, 3, 1, 4, 6, 2], seed=5)
+    batch = _repeat_prompts(base, [3, 1, 2])
+    coefs = make_coefs(batch[2].shape, 3, batch[4].shape[-1], torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    seen = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(i[0].numel()))
+
+    st = response_stats(model, *batch[:4], topk=3, gather_ids=batch[4], chunk_size=4)
+    grads = torch.autograd.grad(scalar_loss(st, coefs), params)
+    shared_tokens = sum(seen)
+    seen.clear()
+    plain = response_stats(model, *batch[:4], topk=3, gather_ids=batch[4], chunk_size=4, share_prompt=False)
+    plain_grads = torch.autograd.grad(scalar_loss(plain, coefs), params)
+    plain_tokens = sum(seen)
+    hook.remove()
+    ref = naive_response_stats(model, *batch[:4], topk=3, gather_ids=batch[4])
+
+    B, P = batch[0].shape
+    T = batch[2].shape[1]
+    assert shared_tokens == 3 * P + B * T  # each distinct prompt once, then every response
+    assert plain_tokens == B * (P + T)
+    assert_stats_close(st, ref, 1e-10)
+    assert_stats_close(st, plain, 1e-10)
+    # HF's RMSNorm computes in float32 even in a float64 model, so gradients summed in a different
+    # order (the shared prompt's rows meet in one index_add) agree to float32 rounding, not float64.
+    scale = max(g.abs().max().item() for g in plain_grads)
+    for a, b in zip(grads, plain_grads):
+        assert_close(a, b, 1e-6 * scale, "shared-prompt grad")
+
+
+def test_shared_prompt_with_lora_and_off_under_gradient_checkpointing():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_llama(vocab=120, dtype=torch.float64),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                init_lora_weights=False, lora_dropout=0.0))
+    batch = _repeat_prompts(make_batch(120, [4, 2, 1, 1], [3, 5, 2, 4], seed=3), [2, 2])
+    coefs = make_coefs(batch[2].shape, 2, batch[4].shape[-1], torch.float64)
+    params = [p for p in model.parameters() if p.requires_grad]
+    st = response_stats(model, *batch[:4], topk=2, gather_ids=batch[4], chunk_size=3)
+    grads = torch.autograd.grad(scalar_loss(st, coefs), params)
+    ref = naive_response_stats(model, *batch[:4], topk=2, gather_ids=batch[4])
+    ref_grads = torch.autograd.grad(scalar_loss(ref, coefs), params)
+    assert_stats_close(st, ref, 1e-9)
+    scale = max(g.abs().max().item() for g in ref_grads)
+    for a, b in zip(grads, ref_grads):
+        assert_close(a, b, 1e-6 * scale, "lora grad")  # float32 RMSNorm: see the test above
+
+    # Gradient checkpointing in training refuses a KV cache: the plain path runs (and is right).
+    plain = tiny_llama(vocab=120, dtype=torch.float64)
+    plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plain.train()
+    seen = []
+    plain.get_input_embeddings().register_forward_hook(lambda m, i, o: seen.append(i[0].numel()))
+    st = response_stats(plain, *batch[:4], topk=2, gather_ids=batch[4], chunk_size=3)
+    B, P = batch[0].shape
+    assert sum(seen) == B * (P + batch[2].shape[1])
+    plain.eval()
+    assert_stats_close(st, naive_response_stats(plain, *batch[:4], topk=2, gather_ids=batch[4]), 1e-9)

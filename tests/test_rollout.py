@@ -240,6 +240,29 @@ def test_greedy_matches_unpadded_reference(tiny):
     assert _rows(batch) == [r for r in reference for _ in range(2)]
 
 
+def test_shared_prompt_prefill_same_samples_less_work(tiny):
+    """Pre-filling each distinct prompt once (KV expanded to its n rows) draws the same samples."""
+    model, tok = tiny
+    prompts = _prompts(tok)
+    params = SamplingParams(n=3, max_new_tokens=6, seed=11)
+    embed = model.get_input_embeddings()
+    runs = {}
+    for share in (True, False):
+        seen = []
+        hook = embed.register_forward_hook(lambda m, i, o: seen.append(tuple(i[0].shape)))
+        batch = HFEngine(model, tok, batch_size=8, share_prompt=share).generate(prompts, params)
+        hook.remove()
+        runs[share] = (batch, seen)
+    (a, seen_a), (b, seen_b) = runs[True], runs[False]
+    assert torch.equal(a.response_ids, b.response_ids) and a.texts == b.texts
+    # sub-batches of 8 rows over 5 prompts x 3: the first forward of each is the distinct-prompt pre-fill
+    prefills_a = [s for s in seen_a if s[1] > 1]
+    prefills_b = [s for s in seen_b if s[1] > 1]
+    assert sum(r for r, _ in prefills_b) == 15  # every row pre-filled
+    assert sum(r for r, _ in prefills_a) < 15  # each distinct prompt of a sub-batch once
+    assert sum(r * w for r, w in prefills_a) < sum(r * w for r, w in prefills_b)
+
+
 def test_top_k_1_and_tiny_top_p_are_greedy(tiny):
     model, tok = tiny
     prompts = _prompts(tok)[:3]
@@ -333,13 +356,16 @@ def test_stop_string_stops_generation_early(tiny):
     free = eng.generate([prompt], SamplingParams(n=1, max_new_tokens=30, greedy=True))
     toks = _rows(free)[0]
     stop, cut = _stop_candidate(tok, toks, min_pos=2)
-    steps = []
-    handle = model.register_forward_pre_hook(lambda mod, args: steps.append(1))
-    try:
-        eng.generate([prompt], SamplingParams(n=3, max_new_tokens=30, greedy=True, stop=[stop]))
-    finally:
-        handle.remove()
-    assert len(steps) == cut  # one forward per generated token, none after the stop
+    for share, prefill in ((False, 0), (True, 1)):
+        steps = []
+        handle = model.register_forward_pre_hook(lambda mod, args: steps.append(1))
+        try:
+            HFEngine(model, tok, share_prompt=share).generate(
+                [prompt], SamplingParams(n=3, max_new_tokens=30, greedy=True, stop=[stop]))
+        finally:
+            handle.remove()
+        # one forward per generated token, none after the stop (plus the shared prompt pre-fill)
+        assert len(steps) == cut + prefill
 
 
 def test_stop_string_not_matched_across_prompt_boundary(tiny):

@@ -54,6 +54,7 @@ class RolloutConfig:
     max_new_tokens: int = 48  # response length cap; longer responses are truncated
     stop: list = field(default_factory=list)  # stop strings; the response ends right after one
     batch_size: int = 32  # sequences per generate call
+    share_prompt: bool = True  # pre-fill each distinct prompt once per generate call and copy its KV cache to its n samples
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and refill with new prompts
     max_refill_rounds: int = 3  # dynamic_sampling: at most this many extra generation rounds per step
     overlong_buffer_frac: float = 0.0  # DAPO soft overlong penalty: linear penalty over the last frac of max_new_tokens (0 = off)
@@ -76,6 +77,7 @@ class TrainConfig:
     mini_batches: int = 1  # optimizer steps per epoch; each sees 1/mini_batches of the batch
     micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
     logprob_chunk: int = 1024  # tokens per chunk in the log-prob engine (peak memory ~ chunk x vocab)
+    share_prompt: bool = True  # forward each group's prompt once per micro-batch and reuse its KV cache for the G responses (exact; off under gradient checkpointing)
     seed: int = 0  # seeds data order, sampling and initialization
 
 

@@ -455,6 +455,79 @@ def _final_hidden(
     return hidden, out.logits[:, -1]
 
 
+def _gradient_checkpointing_on(model: torch.nn.Module) -> bool:
+    """Whether the (peft-unwrapped) model recomputes activations in training (it then refuses a KV cache)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return bool(getattr(base, "is_gradient_checkpointing", False)) and base.training
+
+
+def _prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with identical (ids, mask) prompts: ``(first [U], inverse [B])`` with ``rows = first[inverse]``."""
+    key = torch.cat([prompt_ids, prompt_mask.long()], dim=1)  # [B, 2P]
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)  # [B] in 0..U-1
+    rows = torch.arange(key.shape[0], device=key.device)
+    first = torch.full((int(inverse.max()) + 1,), key.shape[0], dtype=torch.long, device=key.device)
+    first = first.scatter_reduce(0, inverse, rows, reduce="amin")  # [U] first row of each prompt
+    return first, inverse
+
+
+def _shared_prompt_hidden(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    first: torch.Tensor,
+    inverse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Hidden states predicting each response token, running every distinct prompt once.
+
+    Pass 1 runs the U distinct prompts [U, P] with a KV cache; its last position predicts
+    response token 0. The cache is expanded to the B rows (``index_select``, differentiable,
+    so each row's gradient flows back into its prompt's shared activations and the sums
+    equal the unshared gradient) and pass 2 runs the responses [B, T] against it. Compute
+    and activation memory on prompts drop from B x P tokens to U x P.
+
+    Returns ``(h [B, T, H], last hidden [B, H], model logits at it [B, V])``, or None when the
+    model gave no cache (the caller then runs the plain path).
+    """
+    n_prompt, n_resp = prompt_ids.shape[1], response_ids.shape[1]
+    p_mask = prompt_mask[first].long()  # [U, P]
+    out = model(
+        input_ids=prompt_ids[first],
+        attention_mask=p_mask,
+        position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
+        logits_to_keep=1,
+        use_cache=True,
+        output_hidden_states=_HIDDEN_REQUEST,
+        return_dict=True,
+    )
+    cache = getattr(out, "past_key_values", None)
+    hs = getattr(out, "hidden_states", None)
+    if cache is None or not hasattr(cache, "reorder_cache") or hs is None or hs[-1] is None:
+        return None
+    h_first = hs[-1][:, -1]  # [U, H]: the last prompt position (left padding: always real)
+    del out, hs
+    cache.reorder_cache(inverse)  # [U, ...] -> [B, ...]
+    full_mask = torch.cat([prompt_mask, response_mask], dim=1).long()  # [B, P+T]
+    out = model(
+        input_ids=response_ids,
+        attention_mask=full_mask,
+        position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)[:, n_prompt:],
+        past_key_values=cache,
+        logits_to_keep=1,
+        use_cache=True,
+        output_hidden_states=_HIDDEN_REQUEST,
+        return_dict=True,
+    )
+    hs = getattr(out, "hidden_states", None)
+    if hs is None or hs[-1] is None:
+        return None
+    h_resp = hs[-1]  # [B, T, H]: position t predicts response token t+1
+    h = torch.cat([h_first[inverse, None], h_resp[:, : n_resp - 1]], dim=1)  # [B, T, H]
+    return h, h_resp[:, -1], out.logits[:, -1]
+
+
 def _text_config(model: torch.nn.Module) -> Any:
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "get_text_config"):
@@ -548,6 +621,7 @@ def response_stats(
     gather_ids: torch.Tensor | None = None,
     entropy: bool = True,
     chunk_size: int = 1024,
+    share_prompt: bool = True,
 ) -> TokenStats:
     """Statistics of a causal LM's next-token distribution at each response token.
 
@@ -570,6 +644,10 @@ def response_stats(
         response_mask: [B, T] bool, True on real response tokens.
         temperature, topk, entropy, chunk_size: as in :func:`token_stats`.
         gather_ids: optional [B, T, k] long ids whose log-probs are returned.
+        share_prompt: run each distinct prompt once when rows repeat it (the G samples of a
+            group), with its KV cache expanded to the rows (see `_shared_prompt_hidden`). Same
+            values and gradients up to float rounding; off, or with gradient checkpointing in
+            training (which refuses a cache), every row recomputes its prompt.
 
     Returns:
         :class:`TokenStats` laid out as [B, T] (and [B, T, k]); positions where
@@ -585,19 +663,27 @@ def response_stats(
     if gather_ids is not None and (gather_ids.dim() != 3 or gather_ids.shape[:2] != response_ids.shape):
         raise ValueError(f"gather_ids must have shape [B, T, k], got {tuple(gather_ids.shape)}")
 
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # [B, S]
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()  # [B, S]
-    # Left padding: the first real token gets position 0, as in `generate`.
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]
-
-    hidden, last_logits = _final_hidden(model, input_ids, attention_mask, position_ids)  # [B, S, H], [B, V]
+    shared = None
+    if share_prompt and not _gradient_checkpointing_on(model):
+        first, inverse = _prompt_groups(prompt_ids, prompt_mask)
+        if len(first) < prompt_ids.shape[0]:
+            shared = _shared_prompt_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, first, inverse)
+    if shared is not None:
+        h_resp, last_hidden, last_logits = shared  # [B, T, H], [B, H], [B, V]
+    else:
+        input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # [B, S]
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()  # [B, S]
+        # Left padding: the first real token gets position 0, as in `generate`.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]
+        hidden, last_logits = _final_hidden(model, input_ids, attention_mask, position_ids)  # [B, S, H], [B, V]
+        last_hidden = hidden[:, -1]
+        h_resp = hidden[:, n_prompt - 1 : n_prompt + n_resp - 1]  # [B, T, H]; position P-1+t predicts token t
     weight, bias = _head_params(model)
     softcap = _logit_softcap(model)
-    _check_head(hidden[:, -1], weight, bias, softcap, last_logits)
+    _check_head(last_hidden, weight, bias, softcap, last_logits)
     del last_logits
 
     mask = response_mask.bool()  # [B, T]
-    h_resp = hidden[:, n_prompt - 1 : n_prompt + n_resp - 1]  # [B, T, H]; position P-1+t predicts token t
     packed = h_resp[mask]  # [N, H]
     targets = response_ids[mask]  # [N]
     ids = gather_ids[mask] if gather_ids is not None else None  # [N, k]

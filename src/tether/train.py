@@ -108,10 +108,23 @@ class StepBatch:
     head_ref_logp: Optional[torch.Tensor] = None  # [B, T, k] anchor log-probs at q
 
 
-def _length_order(rb: RolloutBatch, idx: list[int]) -> list[int]:
-    """idx sorted by total sequence length, so micro-batches waste little padding."""
+#: Loss metrics that compute_loss normalizes by the whole mini-batch (num_tokens / num_seqs), so a
+#: micro-batch reports its part of the mini-batch value: they add up, independent of the split.
+_PARTIAL_SUMS = ("pg_loss", "kl_loss")
+
+
+def _length_order(rb: RolloutBatch, idx: list[int], by_group: bool = False) -> list[int]:
+    """idx sorted so that micro-batches waste little padding.
+
+    Plain: by total sequence length. ``by_group`` (shared prompts): by prompt length, then
+    group, then total length, so a group's rows stay adjacent and land in one micro-batch,
+    where its prompt is run once.
+    """
     tot = (rb.prompt_mask.sum(-1) + rb.response_mask.sum(-1)).tolist()
-    return sorted(idx, key=lambda i: tot[i])
+    if not by_group:
+        return sorted(idx, key=lambda i: tot[i])
+    plen, group = rb.prompt_mask.sum(-1).tolist(), rb.group.tolist()
+    return sorted(idx, key=lambda i: (plen[i], group[i], tot[i]))
 
 
 def _chunks(idx: list[int], size: int) -> list[list[int]]:
@@ -138,6 +151,8 @@ class Trainer:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # Not fused=True: torch's fused CPU AdamW assumes contiguous tensors and silently mis-updates
+        # the column-major weights that models.column_major_linear_weights gives CPU models.
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         total = t.steps * t.epochs * t.mini_batches
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(t.schedule, t.warmup_steps, total))
@@ -195,7 +210,7 @@ class Trainer:
         r = self.cfg.rollout
         if r.engine == "hf":
             from .rollout.hf import HFEngine
-            return HFEngine(self.model, self.tokenizer, batch_size=r.batch_size)
+            return HFEngine(self.model, self.tokenizer, batch_size=r.batch_size, share_prompt=r.share_prompt)
         raise ValueError(f"unknown rollout.engine {r.engine!r}")
 
     # ------------------------------------------------------------ rollout and rewards
@@ -304,13 +319,14 @@ class Trainer:
         size = 2 * self.cfg.train.micro_batch_size
         ctx = self.anchor.applied(self.model) if with_anchor else contextlib.nullcontext()
         with torch.no_grad(), ctx:
-            for idx in _chunks(_length_order(rb, list(range(B))), size):
+            for idx in _chunks(_length_order(rb, list(range(B)), self.cfg.train.share_prompt), size):
                 mb = rb.select(idx)
                 t = mb.response_ids.shape[1]
                 g = gather[idx, :t] if gather is not None else None
                 st = response_stats(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
                                     temperature=self.cfg.rollout.temperature, topk=topk, gather_ids=g,
-                                    entropy=False, chunk_size=self.cfg.train.logprob_chunk)
+                                    entropy=False, chunk_size=self.cfg.train.logprob_chunk,
+                                    share_prompt=self.cfg.train.share_prompt)
                 logp[idx, :t] = st.logp.float()
                 if topk:
                     ids[idx, :t] = st.topk_ids
@@ -364,7 +380,8 @@ class Trainer:
         def logprobs():  # [n, T, V] full log-probs at response positions, through the same engine
             return response_stats(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
                                   temperature=self.cfg.rollout.temperature, gather_ids=every_id, entropy=False,
-                                  chunk_size=self.cfg.train.logprob_chunk).ids_logp.float()
+                                  chunk_size=self.cfg.train.logprob_chunk,
+                                  share_prompt=self.cfg.train.share_prompt).ids_logp.float()
 
         lp = logprobs()
         with self.anchor.applied(self.model):
@@ -380,7 +397,9 @@ class Trainer:
         from .algo import compute_loss
         t, rb = self.cfg.train, b.rb
         B = len(rb)
-        sums: dict[str, float] = {}
+        sums: dict[str, float] = {}  # token-weighted sums of per-micro-batch means
+        partial: dict[str, float] = {}  # per-mini-batch sums of micro-batch parts (_PARTIAL_SUMS)
+        n_minis = 0
         weight = 0.0
         ent_sum, ent_n, grad_norms, train_tokens = 0.0, 0.0, [], 0
         rmax, rmin = -math.inf, math.inf
@@ -390,7 +409,7 @@ class Trainer:
             for mini in _chunks(perm, math.ceil(B / t.mini_batches)):
                 n_tok = float(b.loss_mask[mini].sum())
                 losses = []
-                for idx in _chunks(_length_order(rb, mini), t.micro_batch_size):
+                for idx in _chunks(_length_order(rb, mini, t.share_prompt), t.micro_batch_size):
                     mb = rb.select(idx)
                     T = mb.response_ids.shape[1]
                     sl = lambda x: None if x is None else x[idx, :T]
@@ -398,7 +417,7 @@ class Trainer:
                     st = response_stats(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
                                         temperature=self.cfg.rollout.temperature,
                                         gather_ids=head_ids if self.k else None, entropy=True,
-                                        chunk_size=t.logprob_chunk)
+                                        chunk_size=t.logprob_chunk, share_prompt=t.share_prompt)
                     mask = b.loss_mask[idx, :T]
                     kw = {}
                     if self.head_from is not None and self.use_kl:
@@ -416,7 +435,9 @@ class Trainer:
                     losses.append(out.loss.detach())
                     w = out.metrics["n_tokens"]
                     for k, v in out.metrics.items():
-                        if k not in ("n_tokens", "ratio_max", "ratio_min"):
+                        if k in _PARTIAL_SUMS:  # already normalized by the mini-batch: add up
+                            partial[k] = partial.get(k, 0.0) + v
+                        elif k not in ("n_tokens", "ratio_max", "ratio_min"):
                             sums[k] = sums.get(k, 0.0) + v * w
                     rmax, rmin = max(rmax, out.metrics["ratio_max"]), min(rmin, out.metrics["ratio_min"])
                     weight += w
@@ -424,6 +445,7 @@ class Trainer:
                     ent_sum += float((st.entropy.detach().float() * fm).sum())
                     ent_n += float(fm.sum())
                     train_tokens += int(mb.prompt_mask.sum() + mb.response_mask.sum())
+                n_minis += 1
                 loss = torch.stack(losses).sum()
                 gn = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else math.inf)
                 if not (torch.isfinite(loss) and torch.isfinite(gn)):
@@ -437,6 +459,7 @@ class Trainer:
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
         out = {k: v / max(weight, 1.0) for k, v in sums.items()}
+        out.update({k: v / max(n_minis, 1) for k, v in partial.items()})  # mean over mini-batches
         out.update(ratio_max=rmax, ratio_min=rmin)
         out.update(entropy=ent_sum / max(ent_n, 1.0), grad_norm=max(grad_norms) if grad_norms else float("nan"),
                    lr=self.scheduler.get_last_lr()[0], skipped_updates=self.skipped_updates, train_tokens=train_tokens)

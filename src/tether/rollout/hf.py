@@ -6,12 +6,14 @@ optimizes, so `sync_weights` has nothing to do. Each `generate` call
 1. expands every prompt ``n`` times (rows of a prompt contiguous),
 2. orders the rows by prompt length (longest first) and cuts them into sub-batches of
    ``batch_size`` sequences, so each sub-batch carries little left padding,
-3. runs ``model.generate`` per sub-batch in eval mode under ``torch.no_grad`` with the KV
+3. pre-fills each distinct prompt of a sub-batch once and expands its KV cache to the
+   prompt's ``n`` rows (``share_prompt``), then
+4. runs ``model.generate`` per sub-batch in eval mode under ``torch.no_grad`` with the KV
    cache on (``use_cache=True``, even if training disabled it for gradient checkpointing),
    then restores the previous train/eval mode,
-4. post-processes every row: cut after the first EOS (EOS kept, mask True) or right after
+5. post-processes every row: cut after the first EOS (EOS kept, mask True) or right after
    the token that completes a stop string, and records the finish reason,
-5. restores the original row order and pads everything into a `RolloutBatch`.
+6. restores the original row order and pads everything into a `RolloutBatch`.
 
 Sampling distribution. Only the requested knobs are applied (temperature, top-p, top-k;
 argmax when greedy). Knobs that a checkpoint's ``generation_config.json`` may set and that
@@ -115,15 +117,20 @@ class HFEngine:
         tokenizer: its tokenizer (used for the pad/EOS ids and to decode texts and stop strings).
         batch_size: number of sequences (prompts x n) per ``model.generate`` call.
         show_progress: show a tqdm bar over the sub-batches.
+        share_prompt: pre-fill each distinct prompt of a sub-batch once and expand its KV cache
+            to the prompt's rows (the ``n`` samples), instead of pre-filling every row; the
+            sampling distribution is unchanged.
     """
 
-    def __init__(self, model, tokenizer, batch_size: int = 32, show_progress: bool = False):
+    def __init__(self, model, tokenizer, batch_size: int = 32, show_progress: bool = False,
+                 share_prompt: bool = True):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.show_progress = show_progress
+        self.share_prompt = share_prompt
         gen_cfg = _generation_config(model)
         eos = _as_id_list(getattr(gen_cfg, "eos_token_id", None)) + _as_id_list(tokenizer.eos_token_id)
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos))  # ordered, unique
@@ -245,11 +252,39 @@ class HFEngine:
         if params.stop:
             crit = _StopOnStrings(self.tokenizer, list(params.stop), width, self.eos_token_ids)
             kwargs["stopping_criteria"] = StoppingCriteriaList([crit])
-        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+        ids, mask = ids.to(device), mask.to(device)
+        if self.share_prompt and width > 1:
+            cache = self._shared_prefill(chunk_prompts, ids, mask)
+            if cache is not None:
+                kwargs["past_key_values"] = cache
+        out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         if not isinstance(out, torch.Tensor):  # return_dict_in_generate set in a generation config
             out = out.sequences
         resp = out[:, width:].cpu().tolist()
         return [self._finish_row(tokens, params) for tokens in resp]
+
+    def _shared_prefill(self, chunk_prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor):
+        """KV cache of ``ids[:, :-1]`` computed once per distinct prompt, expanded to all rows.
+
+        Rows of one prompt are adjacent (see `generate`). ``generate`` then feeds only the last
+        prompt column (positions come from ``mask`` as usual) and decodes from there. Returns
+        None when every row's prompt is distinct (nothing to share) or the model keeps no
+        ``DynamicCache``-like cache.
+        """
+        first = [r for r in range(len(chunk_prompts)) if r == 0 or chunk_prompts[r] != chunk_prompts[r - 1]]
+        if len(first) == len(chunk_prompts):
+            return None
+        inverse = torch.tensor([sum(1 for f in first if f <= r) - 1 for r in range(len(chunk_prompts))],
+                               device=ids.device)  # [rows] -> distinct prompt
+        head = torch.tensor(first, device=ids.device)
+        pre_mask = mask[head, :-1]  # [U, W-1]
+        out = self.model(input_ids=ids[head, :-1], attention_mask=pre_mask,
+                         position_ids=(pre_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
+        cache = getattr(out, "past_key_values", None)
+        if cache is None or not hasattr(cache, "reorder_cache"):
+            return None
+        cache.reorder_cache(inverse)
+        return cache
 
     def _finish_row(self, tokens: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
         """Cut one generated row at EOS / stop string; return ``(tokens, finish_reason, text)``."""
