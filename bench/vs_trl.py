@@ -51,7 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _benchutil as bu  # noqa: E402
 
 _T_START = time.perf_counter()  # process start (the imports above are stdlib only)
-RUNS = ("tether_grpo", "trl_grpo", "ema_pg", "rpg_reinforce_urkl")
+RUNS = ("tether_grpo", "trl_grpo", "ema_pg", "rpg_reinforce_urkl", "tether_grpo_ckpt")
+#: tether runs that are tether_grpo with extra overrides: the memory-lean variant recomputes
+#: activations in backward (gradient checkpointing; the shared-prompt passes are then off).
+VARIANTS = {"tether_grpo": ("grpo", {}), "tether_grpo_ckpt": ("grpo", {"model.gradient_checkpointing": True})}
 MICRO_BATCH = 8  # tether's train.micro_batch_size default; TRL's per_device_train_batch_size matches it
 
 
@@ -87,13 +90,13 @@ def _tether_overrides(a, recipe: str) -> dict:
     return ov
 
 
-def child_tether(a, recipe: str) -> dict:
+def child_tether(a, recipe: str, extra: dict | None = None) -> dict:
     import torch
 
     from tether.config import load_config
     from tether.train import Trainer
 
-    cfg = load_config(None, _tether_overrides(a, recipe), recipe_name=recipe)
+    cfg = load_config(None, {**_tether_overrides(a, recipe), **(extra or {})}, recipe_name=recipe)
     run_dir = Path(tempfile.mkdtemp(prefix=f"tether-{recipe}-", dir=a.workdir))
     cfg.run.output_dir = str(run_dir)
     trainer = Trainer(cfg, run_dir, log=lambda *x: print(*x, flush=True))
@@ -245,7 +248,8 @@ def child_main(a) -> int:
         if a._child == "trl_grpo":
             res = child_trl(a)
         else:
-            res = child_tether(a, "grpo" if a._child == "tether_grpo" else a._child)
+            recipe, extra = VARIANTS.get(a._child, (a._child, {}))
+            res = child_tether(a, recipe, extra)
         res.update(bu.peak_rss(), ok=True, name=a._child)
         out.write_text(json.dumps(res))
         return 0
@@ -303,6 +307,10 @@ def report(a, results: dict, errors: dict, info: dict) -> tuple[str, list[str]]:
         ratio_line("step time ema_pg/tether_grpo", g("ema_pg", "median"), g("tether_grpo", "median"), "<= 1.25"),
         ratio_line("step time rpg_reinforce_urkl/tether_grpo", g("rpg_reinforce_urkl", "median"),
                    g("tether_grpo", "median"), None),
+        ratio_line("peak RSS tether_grpo_ckpt/trl_grpo", g("tether_grpo_ckpt", "peak_rss_mb"),
+                   g("trl_grpo", "peak_rss_mb"), "<= 0.5"),
+        ratio_line("step time tether_grpo_ckpt/trl_grpo", g("tether_grpo_ckpt", "median"), g("trl_grpo", "median"),
+                   None),
         ratio_line("step time per generated token tether_grpo/trl_grpo", g("tether_grpo", "s_per_gen_token"),
                    g("trl_grpo", "s_per_gen_token"), None) + "  (informative: corrects for random lengths)",
     ]
