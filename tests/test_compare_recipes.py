@@ -1,0 +1,181 @@
+"""bench/compare_recipes.py (the results report) in --quick mode on the tiny random model.
+
+The script is driven through its ``main(argv)``, on the synthetic arithmetic task and on a small
+GSM8K-like data directory (``gsm8k_train.jsonl`` / ``gsm8k_test.jsonl``) written here, so the
+test needs no shared data. Checked: the report, the JSON and the plot are written with finite
+numbers; the exact full-vocabulary KL matches a naive full-logits computation; a run whose
+weights cannot move (lr = 0) has KL 0 to the initial model and the initial accuracy, while a
+run that got a learning signal has KL > 0; a crashing run is recorded and the others go on.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cr():
+    spec = importlib.util.spec_from_file_location("compare_recipes", ROOT / "bench" / "compare_recipes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def gsm_dir(tmp_path_factory):
+    """GSM8K-shaped files: a question and a worked answer ending in '#### N'."""
+    d = tmp_path_factory.mktemp("gsm8k_like")
+    for split, n in (("train", 12), ("test", 6)):
+        with open(d / f"gsm8k_{split}.jsonl", "w") as f:
+            for i in range(n):
+                a, b = 3 + i, 4 + 2 * i
+                f.write(json.dumps({"question": f"Sam has {a} pens and buys {b} more. How many pens does Sam have?",
+                                    "answer": f"Sam has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} pens.\n#### {a + b}"})
+                        + "\n")
+    return d
+
+
+def _argv(tiny_model_dir, gsm_dir, tmp, **kw):
+    argv = ["--quick", "--model", str(tiny_model_dir), "--data-dir", str(gsm_dir), "--work-dir", str(tmp / "work"),
+            "--out", str(tmp / "docs" / "results.md"), "--steps", "1", "--prompts-per-step", "1", "--samples", "4",
+            "--max-new-tokens", "8", "--eval-limit-synthetic", "4", "--eval-limit-gsm8k", "3",
+            "--eval-max-new-tokens", "8", "--kl-prompts", "2", "--no-progress"]
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}", *([str(x) for x in v] if isinstance(v, (list, tuple)) else [str(v)])]
+    return argv
+
+
+def _finite(x):
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def test_quick_report_tables_plot_and_kl(cr, tiny_model_dir, gsm_dir, tmp_path, capsys):
+    argv = _argv(tiny_model_dir, gsm_dir, tmp_path, recipes=["grpo", "dapo"], seeds=[0, 1],
+                 tasks=["arithmetic", "gsm8k"], lr="1e-2")
+    assert cr.main(argv) == 0
+    md, js, png = tmp_path / "docs" / "results.md", tmp_path / "docs" / "results.json", \
+        tmp_path / "docs" / "results_rewards.png"
+    assert md.is_file() and js.is_file() and png.is_file() and png.stat().st_size > 10_000
+    res = json.loads(js.read_text())
+    assert sorted(res["runs"]) == sorted(f"{t}/{r}/seed{s}" for t in ("arithmetic", "gsm8k")
+                                         for r in ("grpo", "dapo") for s in (0, 1))
+    vocab = 384
+    moved = 0
+    for key, r in res["runs"].items():
+        assert r["status"] == "ok", (key, r.get("error"))
+        assert len(r["steps"]) == 1 and _finite(r["steps"][0]["reward_mean"])
+        assert (Path(r["run_dir"]) / "metrics.jsonl").is_file() and not (Path(r["run_dir"]) / "checkpoints").exists()
+        assert 0.0 <= r["eval"]["avg@1"] <= 1.0
+        assert r["gen_tokens"] > 0 and r["kl_tokens"] > 0
+        assert _finite(r["kl_to_initial"]) and r["kl_to_initial"] >= 0.0
+        assert _finite(r["entropy"]) and 0.0 < r["entropy"] <= math.log(vocab) + 1e-6
+        # the weights move iff some gradient was non-zero: KL > 0 exactly then, else exactly 0
+        if max(s["grad_norm"] for s in r["steps"]) > 0:
+            assert r["kl_to_initial"] > 1e-6, key
+            moved += 1
+        else:
+            assert r["kl_to_initial"] < 1e-9, key
+    assert moved >= 1  # dapo's overlong shaping gives the random model a signal (not vacuous)
+    for task in ("arithmetic", "gsm8k"):
+        b = res["before"][task]
+        assert 0.0 <= b["eval"]["avg@1"] <= 1.0 and b["kl_to_initial"] < 1e-9 and b["entropy"] > 0
+    assert res["before"]["gsm8k"]["eval"]["n_problems"] == 3 and "test" in res["before"]["gsm8k"]["description"]
+
+    text = md.read_text()
+    for head in ("Table 1: held-out accuracy before and after", "Table 2: KL to the initial model and entropy",
+                 "Table 3: per-run wall time and generated tokens", "### Reading these numbers", "## Budgets"):
+        assert head in text
+    assert cr.PLACEHOLDER in text and "results_rewards.png" in text
+    assert "bench/compare_recipes.py --quick" in text and "--lr 1e-2" in text  # the exact command
+    # every table row of Table 1 carries numbers (not '-') for before and after
+    t1 = text.split("## Table 1")[1].split("## Table 2")[0]
+    rows = [ln for ln in t1.splitlines() if ln.startswith("| grpo") or ln.startswith("| dapo")]
+    assert len(rows) == 4
+    for ln in rows:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        assert all(re.fullmatch(r"\d+\.\d", c) for c in cells[1:3]), ln
+    t2 = text.split("## Table 2")[1].split("## Table 3")[0]
+    kl_cells = re.findall(r"\| (grpo|dapo) \| ([0-9.e+-]+) \|", t2)
+    assert len(kl_cells) == 4 and all(float(v) >= 0 for _, v in kl_cells)
+    t3 = text.split("## Table 3")[1]
+    assert sum(ln.startswith("| arithmetic") or ln.startswith("| gsm8k") for ln in t3.splitlines()) == 8
+
+    # --report-only re-renders from the JSON without running anything
+    md.unlink()
+    png.unlink()
+    assert cr.main(argv + ["--report-only"]) == 0
+    assert md.read_text() == text and png.is_file()
+
+
+def test_lr0_has_zero_kl_and_a_crash_is_recorded(cr, tiny_model_dir, gsm_dir, tmp_path, monkeypatch):
+    real = cr.one_run
+
+    def one_run(a, task, recipe, seed, *args):
+        if recipe == "grpo":
+            raise RuntimeError("injected failure")
+        return real(a, task, recipe, seed, *args)
+
+    monkeypatch.setattr(cr, "one_run", one_run)
+    # dapo seed 1 gets a learning signal on the first step (its overlong shaping separates the samples)
+    argv = _argv(tiny_model_dir, gsm_dir, tmp_path, recipes=["grpo", "dapo"], seeds=[1], tasks=["arithmetic"],
+                 lr=0)
+    assert cr.main(argv) == 1  # one run failed
+    res = json.loads((tmp_path / "docs" / "results.json").read_text())
+    bad, ok = res["runs"]["arithmetic/grpo/seed1"], res["runs"]["arithmetic/dapo/seed1"]
+    assert bad["status"] == "failed" and "injected failure" in bad["error"]
+    assert ok["status"] == "ok"
+    # lr = 0: a non-zero gradient, but the final policy is the initial model, so its KL to it is 0 and the
+    # greedy accuracy is unchanged
+    assert ok["steps"][0]["grad_norm"] > 0
+    assert ok["kl_to_initial"] < 1e-6 and ok["kl_tokens"] > 0
+    assert ok["eval"]["avg@1"] == res["before"]["arithmetic"]["eval"]["avg@1"]
+    text = (tmp_path / "docs" / "results.md").read_text()
+    assert "failed: `RuntimeError: injected failure`" in text
+
+
+def test_exact_kl_matches_full_logits(cr, tiny_model_dir):
+    from tether.models import ModelConfig, load_model
+    from tether.rollout import SamplingParams
+    from tether.rollout.hf import HFEngine
+
+    init, tok = load_model(ModelConfig(name=str(tiny_model_dir)))
+    pol = copy.deepcopy(init)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in pol.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    prompts = [tok("What is 2 + 2?")["input_ids"], tok("Hello world! Compute 12 * 7")["input_ids"],
+               tok("the quick brown fox")["input_ids"]]
+    rb = HFEngine(pol, tok).generate(prompts, SamplingParams(n=1, temperature=1.0, max_new_tokens=10, seed=3))
+    out = cr.token_kl_entropy(pol, init, rb, micro=2)
+
+    ids, mask = rb.input_ids()
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    P, T = rb.prompt_ids.shape[1], rb.response_ids.shape[1]
+    with torch.no_grad():
+        lp = torch.log_softmax(pol(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits.double(), -1)
+        lq = torch.log_softmax(init(input_ids=ids, attention_mask=mask.long(), position_ids=pos).logits.double(), -1)
+    lp, lq = lp[:, P - 1:P + T - 1], lq[:, P - 1:P + T - 1]
+    m = rb.response_mask
+    kl = (lp.exp() * (lp - lq)).sum(-1)[m]
+    ent = -(lp.exp() * lp).sum(-1)[m]
+    assert out["kl_tokens"] == int(m.sum()) > 0
+    assert out["kl_to_initial"] == pytest.approx(float(kl.mean()), rel=1e-4, abs=1e-7)
+    assert out["entropy"] == pytest.approx(float(ent.mean()), rel=1e-4)
+    assert out["kl_to_initial"] > 1e-3
+    assert cr.token_kl_entropy(init, init, rb)["kl_to_initial"] == 0.0
+
+
+def test_missing_gsm8k_is_a_clear_error(cr, tiny_model_dir, tmp_path):
+    with pytest.raises(SystemExit, match="lacks gsm8k_train.jsonl, gsm8k_test.jsonl"):
+        cr.main(_argv(tiny_model_dir, tmp_path / "nothing_here", tmp_path, tasks=["gsm8k"]))
