@@ -131,7 +131,7 @@ def force_full_length(trainer) -> None:
     if not isinstance(eng, HFEngine):
         raise RuntimeError("full-length responses need rollout.engine=hf")
     trainer.engine = FullLengthHFEngine(eng.model, eng.tokenizer, batch_size=eng.batch_size,
-                                        show_progress=eng.show_progress, share_prompt=eng.share_prompt)
+                                        show_progress=eng.show_progress, share_prompt=eng.share_prompt, prune_every=eng.prune_every)
 
 
 # --------------------------------------------------------------------------- machine and command

@@ -742,7 +742,8 @@ def main(argv=None) -> int:
         cmd["wall_s"] = time.perf_counter() - t_start
         write_json(js, res)
 
-    plan = [(t, r, s) for t in a.tasks for r in a.recipes for s in a.seeds]
+    # seed-major within a task: if the comparison is cut short, every recipe has the same seeds done
+    plan = [(t, r, s) for t in a.tasks for s in a.seeds for r in a.recipes]
     todo = [p for p in plan if run_key(*p) not in res["runs"]]
     print(f"[compare] {len(plan)} runs ({len(plan) - len(todo)} reused): recipes {' '.join(a.recipes)}; seeds "
           f"{' '.join(map(str, a.seeds))}; tasks {' '.join(a.tasks)}; {a.steps} steps x {a.prompts_per_step} "

@@ -587,3 +587,48 @@ def test_real_smollm2_generation():
     out = model(input_ids=ids, attention_mask=mask.long())
     out.logits[:, -1].logsumexp(-1).mean().backward()
     assert model.model.embed_tokens.weight.grad is not None
+
+
+# --------------------------------------------------------------------------- pruning finished rows
+
+
+@pytest.mark.parametrize("prune_every", [1, 3])
+def test_pruning_finished_rows_keeps_greedy_outputs(tiny, prune_every):
+    """Decoding in segments and dropping finished rows == one unsegmented generate (greedy)."""
+    model, tok = tiny
+    prompts = _prompts(tok)
+    reference = [_reference_greedy(model, p, 12, tok.eos_token_id) for p in prompts]
+    eng = HFEngine(model, tok, batch_size=16, prune_every=prune_every)
+    assert _rows(eng.generate(prompts, SamplingParams(n=2, max_new_tokens=12, greedy=True))) == \
+        [r for r in reference for _ in range(2)]
+    # stop strings across segment boundaries: same cut as without pruning
+    free = HFEngine(model, tok, prune_every=0).generate(prompts, SamplingParams(n=1, max_new_tokens=20, greedy=True))
+    stop, cut = _stop_candidate(tok, _rows(free)[1], min_pos=4)
+    out = eng.generate([prompts[1]], SamplingParams(n=2, max_new_tokens=20, greedy=True, stop=[stop]))
+    assert _rows(out) == [_rows(free)[1][:cut]] * 2 and out.finish_reason == ["stop", "stop"]
+
+
+def test_pruning_drops_finished_rows_and_keeps_the_distribution(tiny):
+    """With EOS at random positions, later segments run on fewer rows; lengths follow the geometric law."""
+    model, tok = tiny
+    _fix_distribution(model, tok.eos_token_id, 0.25)
+    batch_rows = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, i, o: batch_rows.append(i[0].shape[0]))
+    eng = HFEngine(model, tok, batch_size=512, prune_every=2)
+    batch = eng.generate(_prompts(tok)[:2], SamplingParams(n=200, max_new_tokens=10, seed=3))
+    hook.remove()
+    assert batch_rows[0] == 2  # the shared pre-fill of the 2 distinct prompts
+    decode = batch_rows[1:]
+    assert decode[0] == 400 and decode[-1] < 100 and decode == sorted(decode, reverse=True)
+    _check_invariants(batch, _prompts(tok)[:2], SamplingParams(n=200, max_new_tokens=10), eng.eos_token_ids,
+                      eng.pad_token_id)
+    lengths = batch.response_lengths.float()
+    # P(length = L) = 0.75^(L-1) 0.25 for L < 10, the rest is cut at 10: E[L] = (1 - 0.75^10) / 0.25
+    expected = (1 - 0.75 ** 10) / 0.25
+    assert abs(lengths.mean().item() - expected) < 4 * lengths.std().item() / math.sqrt(len(lengths))
+    # full-length callers (min_new_tokens, e.g. the benches) still get every token across segments
+    eng.prune_every = 3
+    kw = eng._generate_kwargs
+    eng._generate_kwargs = lambda p: {**kw(p), "min_new_tokens": p.max_new_tokens}
+    full = eng.generate(_prompts(tok)[:1], SamplingParams(n=4, max_new_tokens=8, seed=1))
+    assert full.response_lengths.tolist() == [8] * 4

@@ -55,6 +55,7 @@ class RolloutConfig:
     stop: list = field(default_factory=list)  # stop strings; the response ends right after one
     batch_size: int = 32  # sequences per generate call
     share_prompt: bool = True  # pre-fill each distinct prompt once per generate call and copy its KV cache to its n samples
+    prune_every: int = 64  # decode in segments of N tokens and drop finished rows between them (0 = never; generate alone decodes finished rows until the longest ends)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and refill with new prompts
     max_refill_rounds: int = 3  # dynamic_sampling: at most this many extra generation rounds per step
     overlong_buffer_frac: float = 0.0  # DAPO soft overlong penalty: linear penalty over the last frac of max_new_tokens (0 = off)

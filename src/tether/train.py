@@ -210,7 +210,8 @@ class Trainer:
         r = self.cfg.rollout
         if r.engine == "hf":
             from .rollout.hf import HFEngine
-            return HFEngine(self.model, self.tokenizer, batch_size=r.batch_size, share_prompt=r.share_prompt)
+            return HFEngine(self.model, self.tokenizer, batch_size=r.batch_size, share_prompt=r.share_prompt,
+                            prune_every=r.prune_every)
         raise ValueError(f"unknown rollout.engine {r.engine!r}")
 
     # ------------------------------------------------------------ rollout and rewards

@@ -120,10 +120,14 @@ class HFEngine:
         share_prompt: pre-fill each distinct prompt of a sub-batch once and expand its KV cache
             to the prompt's rows (the ``n`` samples), instead of pre-filling every row; the
             sampling distribution is unchanged.
+        prune_every: decode in segments of this many tokens and drop the rows that finished
+            (EOS or a stop string) between segments, continuing the others from their KV cache;
+            ``generate`` alone keeps computing finished rows until the sub-batch's longest row
+            ends. 0 = one segment. The sampling distribution is unchanged.
     """
 
     def __init__(self, model, tokenizer, batch_size: int = 32, show_progress: bool = False,
-                 share_prompt: bool = True):
+                 share_prompt: bool = True, prune_every: int = 64):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model = model
@@ -131,6 +135,9 @@ class HFEngine:
         self.batch_size = batch_size
         self.show_progress = show_progress
         self.share_prompt = share_prompt
+        if prune_every < 0:
+            raise ValueError(f"prune_every must be >= 0, got {prune_every}")
+        self.prune_every = prune_every
         gen_cfg = _generation_config(model)
         eos = _as_id_list(getattr(gen_cfg, "eos_token_id", None)) + _as_id_list(tokenizer.eos_token_id)
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos))  # ordered, unique
@@ -248,19 +255,47 @@ class HFEngine:
         for r, p in enumerate(chunk_prompts):
             ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[r, width - len(p) :] = 1
-        kwargs = dict(gen_kwargs)
-        if params.stop:
-            crit = _StopOnStrings(self.tokenizer, list(params.stop), width, self.eos_token_ids)
-            kwargs["stopping_criteria"] = StoppingCriteriaList([crit])
         ids, mask = ids.to(device), mask.to(device)
-        if self.share_prompt and width > 1:
-            cache = self._shared_prefill(chunk_prompts, ids, mask)
+        cache = self._shared_prefill(chunk_prompts, ids, mask) if self.share_prompt and width > 1 else None
+        eos = torch.tensor(self.eos_token_ids, device=device)
+        rows = list(range(len(chunk_prompts)))  # chunk rows still decoding, in the order of `ids`
+        resp: list[Any] = [None] * len(rows)
+        made, total = 0, params.max_new_tokens
+        while True:
+            # One segment: decode up to `prune_every` tokens for the rows still running.
+            step = total - made if self.prune_every <= 0 else min(self.prune_every, total - made)
+            kwargs = dict(gen_kwargs, max_new_tokens=step, return_dict_in_generate=True)
+            if "min_new_tokens" in gen_kwargs:  # a caller's floor counts from the first segment
+                kwargs["min_new_tokens"] = max(0, min(gen_kwargs["min_new_tokens"] - made, step))
+            crit = None
+            if params.stop:
+                crit = _StopOnStrings(self.tokenizer, list(params.stop), width, self.eos_token_ids)
+                kwargs["stopping_criteria"] = StoppingCriteriaList([crit])
             if cache is not None:
                 kwargs["past_key_values"] = cache
-        out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        if not isinstance(out, torch.Tensor):  # return_dict_in_generate set in a generation config
-            out = out.sequences
-        resp = out[:, width:].cpu().tolist()
+            out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+            seqs = out if isinstance(out, torch.Tensor) else out.sequences
+            made_now = seqs.shape[1] - ids.shape[1]
+            made += made_now
+            new = seqs[:, width:]  # [rows, made] this row's response so far
+            done = torch.isin(new, eos).any(dim=1)
+            if crit is not None and crit.done is not None:
+                done |= crit.done.to(device)
+            if made >= total or made_now < step or bool(done.all()):
+                for i, r in enumerate(rows):
+                    resp[r] = new[i].cpu().tolist()
+                break
+            # Drop the finished rows: generate() would keep decoding them until the longest ends.
+            keep = (~done).nonzero().flatten()
+            for i in done.nonzero().flatten().tolist():
+                resp[rows[i]] = new[i].cpu().tolist()
+            rows = [rows[i] for i in keep.tolist()]
+            cache = getattr(out, "past_key_values", None)
+            if cache is None or not hasattr(cache, "batch_select_indices"):
+                raise RuntimeError("HFEngine(prune_every > 0) needs generate() to return its KV cache")
+            cache.batch_select_indices(keep)
+            ids = seqs[keep]
+            mask = torch.cat([mask[keep], mask.new_ones(len(keep), made_now)], dim=1)
         return [self._finish_row(tokens, params) for tokens in resp]
 
     def _shared_prefill(self, chunk_prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor):
