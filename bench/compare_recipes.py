@@ -425,23 +425,6 @@ def one_run(a, task: str, recipe: str, seed: int, base_model, tok, evals: dict) 
 # =========================================================================== results file
 
 
-def _json_safe(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
-    return v
-
-
-def write_json(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(_json_safe(obj), indent=1) + "\n")
-    os.replace(tmp, path)
-
-
 def paths_of(out: Path) -> tuple[Path, Path]:
     return out.with_suffix(".json"), out.with_name(out.stem + "_rewards.png")
 
@@ -715,6 +698,7 @@ def main(argv=None) -> int:
         write_report(json.loads(js.read_text()), a.out)
         return 0
     check_data_dir(a)
+    from tether.evaluate import write_json_atomic
     settings = settings_of(a)
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     t_start = time.perf_counter()
@@ -740,7 +724,7 @@ def main(argv=None) -> int:
 
     def save():
         cmd["wall_s"] = time.perf_counter() - t_start
-        write_json(js, res)
+        write_json_atomic(js, res)
 
     # seed-major within a task: if the comparison is cut short, every recipe has the same seeds done
     plan = [(t, r, s) for t in a.tasks for s in a.seeds for r in a.recipes]

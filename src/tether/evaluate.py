@@ -844,19 +844,22 @@ def format_table(results: Mapping[str, Mapping[str, float]], n: int, ks: Sequenc
     return "\n".join(lines)
 
 
-def _json_safe(v):
+def json_safe(v):
+    """``v`` with non-finite floats written as strings (JSON has no NaN/inf), through dicts and lists."""
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     if isinstance(v, dict):
-        return {k: _json_safe(x) for k, x in v.items()}
+        return {k: json_safe(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_json_safe(x) for x in v]
+        return [json_safe(x) for x in v]
     return v
 
 
-def _write_json_atomic(path: Path, obj) -> None:
+def write_json_atomic(path: Path, obj) -> None:
+    """Write ``json_safe(obj)`` to ``path`` via a temporary file and a rename (never a partial file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(_json_safe(obj), indent=2, ensure_ascii=False) + "\n")
+    tmp.write_text(json.dumps(json_safe(obj), indent=2, ensure_ascii=False) + "\n")
     os.replace(tmp, path)
 
 
@@ -962,14 +965,14 @@ def run_eval_cli(args) -> int:
                             desc=f"eval {b.name}")
         with open(out / f"{b.name}.jsonl", "w", encoding="utf-8") as f:
             for row in res.per_problem:
-                f.write(json.dumps(_json_safe(row), ensure_ascii=False) + "\n")
+                f.write(json.dumps(json_safe(row), ensure_ascii=False) + "\n")
         if res.first_reward_error:
             print(f"[tether] {b.name}: the reward raised {int(res.metrics['reward_errors'])} time(s) "
                   f"(scored 0); first traceback:\n{res.first_reward_error}", file=sys.stderr)
         report["benchmarks"][b.name] = {"source": b.source, "split": b.split, "reward": b.reward,
                                         "file": f"{b.name}.jsonl", "metrics": res.metrics}
         table[b.name] = res.metrics
-        _write_json_atomic(out / "results.json", report)
+        write_json_atomic(out / "results.json", report)
     print(f"{desc}\n{'greedy' if greedy else f'n={n} T={temperature:g} top_p={args.top_p:g}'}, "
           f"max_new_tokens={args.max_new_tokens}; accuracies in %, len in tokens")
     print(format_table(table, n, ks))
