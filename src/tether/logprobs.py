@@ -461,7 +461,7 @@ def _gradient_checkpointing_on(model: torch.nn.Module) -> bool:
     return bool(getattr(base, "is_gradient_checkpointing", False)) and base.training
 
 
-def _prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows with identical (ids, mask) prompts: ``(first [U], inverse [B])`` with ``rows = first[inverse]``."""
     key = torch.cat([prompt_ids, prompt_mask.long()], dim=1)  # [B, 2P]
     _, inverse = torch.unique(key, dim=0, return_inverse=True)  # [B] in 0..U-1
@@ -665,7 +665,7 @@ def response_stats(
 
     shared = None
     if share_prompt and not _gradient_checkpointing_on(model):
-        first, inverse = _prompt_groups(prompt_ids, prompt_mask)
+        first, inverse = prompt_groups(prompt_ids, prompt_mask)
         if len(first) < prompt_ids.shape[0]:
             shared = _shared_prompt_hidden(model, prompt_ids, prompt_mask, response_ids, response_mask, first, inverse)
     if shared is not None:

@@ -47,6 +47,7 @@ from typing import Any, Iterable
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from ..logprobs import prompt_groups
 from .base import RolloutBatch, SamplingParams
 
 
@@ -256,7 +257,7 @@ class HFEngine:
             ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[r, width - len(p) :] = 1
         ids, mask = ids.to(device), mask.to(device)
-        cache = self._shared_prefill(chunk_prompts, ids, mask) if self.share_prompt and width > 1 else None
+        cache = self._shared_prefill(ids, mask) if self.share_prompt and width > 1 else None
         eos = torch.tensor(self.eos_token_ids, device=device)
         rows = list(range(len(chunk_prompts)))  # chunk rows still decoding, in the order of `ids`
         resp: list[Any] = [None] * len(rows)
@@ -298,22 +299,18 @@ class HFEngine:
             mask = torch.cat([mask[keep], mask.new_ones(len(keep), made_now)], dim=1)
         return [self._finish_row(tokens, params) for tokens in resp]
 
-    def _shared_prefill(self, chunk_prompts: list[list[int]], ids: torch.Tensor, mask: torch.Tensor):
+    def _shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor):
         """KV cache of ``ids[:, :-1]`` computed once per distinct prompt, expanded to all rows.
 
-        Rows of one prompt are adjacent (see `generate`). ``generate`` then feeds only the last
-        prompt column (positions come from ``mask`` as usual) and decodes from there. Returns
-        None when every row's prompt is distinct (nothing to share) or the model keeps no
-        ``DynamicCache``-like cache.
+        ``generate`` then feeds only the last prompt column (positions come from ``mask`` as
+        usual) and decodes from there. Returns None when every row's prompt is distinct
+        (nothing to share) or the model keeps no ``DynamicCache``-like cache.
         """
-        first = [r for r in range(len(chunk_prompts)) if r == 0 or chunk_prompts[r] != chunk_prompts[r - 1]]
-        if len(first) == len(chunk_prompts):
+        first, inverse = prompt_groups(ids, mask)  # [U], [rows]
+        if len(first) == ids.shape[0]:
             return None
-        inverse = torch.tensor([sum(1 for f in first if f <= r) - 1 for r in range(len(chunk_prompts))],
-                               device=ids.device)  # [rows] -> distinct prompt
-        head = torch.tensor(first, device=ids.device)
-        pre_mask = mask[head, :-1]  # [U, W-1]
-        out = self.model(input_ids=ids[head, :-1], attention_mask=pre_mask,
+        pre_mask = mask[first, :-1]  # [U, W-1]
+        out = self.model(input_ids=ids[first, :-1], attention_mask=pre_mask,
                          position_ids=(pre_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1)
         cache = getattr(out, "past_key_values", None)
         if cache is None or not hasattr(cache, "reorder_cache"):
