@@ -60,7 +60,7 @@ def _finite(x):
 
 
 def test_quick_report_tables_plot_and_kl(cr, tiny_model_dir, gsm_dir, tmp_path, capsys):
-    argv = _argv(tiny_model_dir, gsm_dir, tmp_path, recipes=["grpo", "dapo"], seeds=[0, 1],
+    argv = _argv(tiny_model_dir, gsm_dir, tmp_path, recipes=["grpo", "dapo"], seeds=[2, 3],
                  tasks=["arithmetic", "gsm8k"], lr="1e-2")
     assert cr.main(argv) == 0
     md, js, png = tmp_path / "docs" / "results.md", tmp_path / "docs" / "results.json", \
@@ -68,7 +68,7 @@ def test_quick_report_tables_plot_and_kl(cr, tiny_model_dir, gsm_dir, tmp_path, 
     assert md.is_file() and js.is_file() and png.is_file() and png.stat().st_size > 10_000
     res = json.loads(js.read_text())
     assert sorted(res["runs"]) == sorted(f"{t}/{r}/seed{s}" for t in ("arithmetic", "gsm8k")
-                                         for r in ("grpo", "dapo") for s in (0, 1))
+                                         for r in ("grpo", "dapo") for s in (2, 3))
     vocab = 384
     moved = 0
     for key, r in res["runs"].items():
@@ -126,12 +126,13 @@ def test_lr0_has_zero_kl_and_a_crash_is_recorded(cr, tiny_model_dir, gsm_dir, tm
         return real(a, task, recipe, seed, *args)
 
     monkeypatch.setattr(cr, "one_run", one_run)
-    # dapo seed 1 gets a learning signal on the first step (its overlong shaping separates the samples)
-    argv = _argv(tiny_model_dir, gsm_dir, tmp_path, recipes=["grpo", "dapo"], seeds=[1], tasks=["arithmetic"],
+    # dapo seed 2 gets a learning signal on the first step (its overlong shaping separates the samples;
+    # which seeds do depends on the sampler's RNG stream: 2, 3, 4 and 7 of 0-7 do)
+    argv = _argv(tiny_model_dir, gsm_dir, tmp_path, recipes=["grpo", "dapo"], seeds=[2], tasks=["arithmetic"],
                  lr=0)
     assert cr.main(argv) == 1  # one run failed
     res = json.loads((tmp_path / "docs" / "results.json").read_text())
-    bad, ok = res["runs"]["arithmetic/grpo/seed1"], res["runs"]["arithmetic/dapo/seed1"]
+    bad, ok = res["runs"]["arithmetic/grpo/seed2"], res["runs"]["arithmetic/dapo/seed2"]
     assert bad["status"] == "failed" and "injected failure" in bad["error"]
     assert ok["status"] == "ok"
     # lr = 0: a non-zero gradient, but the final policy is the initial model, so its KL to it is 0 and the

@@ -632,3 +632,73 @@ def test_pruning_drops_finished_rows_and_keeps_the_distribution(tiny):
     eng._generate_kwargs = lambda p: {**kw(p), "min_new_tokens": p.max_new_tokens}
     full = eng.generate(_prompts(tok)[:1], SamplingParams(n=4, max_new_tokens=8, seed=1))
     assert full.response_lengths.tolist() == [8] * 4
+
+
+# --------------------------------------------------------------------------- the sampler's law
+
+
+def _interval_masses(sampler, scores: torch.Tensor, grid: int = 1 << 16) -> torch.Tensor:
+    """Fraction of a uniform grid over [0, 1) (plus the largest double below 1) mapped to each token.
+
+    ``draw`` is a deterministic function of the uniform, so this enumerates its law: each
+    token's mass must equal its probability up to 1 / grid.
+    """
+    u = torch.cat([(torch.arange(grid, dtype=torch.float64) + 0.5) / grid,
+                   torch.tensor([0.0, 1.0 - 2.0 ** -53], dtype=torch.float64)]).unsqueeze(1)
+    toks = sampler.draw(scores.expand(len(u), -1).clone(), uniform=u)
+    mass = torch.bincount(toks[:grid], minlength=scores.shape[-1]).double() / grid
+    return mass, toks
+
+
+@pytest.mark.parametrize("block", [1, 4, 7, 1024])
+def test_inverse_cdf_sampler_interval_lengths_equal_probabilities(block):
+    """Exact law of the draw: interval lengths = softmax probabilities, zero-mass tokens unreachable."""
+    from tether.rollout.hf import _InverseCDFSampler
+
+    torch.manual_seed(0)
+    scores = torch.randn(1, 11) * 2
+    scores[0, 0] = float("-inf")  # zero-probability tokens: the first (reached by u = 0 if the
+    scores[0, 3] = float("-inf")  # search were not strict), one inside a block,
+    scores[0, 10] = float("-inf")  # and the very last (a zero-mass tail)
+    mass, toks = _interval_masses(_InverseCDFSampler(block=block), scores)
+    probs = torch.softmax(scores.double(), -1)[0]
+    assert torch.allclose(mass, probs, atol=2.0 / (1 << 16))
+    assert not torch.isin(toks, torch.tensor([0, 3, 10])).any()  # including u = 0 and u just below 1
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 4, 1.0), (1.3, 0, 0.8), (0.9, 5, 0.6)])
+def test_inverse_cdf_sampler_matches_transformers_warpers(temperature, top_k, top_p):
+    """Same distribution as generate(do_sample=True): transformers' warpers, then softmax."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from tether.rollout.hf import _InverseCDFSampler
+
+    torch.manual_seed(1)
+    scores = torch.randn(1, 13) * 1.5
+    ref = scores.clone()
+    if temperature != 1.0:
+        ref = TemperatureLogitsWarper(temperature)(None, ref)
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(None, ref)
+    if top_p < 1.0:
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    probs = torch.softmax(ref.double(), -1)[0]
+    mass, toks = _interval_masses(_InverseCDFSampler(temperature, top_k, top_p, block=4), scores)
+    assert torch.allclose(mass, probs, atol=2.0 / (1 << 16))
+    assert not torch.isin(toks, (probs == 0).nonzero().flatten()).any()
+    if top_k or top_p < 1.0:
+        assert (probs == 0).any()  # the cut really removed tokens
+
+
+def test_inverse_cdf_sampler_random_draws_follow_the_law():
+    """Second line: seeded random draws through __call__ (the one-hot scores) match the probabilities."""
+    from tether.rollout.hf import _InverseCDFSampler
+
+    torch.manual_seed(2)
+    scores = torch.randn(1, 6)
+    probs = torch.softmax(scores.double(), -1)[0]
+    out = _InverseCDFSampler(block=4)(None, scores.expand(40000, -1).clone())
+    assert torch.isfinite(out).sum(-1).eq(1).all()  # one-hot: argmax is the draw
+    freq = torch.bincount(out.argmax(-1), minlength=6).double() / 40000
+    se = (probs * (1 - probs) / 40000).sqrt()
+    assert ((freq - probs).abs() < 5 * se).all()
