@@ -702,3 +702,23 @@ def test_inverse_cdf_sampler_random_draws_follow_the_law():
     freq = torch.bincount(out.argmax(-1), minlength=6).double() / 40000
     se = (probs * (1 - probs) / 40000).sqrt()
     assert ((freq - probs).abs() < 5 * se).all()
+
+
+@pytest.mark.parametrize("sampler,kv_cache", [("multinomial", "dynamic"), ("inverse_cdf", "dynamic"),
+                                              ("multinomial", "growing")])
+def test_alternative_sampler_and_cache_keep_outputs_and_law(tiny, sampler, kv_cache):
+    """The A/B switches (transformers' multinomial, DynamicCache) give the same greedy rows and length law."""
+    model, tok = tiny
+    prompts = _prompts(tok)
+    reference = [_reference_greedy(model, p, 10, tok.eos_token_id) for p in prompts]
+    eng = HFEngine(model, tok, batch_size=8, sampler=sampler, kv_cache=kv_cache, prune_every=3)
+    assert _rows(eng.generate(prompts, SamplingParams(n=1, max_new_tokens=10, greedy=True))) == reference
+    _fix_distribution(model, tok.eos_token_id, 0.25)
+    batch = eng.generate(prompts[:2], SamplingParams(n=150, max_new_tokens=10, seed=5))
+    lengths = batch.response_lengths.float()
+    expected = (1 - 0.75 ** 10) / 0.25
+    assert abs(lengths.mean().item() - expected) < 4 * lengths.std().item() / math.sqrt(len(lengths))
+    with pytest.raises(ValueError, match="sampler"):
+        HFEngine(model, tok, sampler="gumbel")
+    with pytest.raises(ValueError, match="kv_cache"):
+        HFEngine(model, tok, kv_cache="static")

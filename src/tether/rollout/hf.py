@@ -52,7 +52,7 @@ import time
 from typing import Any, Iterable
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..logprobs import prompt_groups
@@ -192,10 +192,22 @@ class HFEngine:
             (EOS or a stop string) between segments, continuing the others from their KV cache;
             ``generate`` alone keeps computing finished rows until the sub-batch's longest row
             ends. 0 = one segment. The sampling distribution is unchanged.
+        sampler: ``"inverse_cdf"`` (`_InverseCDFSampler`, one uniform per row) or
+            ``"multinomial"`` (transformers' ``do_sample=True``: ``torch.multinomial``, one
+            exponential per vocabulary entry). Same law; kept for A/B comparison (bench/decode_speed.py).
+        kv_cache: ``"growing"`` (`kvcache.growing_cache`, written in place) or ``"dynamic"``
+            (transformers' ``DynamicCache``, re-copied at every token). Same values; kept for A/B.
     """
 
     def __init__(self, model, tokenizer, batch_size: int = 32, show_progress: bool = False,
-                 share_prompt: bool = True, prune_every: int = 64):
+                 share_prompt: bool = True, prune_every: int = 64, sampler: str = "inverse_cdf",
+                 kv_cache: str = "growing"):
+        if sampler not in ("inverse_cdf", "multinomial"):
+            raise ValueError(f"sampler must be 'inverse_cdf' or 'multinomial', got {sampler!r}")
+        if kv_cache not in ("growing", "dynamic"):
+            raise ValueError(f"kv_cache must be 'growing' or 'dynamic', got {kv_cache!r}")
+        self.sampler = sampler
+        self.kv_cache = kv_cache
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model = model
@@ -296,6 +308,19 @@ class HFEngine:
         gen_cfg = _generation_config(self.model)
         if getattr(gen_cfg, "min_new_tokens", None):
             kw["min_new_tokens"] = 0
+        if self.sampler == "multinomial" and not params.is_greedy:
+            kw.update(
+                do_sample=True,
+                temperature=float(params.temperature),
+                top_p=float(params.top_p),
+                top_k=int(params.top_k),  # 0 disables (transformers' own default would be 50)
+                typical_p=1.0,
+                epsilon_cutoff=0.0,
+                eta_cutoff=0.0,
+            )
+            if getattr(gen_cfg, "min_p", None) is not None:
+                kw["min_p"] = 0.0
+            return kw
         # do_sample=False: transformers then adds none of its warpers (so a checkpoint's min-p,
         # typical-p, epsilon/eta cutoffs or default top-k of 50 cannot apply) and picks the
         # argmax, which is the sampler's one-hot draw when sampling.
@@ -318,7 +343,8 @@ class HFEngine:
             mask[r, width - len(p) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         # One KV buffer per layer sized for prompt + response, written in place (kvcache.py).
-        cache = growing_cache(self.model, reserve=width + params.max_new_tokens)
+        cache = growing_cache(self.model, reserve=width + params.max_new_tokens) if self.kv_cache == "growing" \
+            else DynamicCache(config=getattr(self.model, "config", None))
         if self.share_prompt and width > 1:
             cache = self._shared_prefill(ids, mask, cache) or cache
         eos = torch.tensor(self.eos_token_ids, device=device)

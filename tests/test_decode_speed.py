@@ -1,0 +1,23 @@
+"""bench/decode_speed.py runs end to end on the tiny model and prints its A/B table and ratio."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_decode_speed_quick(tiny_model_dir, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("decode_speed", ROOT / "bench" / "decode_speed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--quick", "--model", str(tiny_model_dir), "--prompts", "2", "--n", "2",
+                     "--max-new-tokens", "6", "--data-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "synthetic arithmetic prompts" in out  # no gsm8k file in tmp_path
+    for sampler, kv in mod.CONFIGS:
+        assert re.search(rf"sampler={sampler}\s+kv_cache={kv}\s+[\d.]+ s", out)
+    assert re.search(r"ratio decode time tether\(inverse_cdf\+growing\)/transformers\(multinomial\+DynamicCache\) = "
+                     r"\d+\.\d\d", out)
