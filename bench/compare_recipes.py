@@ -49,6 +49,7 @@ import math
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -231,6 +232,18 @@ def command_of(argv: list[str]) -> str:
     except ValueError:
         pass
     return " ".join(shlex.quote(x) for x in [exe, SCRIPT, *argv])
+
+
+def git_commit() -> str | None:
+    """Short hash of the checked-out commit (with '+dirty' if tracked files changed), or None outside git."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=bu.ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=bu.ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha + ("+dirty" if dirty else "")
 
 
 # =========================================================================== data
@@ -532,7 +545,8 @@ def render(res: dict, out: Path, png: Path) -> str:
              + ":")
     L += ["", "```", *[c["command"] for c in cmds], "```", ""]
     for c in cmds:
-        L.append(f"- {c['started']}: ran {c.get('runs_run', '?')} run(s), wall time {_dur(c.get('wall_s'))}"
+        L.append(f"- {c['started']}" + (f" (commit `{c['commit']}`)" if c.get("commit") else "")
+                 + f": ran {c.get('runs_run', '?')} run(s), wall time {_dur(c.get('wall_s'))}"
                  + (" (interrupted)" if c.get("interrupted") else ""))
     L += [f"- total wall time: {_dur(sum(float(c.get('wall_s') or 0) for c in cmds))}",
           f"- machine: {info['nproc']} CPUs (`nproc`), {info['cpu']}, {info['memory']} RAM; torch threads "
@@ -719,7 +733,8 @@ def main(argv=None) -> int:
         res["commands"] = old.get("commands", [])
         res["before"] = {t: b for t, b in old.get("before", {}).items() if t in a.tasks}
         res["runs"] = {k: r for k, r in old.get("runs", {}).items() if r.get("status") == "ok"}
-    cmd = {"command": command_of(argv), "started": started, "wall_s": 0.0, "runs_run": 0, "interrupted": True}
+    cmd = {"command": command_of(argv), "started": started, "commit": git_commit(), "wall_s": 0.0, "runs_run": 0,
+           "interrupted": True}
     res["commands"].append(cmd)
 
     def save():

@@ -97,6 +97,7 @@ def test_quick_report_tables_plot_and_kl(cr, tiny_model_dir, gsm_dir, tmp_path, 
         assert head in text
     assert cr.PLACEHOLDER in text and "results_rewards.png" in text
     assert "bench/compare_recipes.py --quick" in text and "--lr 1e-2" in text  # the exact command
+    assert res["commands"][0]["commit"] and f"(commit `{res['commands'][0]['commit']}`)" in text  # and its code
     # every table row of Table 1 carries numbers (not '-') for before and after
     t1 = text.split("## Table 1")[1].split("## Table 2")[0]
     rows = [ln for ln in t1.splitlines() if ln.startswith("| grpo") or ln.startswith("| dapo")]
