@@ -9,8 +9,9 @@ The levers (both on by default in HFEngine):
 
 Every configuration samples the same prompts (GSM8K test questions when the data directory is
 found, else synthetic arithmetic prompts) with EOS banned until ``--max-new-tokens``, so all do
-exactly the same number of decode steps; configurations are interleaved across repetitions so
-machine drift hits them alike. Prints tokens/s per configuration and the ratio of each to
+exactly the same number of decode steps. Every configuration first decodes 8 tokens untimed
+(first-call costs), then the configurations are interleaved across repetitions so machine
+drift hits them alike. Prints tokens/s per configuration and the ratio of each to
 transformers' defaults (multinomial + DynamicCache).
 
 Usage::
@@ -78,14 +79,22 @@ def main(argv=None) -> int:
           f"batch {a.batch_size}, torch threads {torch.get_num_threads()}; {source}; "
           f"cpu {info['cpu']} ({info['nproc']} cores)", flush=True)
 
+    def engine(sampler: str, kv: str) -> HFEngine:
+        eng = HFEngine(model, tok, batch_size=a.batch_size, sampler=sampler, kv_cache=kv)
+        base_kwargs = eng._generate_kwargs
+        eng._generate_kwargs = lambda p, f=base_kwargs: {  # EOS banned: equal work for all
+            **{k: v for k, v in f(p).items() if k != "min_length"}, "min_new_tokens": p.max_new_tokens}
+        return eng
+
+    # Warm-up: every configuration decodes a few tokens first (first-call costs: allocator, kernels).
+    warm = SamplingParams(n=a.n, max_new_tokens=8, temperature=1.0, seed=1)
+    for sampler, kv in CONFIGS:
+        engine(sampler, kv).generate(prompts, warm)
     times: dict[tuple[str, str], list[float]] = {c: [] for c in CONFIGS}
     tokens = len(prompts) * a.n * max_new
     for rep in range(a.reps):
         for sampler, kv in CONFIGS:
-            eng = HFEngine(model, tok, batch_size=a.batch_size, sampler=sampler, kv_cache=kv)
-            base_kwargs = eng._generate_kwargs
-            eng._generate_kwargs = lambda p, f=base_kwargs: {  # EOS banned: equal work for all
-                **{k: v for k, v in f(p).items() if k != "min_length"}, "min_new_tokens": p.max_new_tokens}
+            eng = engine(sampler, kv)
             t0 = time.perf_counter()
             batch = eng.generate(prompts, params)
             dt = time.perf_counter() - t0
