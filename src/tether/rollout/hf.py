@@ -346,7 +346,7 @@ class HFEngine:
         cache = growing_cache(self.model, reserve=width + params.max_new_tokens) if self.kv_cache == "growing" \
             else DynamicCache(config=getattr(self.model, "config", None))
         if self.share_prompt and width > 1:
-            cache = self._shared_prefill(ids, mask, cache) or cache
+            self._shared_prefill(ids, mask, cache)
         eos = torch.tensor(self.eos_token_ids, device=device)
         rows = list(range(len(chunk_prompts)))  # chunk rows still decoding, in the order of `ids`
         resp: list[Any] = [None] * len(rows)
@@ -354,17 +354,16 @@ class HFEngine:
         while True:
             # One segment: decode up to `prune_every` tokens for the rows still running.
             step = total - made if self.prune_every <= 0 else min(self.prune_every, total - made)
-            kwargs = dict(gen_kwargs, max_new_tokens=step, return_dict_in_generate=True)
+            kwargs = dict(gen_kwargs, max_new_tokens=step)
             if "min_new_tokens" in gen_kwargs:  # a caller's floor counts from the first segment
                 kwargs["min_new_tokens"] = max(0, min(gen_kwargs["min_new_tokens"] - made, step))
             crit = None
             if params.stop:
                 crit = _StopOnStrings(self.tokenizer, list(params.stop), width, self.eos_token_ids)
                 kwargs["stopping_criteria"] = StoppingCriteriaList([crit])
-            if cache is not None:
-                kwargs["past_key_values"] = cache
+            kwargs["past_key_values"] = cache
             out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-            seqs = out if isinstance(out, torch.Tensor) else out.sequences
+            seqs = out if isinstance(out, torch.Tensor) else out.sequences  # a generation config may ask for a dict
             made_now = seqs.shape[1] - ids.shape[1]
             made += made_now
             new = seqs[:, width:]  # [rows, made] this row's response so far
@@ -380,35 +379,27 @@ class HFEngine:
             for i in done.nonzero().flatten().tolist():
                 resp[rows[i]] = new[i].cpu().tolist()
             rows = [rows[i] for i in keep.tolist()]
-            cache = getattr(out, "past_key_values", None)
-            if cache is None or not hasattr(cache, "batch_select_indices"):
-                raise RuntimeError("HFEngine(prune_every > 0) needs generate() to return its KV cache")
-            cache.batch_select_indices(keep)
+            cache.batch_select_indices(keep)  # generate() decoded into our cache object
             ids = seqs[keep]
             mask = torch.cat([mask[keep], mask.new_ones(len(keep), made_now)], dim=1)
         return [self._finish_row(tokens, params) for tokens in resp]
 
-    def _shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor, cache=None):
-        """KV cache of ``ids[:, :-1]`` computed once per distinct prompt, expanded to all rows.
-
-        The forward fills `cache` (a fresh, empty cache) when given.
+    def _shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor, cache) -> None:
+        """Fill the empty `cache` with the KV of ``ids[:, :-1]``, computed once per distinct
+        prompt and expanded to all rows.
 
         ``generate`` then feeds only the last prompt column (positions come from ``mask`` as
-        usual) and decodes from there. Returns None when every row's prompt is distinct
-        (nothing to share) or the model keeps no ``DynamicCache``-like cache.
+        usual) and decodes from there. Nothing is done when every row's prompt is distinct
+        (nothing to share); ``generate`` then pre-fills every row itself.
         """
         first, inverse = prompt_groups(ids, mask)  # [U], [rows]
         if len(first) == ids.shape[0]:
-            return None
+            return
         pre_mask = mask[first, :-1]  # [U, W-1]
-        out = self.model(input_ids=ids[first, :-1], attention_mask=pre_mask,
-                         position_ids=(pre_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1,
-                         past_key_values=cache)
-        cache = getattr(out, "past_key_values", None)
-        if cache is None or not hasattr(cache, "reorder_cache"):
-            return None
+        self.model(input_ids=ids[first, :-1], attention_mask=pre_mask,
+                   position_ids=(pre_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1,
+                   past_key_values=cache)
         cache.reorder_cache(inverse)
-        return cache
 
     def _finish_row(self, tokens: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
         """Cut one generated row at EOS / stop string; return ``(tokens, finish_reason, text)``."""
