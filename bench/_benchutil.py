@@ -109,14 +109,14 @@ def fmt(v, nd: int = 2) -> str:
 # --------------------------------------------------------------------------- full-length responses
 
 
-def force_full_length(trainer) -> None:
-    """Make a tether Trainer's HF engine ban EOS until ``max_new_tokens`` (bench-only).
+def full_length_engine(model, tokenizer, **engine_kwargs):
+    """An `HFEngine` that bans EOS until ``max_new_tokens`` (bench-only).
 
-    The engine is swapped for a subclass that adds ``min_new_tokens = max_new_tokens`` to the
-    ``model.generate`` arguments (transformers then masks the EOS logits until that length), so
-    every response has exactly ``rollout.max_new_tokens`` tokens and step times do not depend on
-    where sampling happened to stop. The sampling distribution changes (no EOS), which does not
-    matter for timing. The engine's own behaviour is untouched.
+    A subclass adds ``min_new_tokens = max_new_tokens`` to the ``model.generate`` arguments
+    (transformers then masks the EOS logits until that length), so every response has exactly
+    ``max_new_tokens`` tokens and timings do not depend on where sampling happened to stop. The
+    sampling distribution changes (no EOS), which does not matter for timing. ``engine_kwargs``
+    go to `HFEngine` unchanged.
     """
     from tether.rollout.hf import HFEngine
 
@@ -127,11 +127,19 @@ def force_full_length(trainer) -> None:
             kw.pop("min_length", None)  # min_new_tokens takes precedence anyway; avoids transformers' warning
             return kw
 
+    return FullLengthHFEngine(model, tokenizer, **engine_kwargs)
+
+
+def force_full_length(trainer) -> None:
+    """Swap a tether Trainer's HF engine for `full_length_engine` with the same settings."""
+    from tether.rollout.hf import HFEngine
+
     eng = trainer.engine
     if not isinstance(eng, HFEngine):
         raise RuntimeError("full-length responses need rollout.engine=hf")
-    trainer.engine = FullLengthHFEngine(eng.model, eng.tokenizer, batch_size=eng.batch_size,
-                                        show_progress=eng.show_progress, share_prompt=eng.share_prompt, prune_every=eng.prune_every)
+    trainer.engine = full_length_engine(eng.model, eng.tokenizer, batch_size=eng.batch_size,
+                                        show_progress=eng.show_progress, share_prompt=eng.share_prompt,
+                                        prune_every=eng.prune_every, sampler=eng.sampler, kv_cache=eng.kv_cache)
 
 
 # --------------------------------------------------------------------------- machine and command

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _benchutil import default_data_dir, machine_info  # noqa: E402
+from _benchutil import default_data_dir, full_length_engine, machine_info  # noqa: E402
 
 CONFIGS = [("multinomial", "dynamic"), ("inverse_cdf", "dynamic"), ("multinomial", "growing"),
            ("inverse_cdf", "growing")]
@@ -57,7 +57,6 @@ def main(argv=None) -> int:
 
     from tether.models import ModelConfig, load_model
     from tether.rollout.base import SamplingParams
-    from tether.rollout.hf import HFEngine
 
     model, tok = load_model(ModelConfig(name=a.model))
     data_dir = a.data_dir or default_data_dir()
@@ -79,12 +78,8 @@ def main(argv=None) -> int:
           f"batch {a.batch_size}, torch threads {torch.get_num_threads()}; {source}; "
           f"cpu {info['cpu']} ({info['nproc']} cores)", flush=True)
 
-    def engine(sampler: str, kv: str) -> HFEngine:
-        eng = HFEngine(model, tok, batch_size=a.batch_size, sampler=sampler, kv_cache=kv)
-        base_kwargs = eng._generate_kwargs
-        eng._generate_kwargs = lambda p, f=base_kwargs: {  # EOS banned: equal work for all
-            **{k: v for k, v in f(p).items() if k != "min_length"}, "min_new_tokens": p.max_new_tokens}
-        return eng
+    def engine(sampler: str, kv: str):  # EOS banned: equal work for all
+        return full_length_engine(model, tok, batch_size=a.batch_size, sampler=sampler, kv_cache=kv)
 
     # Warm-up: every configuration decodes a few tokens first (first-call costs: allocator, kernels).
     warm = SamplingParams(n=a.n, max_new_tokens=8, temperature=1.0, seed=1)
@@ -106,7 +101,7 @@ def main(argv=None) -> int:
 
     med = {c: statistics.median(v) for c, v in times.items()}
     base = med[("multinomial", "dynamic")]
-    print(f"\n| sampler | kv_cache | median s | tokens/s | time / transformers default |\n|---|---|---|---|---|")
+    print("\n| sampler | kv_cache | median s | tokens/s | time / transformers default |\n|---|---|---|---|---|")
     for c in CONFIGS:
         print(f"| {c[0]} | {c[1]} | {med[c]:.1f} | {tokens / med[c]:.1f} | {med[c] / base:.2f} |")
     print(f"\nratio decode time tether(inverse_cdf+growing)/transformers(multinomial+DynamicCache) = "
