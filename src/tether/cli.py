@@ -123,13 +123,13 @@ def main(argv=None) -> int:
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from .algo.recipes import ConfigError
-    from .errors import EvalError
+    from .errors import USER_ERRORS
     from .export import ExportError
     from .tasks.base import DataError
 
     try:
         return args.fn(args)
-    except (ConfigError, DataError, EvalError, ExportError) as e:
+    except (ConfigError, DataError, ExportError, *USER_ERRORS) as e:
         print(f"tether: error: {e}", file=sys.stderr)
         return 2
 

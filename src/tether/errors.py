@@ -1,5 +1,9 @@
 """Errors shared across layers (imports nothing from tether).
 
+The CLI turns every error below, and ``ConfigError`` (``tether.algo``), ``DataError``
+(``tether.tasks``) and ``ExportError`` (``tether.export``), into one line on stderr and exit
+code 2: they are the user's to fix (an option, a file, a row, a path), not tether's bugs.
+
 `EvalError` is raised by ``tether.tasks.benchmarks`` (a benchmark whose reward cannot be
 loaded) and by ``tether.eval`` (bad evaluation settings, a run without checkpoint or
 anchor), so it lives below both.
@@ -12,4 +16,23 @@ class EvalError(ValueError):
     """An evaluation cannot run as asked (bad settings, a run without checkpoint or anchor, ...)."""
 
 
-__all__ = ["EvalError"]
+class RunError(RuntimeError):
+    """A run directory cannot be used as asked: it is not empty, locked by another trainer, not
+    writable, has no loadable checkpoint, or its checkpoint does not fit the model."""
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer cannot be loaded (a missing path, an unknown hub id offline, a bad file)."""
+
+
+class RewardError(ValueError):
+    """A reward spec cannot be loaded (an unknown name, a module that fails to import, no such function)."""
+
+
+class GenerationError(RuntimeError):
+    """Generation cannot go on: non-finite logits, or a prompt longer than the model's context."""
+
+
+USER_ERRORS = (EvalError, RunError, ModelLoadError, RewardError, GenerationError)
+
+__all__ = ["EvalError", "GenerationError", "ModelLoadError", "RewardError", "RunError", "USER_ERRORS"]
