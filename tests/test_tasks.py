@@ -301,6 +301,56 @@ def test_call_reward_normalizes():
     assert err is None and res.reward == 0.5
 
 
+def test_reward_spec_errors_are_reward_errors_naming_spec_and_cause(tmp_path, monkeypatch):
+    """Before: a syntax error or an exception in a reward file escaped load_reward as itself (a traceback)."""
+    from tether.errors import RewardError
+
+    (tmp_path / "syntax.py").write_text("def fn(c, e):\n    return 1 +\n")
+    (tmp_path / "raises.py").write_text("x = 1\nraise RuntimeError('no verifier here')\ndef fn(c, e): return 1\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "mod_raises.py").write_text("raise KeyError('missing setting')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = [
+        (f"{tmp_path / 'syntax.py'}:fn", rf"syntax\.py:fn'.*syntax\.py, line 2: SyntaxError"),
+        (f"{tmp_path / 'raises.py'}:fn", r"raises\.py:fn'.*raised RuntimeError: no verifier here \(at .*raises\.py:2\)"),
+        (f"{tmp_path / 'exits.py'}:fn", r"exits\.py:fn'.*raised SystemExit: 3"),
+        ("mod_raises:fn", r"'mod_raises:fn'.*module 'mod_raises' raised KeyError: 'missing setting'"),
+        ("nosuch", r"unknown reward 'nosuch'"),
+        ("no_such_module_xyz:fn", r"'no_such_module_xyz:fn'.*No module named"),
+        (f"{tmp_path / 'raises.py'}:", r"bad reward spec"),
+    ]
+    for spec, pattern in cases:
+        with pytest.raises(RewardError, match=pattern):
+            load_reward(spec)
+    assert issubclass(RewardError, ValueError)  # callers that caught ValueError still do
+
+
+def test_score_one_failure_kinds_name_the_example():
+    from tether.tasks.rewards import RewardFailure, load_reward, score_one
+
+    class BadBool:
+        def __bool__(self):
+            raise RuntimeError("no truth here")
+
+    e = Example("q", "1", "set:7")
+    values = {"None": None, "str": "1.0", "nan": float("nan"), "inf": float("-inf"), "tuple": (1.0, True),
+              "dict": {"reward": 1.0}, "huge int": 10 ** 400, "bad correct": RewardResult(1.0, BadBool()),
+              "long str": "x" * 10_000}
+    for name, v in values.items():
+        res, failure = score_one(lambda c, ex, v=v: v, "x", e)
+        assert res == RewardResult(0.0, False, None), name
+        assert isinstance(failure, RewardFailure) and failure.kind == "invalid" and failure.example_id == "set:7", name
+        assert "invalid value on example set:7" in str(failure) and len(failure.detail) < 400, (name, failure)
+    assert "(None)" in score_one(lambda c, ex: None, "x", e)[1].detail
+    res, failure = score_one(lambda c, ex: 1 / 0, "x", e)
+    assert failure.kind == "raised" and "ZeroDivisionError" in failure.detail
+    # a format bonus does not hide a bad value as a raise (every user reward gets one by default)
+    res, failure = score_one(load_reward(lambda c, ex: None, format_weight=0.2), "\\boxed{1}", e)
+    assert failure.kind == "invalid"
+    res, failure = score_one(load_reward(lambda c, ex: 0.5, format_weight=0.2), "\\boxed{1}", e)
+    assert failure is None and res.reward == pytest.approx(0.7)
+
+
 # --------------------------------------------------------------------------------------
 # arithmetic task
 # --------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ class DataConfig:
     shuffle: bool = True  # files/datasets: visit examples in a seeded random order (train.seed)
     difficulty: int = 1  # arithmetic: number of steps per problem (1-4)
     reward: str = "auto"  # auto (by task) | arithmetic | gsm8k | math | module:function | path.py:function
+    reward_timeout: float = 10.0  # user rewards (module:function, path.py:function) run in a worker process, at most this many seconds per call: a call that runs longer is stopped, scores 0 and counts in reward_errors (0 = no limit, the reward runs in the trainer process, as the built-in rewards always do)
     format_weight: float = 0.2  # reward += format_weight when the answer is in the requested format (0 = correctness only)
     system_prompt: str = ""  # system message prepended through the model's chat template ("" = none)
 
@@ -340,6 +341,11 @@ def check(cfg: Config) -> Config:
                 errs.append(f"data.{k} has no effect with the synthetic arithmetic task (an endless seeded stream)")
         if not 1 <= d.difficulty <= 4:
             errs.append(f"data.difficulty must be 1-4, got {d.difficulty}")
+    if not (d.reward_timeout >= 0 and d.reward_timeout != float("inf")):
+        errs.append(f"data.reward_timeout must be >= 0 seconds (0 = no limit), got {d.reward_timeout}")
+    elif d.reward_timeout != dd.reward_timeout and (d.reward == "auto" or ":" not in d.reward):
+        errs.append("data.reward_timeout only applies to a user reward (data.reward=module:function or "
+                    "path.py:function); the built-in rewards run in the trainer process")
     from .agents import AGENTS
     from .rollout import ENGINES
     if r.engine not in ENGINES:

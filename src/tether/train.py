@@ -106,9 +106,11 @@ class Trainer:
         random.seed(t.seed)
         torch.manual_seed(t.seed)
         self.data = PromptSource(cfg)  # validates every row before the (slow) model load
-        from .tasks.rewards import load_reward
+        from .tasks.reward_worker import reward_scorer
         reward_spec = self.data.reward_name if cfg.data.reward == "auto" else cfg.data.reward
-        self.reward_fn = load_reward(reward_spec, format_weight=cfg.data.format_weight)
+        # a user reward runs in a worker process with data.reward_timeout per call; a bad spec is a RewardError here
+        self.score_rewards = reward_scorer(reward_spec, format_weight=cfg.data.format_weight,
+                                           timeout=cfg.data.reward_timeout)
         tools = agent_tools(cfg)  # e.g. the search agent's retriever: its corpus is checked before the model load
         if model is None:
             from .models import load_model
@@ -129,7 +131,7 @@ class Trainer:
         self.step = 0
         self.skipped_updates = 0
         self.reward_errors = 0
-        self._first_reward_error_logged = False
+        self._reward_errors_logged: set[str] = set()  # the kinds of reward failure already logged
         self.needs = loss_needs(cfg.algo, model.get_output_embeddings().weight.shape[0])
         self.passes = Passes(model, self.anchor, self.needs, on_policy=t.epochs == 1 and t.mini_batches == 1,
                              temperature=cfg.rollout.temperature, micro_batch_size=t.micro_batch_size,
@@ -184,15 +186,17 @@ class Trainer:
 
     def _score(self, rb: RolloutBatch, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
         """Rewards [B] (with DAPO's overlong shaping when on) and correctness [B] of one rollout."""
-        from .tasks.rewards import score_responses
         r = self.cfg.rollout
-        rewards, correct, errors = score_responses(self.reward_fn, rb.texts, examples)
+        rewards, correct, errors = self.score_rewards(rb.texts, examples)
         self.reward_errors += len(errors)
-        if errors and not self._first_reward_error_logged:
-            self._first_reward_error_logged = True
-            (self.run_dir / "reward_errors.log").write_text(errors[0])
-            self.log(f"[tether] the reward function raised; it scores 0 and training goes on. "
-                     f"First traceback (also in {self.run_dir / 'reward_errors.log'}):\n{errors[0]}")
+        for err in errors:  # the first failure of each kind (raised, invalid, timeout, crashed) is logged
+            if err.kind not in self._reward_errors_logged:
+                self._reward_errors_logged.add(err.kind)
+                with open(self.run_dir / "reward_errors.log", "a") as f:
+                    f.write(f"step {self.step + 1}: {err}\n")
+                self.log(f"[tether] step {self.step + 1}: {err.WHAT[err.kind]}; such calls score 0, count in "
+                         f"reward_errors, and training goes on. The first (also in "
+                         f"{self.run_dir / 'reward_errors.log'}):\n{err}")
         rew = torch.tensor(rewards, dtype=torch.float32)
         if r.overlong_buffer_frac > 0:
             rew = rew - overlong_penalty(rb.response_lengths, r.max_new_tokens, r.overlong_buffer_frac,

@@ -2,9 +2,15 @@
 
 A reward function has the signature ``fn(completion: str, example: Example)`` and returns a
 :class:`~tether.tasks.base.RewardResult`, a float or a bool. The trainer never calls it
-directly but through :func:`call_reward`, which normalizes the return value and turns an
-exception (or a non-finite reward) into reward 0 plus an error string, so one bad completion
-cannot stop training.
+directly but through :func:`score_responses` / :func:`call_reward`, which normalize the return
+value and turn an exception, or a value that is not a finite number (a string, None, NaN, a
+tuple, ...), into reward 0 plus an error, so one bad completion cannot stop training. A user
+reward that may hang runs in a worker process with a time limit per call
+(:mod:`tether.tasks.reward_worker`).
+
+A reward spec that cannot be loaded (an unknown name, a module that is not found, raises or
+has a syntax error on import, a missing function) is a :class:`~tether.errors.RewardError`
+naming the spec and the cause.
 
 Built-in rewards (see :func:`load_reward`):
 
@@ -42,12 +48,14 @@ import importlib.util
 import math
 import numbers
 import os
+import reprlib
 import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
+from ..errors import RewardError
 from .base import Example, RewardFn, RewardResult
 from .math import extract_answer, gsm8k_reference, has_answer_format, is_equivalent, last_number, parse_number
 
@@ -58,7 +66,11 @@ __all__ = [
     "BUILTIN_REWARDS",
     "FormatBonusReward",
     "load_reward",
+    "is_builtin_reward",
     "call_reward",
+    "RewardFailure",
+    "score_one",
+    "score_responses",
     "normalize_reward_output",
     "reference_answers",
 ]
@@ -159,7 +171,10 @@ class FormatBonusReward:
 
     def __call__(self, completion: str, example: Example) -> RewardResult:
         """Score ``completion``: the base reward plus the weighted format bonus."""
-        base = normalize_reward_output(self.fn(completion, example))
+        return self.add_bonus(normalize_reward_output(self.fn(completion, example)), completion)
+
+    def add_bonus(self, base: RewardResult, completion: str) -> RewardResult:
+        """``base`` (the normalized result of ``fn``) plus the weighted format bonus."""
         bonus = self.format_weight * float(has_answer_format(completion)) if self.format_weight else 0.0
         return RewardResult(reward=base.reward + bonus, correct=base.correct, pred=base.pred)
 
@@ -174,21 +189,38 @@ def _valid_choices() -> str:
             + ", or 'module:function' / 'path/to/file.py:function'")
 
 
-def _import_file(path: Path):
+def _where(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``exc``'s traceback (where the user's code failed)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+
+
+def _import_error(spec: str, what: str, exc: BaseException) -> RewardError:
+    """The RewardError for a module or file that failed while being imported."""
+    if isinstance(exc, SyntaxError):
+        return RewardError(f"reward {spec!r}: {exc.filename or what}, line {exc.lineno}: "
+                           f"{type(exc).__name__}: {exc.msg}")
+    return RewardError(f"reward {spec!r}: importing {what} raised {type(exc).__name__}: {exc} (at {_where(exc)})")
+
+
+def _import_file(path: Path, spec: str):
     path = path.expanduser().resolve()
     if not path.is_file():
-        raise ValueError(f"reward file not found: {path}")
+        raise RewardError(f"reward {spec!r}: reward file not found: {path}")
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
     mod_name = f"tether_user_reward_{path.stem}_{digest}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"cannot import reward file {path}")
-    module = importlib.util.module_from_spec(spec)
+    imp_spec = importlib.util.spec_from_file_location(mod_name, path)
+    if imp_spec is None or imp_spec.loader is None:
+        raise RewardError(f"reward {spec!r}: cannot import reward file {path}")
+    module = importlib.util.module_from_spec(imp_spec)
     sys.modules[mod_name] = module
     try:
-        spec.loader.exec_module(module)
+        imp_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:  # SyntaxError too; not KeyboardInterrupt
+        sys.modules.pop(mod_name, None)
+        raise _import_error(spec, str(path), e) from e
     except BaseException:
         sys.modules.pop(mod_name, None)
         raise
@@ -198,24 +230,32 @@ def _import_file(path: Path):
 def _load_user_reward(spec: str) -> Callable:
     target, _, func_name = spec.rpartition(":")
     if not target or not func_name:
-        raise ValueError(f"bad reward spec {spec!r}: expected 'module:function'")
+        raise RewardError(f"bad reward spec {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
     looks_like_file = target.endswith(".py") or "/" in target or os.sep in target
     if looks_like_file:
-        module = _import_file(Path(target))
+        module = _import_file(Path(target), spec)
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as e:
-            raise ValueError(f"cannot import reward module {target!r} (from {spec!r}): {e}") from e
+            raise RewardError(f"cannot import reward module {target!r} (from {spec!r}): {e}") from e
+        except (Exception, SystemExit) as e:
+            raise _import_error(spec, f"module {target!r}", e) from e
     obj = module
     for part in func_name.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(f"reward module {target!r} has no attribute {func_name!r}") from None
+            raise RewardError(f"reward {spec!r}: reward module {target!r} has no attribute {func_name!r}") from None
     if not callable(obj):
-        raise ValueError(f"reward {spec!r} is not callable")
+        raise RewardError(f"reward {spec!r} is not callable")
     return obj
+
+
+def is_builtin_reward(spec: str) -> bool:
+    """Whether ``spec`` names one of tether's own rewards (``auto`` always resolves to one), as
+    opposed to a user reward ``module:function`` / ``path/to/file.py:function``."""
+    return isinstance(spec, str) and ":" not in spec
 
 
 def load_reward(spec: str | Callable, format_weight: float = 0.0) -> RewardFn:
@@ -231,15 +271,17 @@ def load_reward(spec: str | Callable, format_weight: float = 0.0) -> RewardFn:
             built-in rewards ``base_reward = float(correct)``.
 
     Raises:
-        ValueError: unknown name (the message lists the valid choices), or a module / file /
-            function that cannot be imported.
+        RewardError: (a ``ValueError``) unknown name (the message lists the valid choices), or
+            a module / file / function that cannot be loaded; the message names the spec and
+            the cause (for a syntax error: the file and line; for an exception raised while
+            importing: its type, message and where it was raised).
     """
     if callable(spec):
         fn = spec
         name = getattr(spec, "__name__", repr(spec))
     else:
         if not isinstance(spec, str) or not spec.strip():
-            raise ValueError(f"reward must be a non-empty string; choose one of: {_valid_choices()}")
+            raise RewardError(f"reward must be a non-empty string; choose one of: {_valid_choices()}")
         name = spec.strip()
         if name in SEARCH_REWARDS:
             search_reward = importlib.import_module("tether.search.reward")  # by name: tasks never imports search
@@ -249,10 +291,10 @@ def load_reward(spec: str | Callable, format_weight: float = 0.0) -> RewardFn:
         elif ":" in name:
             fn = _load_user_reward(name)
         else:
-            raise ValueError(f"unknown reward {name!r}; choose one of: {_valid_choices()}")
+            raise RewardError(f"unknown reward {name!r}; choose one of: {_valid_choices()}")
     w = float(format_weight or 0.0)
     if not math.isfinite(w):
-        raise ValueError(f"format_weight must be finite, got {format_weight!r}")
+        raise RewardError(f"format_weight must be finite, got {format_weight!r}")
     if w == 0.0:
         return fn
     return FormatBonusReward(fn=fn, format_weight=w, name=name)
@@ -296,8 +338,57 @@ def _to_float(x: Any) -> float:
         if isinstance(v, numbers.Real):
             return float(v)
     raise TypeError(
-        f"reward function returned {type(x).__name__} ({x!r:.80}); expected RewardResult, float or bool"
+        f"reward function returned {type(x).__name__} ({short_repr(x)}); expected RewardResult, float or bool"
     )
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
+
+
+def short_repr(x: Any) -> str:
+    """``repr(x)`` cut to about 80 characters (a repr that raises is reported as such)."""
+    try:
+        return _REPR.repr(x)
+    except Exception as e:
+        return f"<{type(x).__name__} whose repr raised {type(e).__name__}>"
+
+
+@dataclass
+class RewardFailure:
+    """Why one reward call scored 0: ``kind`` is ``"raised"`` (``detail``: the traceback),
+    ``"invalid"`` (the return value was not a finite number; ``detail`` says what it was, its
+    repr cut to about 80 characters), ``"timeout"`` (``detail``: the limit) or ``"crashed"``
+    (the worker process died during the call)."""
+
+    example_id: str
+    kind: str
+    detail: str
+
+    #: how each kind reads in a log line
+    WHAT = {"raised": "the reward function raised", "invalid": "the reward function returned an invalid value",
+            "timeout": "the reward function timed out", "crashed": "the reward worker process died"}
+
+    def __str__(self) -> str:
+        return f"{self.WHAT.get(self.kind, self.kind)} on example {self.example_id}: {self.detail}"
+
+
+def score_one(fn: RewardFn, completion: str, example: Example) -> tuple[RewardResult, Optional[RewardFailure]]:
+    """Call ``fn(completion, example)``: ``(normalized result, None)``, or ``(reward 0, the
+    failure)`` when it raises or returns something that is not a finite number.
+    ``KeyboardInterrupt`` and ``SystemExit`` are not caught."""
+    base = fn.fn if isinstance(fn, FormatBonusReward) else fn  # the user's function, then the bonus
+    try:
+        out = base(completion, example)
+    except Exception:
+        return RewardResult(0.0, False, None), RewardFailure(str(example.id), "raised", traceback.format_exc())
+    try:
+        res = normalize_reward_output(out)
+    except Exception as e:  # TypeError / ValueError, or a value whose float() or bool() raises
+        name, got = getattr(base, "__name__", type(base).__name__), short_repr(out)
+        detail = f"reward {name}: {e}" + ("" if got in str(e) else f" (got {got})")
+        return RewardResult(0.0, False, None), RewardFailure(str(example.id), "invalid", detail)
+    return (fn.add_bonus(res, completion) if base is not fn else res), None
 
 
 def call_reward(fn: RewardFn, completion: str, example: Example) -> tuple[RewardResult, str | None]:
@@ -307,32 +398,25 @@ def call_reward(fn: RewardFn, completion: str, example: Example) -> tuple[Reward
     return value (see :func:`normalize_reward_output`). If ``fn`` raises, returns a bad type,
     or a non-finite reward, ``result`` is ``RewardResult(0.0, False, None)`` and ``error`` is
     the formatted traceback (or a one-line message for a non-finite / bad-type return) so the
-    trainer can count errors, log the first one, and keep training. ``KeyboardInterrupt`` and
+    caller can count errors, log the first one, and keep going. ``KeyboardInterrupt`` and
     ``SystemExit`` are not caught.
     """
-    try:
-        out = fn(completion, example)
-    except Exception:
-        return RewardResult(0.0, False, None), traceback.format_exc()
-    try:
-        return normalize_reward_output(out), None
-    except (TypeError, ValueError) as e:
-        name = getattr(fn, "__name__", type(fn).__name__)
-        return RewardResult(0.0, False, None), f"reward {name}: {e}"
+    res, failure = score_one(fn, completion, example)
+    return res, None if failure is None else failure.detail
 
 
 def score_responses(fn: RewardFn, texts: Sequence[str], examples: Sequence[Example]
-                    ) -> tuple[list[float], list[bool], list[str]]:
-    """Score each response against its example with :func:`call_reward`.
+                    ) -> tuple[list[float], list[bool], list[RewardFailure]]:
+    """Score each response against its example (:func:`score_one`), in this process.
 
-    Returns ``(rewards, correct, errors)``: one reward and correctness per response, and the
-    error texts of the calls that failed (those score 0; training goes on).
+    Returns ``(rewards, correct, failures)``: one reward and correctness per response, and a
+    :class:`RewardFailure` (naming the example) for each call that failed; those score 0.
     """
-    rewards, correct, errors = [], [], []
+    rewards, correct, failures = [], [], []
     for text, ex in zip(texts, examples):
-        res, err = call_reward(fn, text, ex)
+        res, failure = score_one(fn, text, ex)
         rewards.append(res.reward)
         correct.append(bool(res.correct))
-        if err is not None:
-            errors.append(err)
-    return rewards, correct, errors
+        if failure is not None:
+            failures.append(failure)
+    return rewards, correct, failures

@@ -1,0 +1,139 @@
+"""Fault injection in rollouts and rewards, on the tiny model: a reward that hangs, raises, dies or
+returns garbage; NaN / inf logits; a prompt longer than the model's context.
+
+Each test is bounded (a reward hang is cut by ``data.reward_timeout`` of a second) and fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tether
+from tether.config import load_config
+from tether.errors import GenerationError
+from tether.models import ModelConfig, load_model
+from tether.rollout import HFEngine, SamplingParams
+from tether.rollout.hf import _InverseCDFSampler
+from tether.tasks.base import Example
+from tether.train import Trainer, train
+
+pytestmark = pytest.mark.faults
+
+REWARDS = '''
+import os, time
+
+MARK = os.environ.get("TETHER_TEST_MARK", "")
+
+def hang_once(completion, example):
+    """Example 1 hangs (a busy loop: no thread could stop it) the first time it is scored."""
+    if example.answer == "1" and not os.path.exists(MARK):
+        open(MARK, "w").close()
+        while True:
+            pass
+    return 0.5
+
+GARBAGE = {"0": None, "1": "1.0", "2": float("nan"), "3": (1.0, True), "4": {"reward": 1.0}, "5": float("inf")}
+
+def garbage(completion, example):
+    """Rows 0-5 return something that is not a finite number; the others 0.5."""
+    return GARBAGE.get(example.answer, 0.5)
+
+def sleepy(completion, example):
+    if example.answer == "1":
+        time.sleep(1000)
+    return 1.0
+
+def dies(completion, example):
+    if example.answer == "1":
+        os._exit(3)
+    return 1.0
+'''
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("faults")
+    (d / "rew.py").write_text(REWARDS)
+    with open(d / "prompts.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)}) + "\n")
+    return d
+
+
+def cfg_for(workdir, tiny_model_dir, steps=1, **over):
+    base = {"model.name": str(tiny_model_dir), "data.task": str(workdir / "prompts.jsonl"), "data.shuffle": False,
+            "data.reward": f"{workdir / 'rew.py'}:hang_once", "data.format_weight": 0.0, "train.steps": steps,
+            "train.lr": 1e-3,
+            "rollout.max_new_tokens": 4, "rollout.prompts_per_step": 4, "rollout.n": 2,
+            "run.progress": False, "run.plot": False, "run.exact_kl_samples": 0, "run.save_every": 0}
+    base.update(over)
+    return load_config(None, base, recipe_name="grpo")
+
+
+def rows(run_dir):
+    return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_module(*args, cwd=None):
+    """``python -m tether ARGS`` in a fresh interpreter that imports this checkout's tether."""
+    env = dict(os.environ)
+    src = str(Path(tether.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return subprocess.run([sys.executable, "-m", "tether", *args], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=cwd)
+
+
+# ---------------------------------------------------------------- rewards
+
+
+def test_hanging_reward_times_out_scores_zero_and_training_goes_on(workdir, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TETHER_TEST_MARK", str(tmp_path / "hung"))
+    logs = []
+    cfg = cfg_for(workdir, tiny_model_dir, steps=2, **{"data.reward_timeout": 1.0})
+    run = train(cfg, tmp_path / "run", log=logs.append)
+    m = rows(run)
+    assert (tmp_path / "hung").exists()  # the reward did hang once
+    assert [r["step"] for r in m] == [1, 2] and m[-1]["reward_errors"] == 1  # counted; both steps ran
+    assert m[0]["reward_mean"] == pytest.approx(0.5 * 7 / 8)  # the hung call scored 0, the 7 others 0.5
+    said = [x for x in logs if "timed out" in str(x)]
+    assert len(said) == 1 and "example prompts:1" in said[0] and "data.reward_timeout" in said[0]
+    assert "timed out on example prompts:1" in (run / "reward_errors.log").read_text()
+
+
+def test_reward_returning_garbage_scores_zero_counted_and_logged_once(workdir, tiny_model_dir, tmp_path):
+    logs = []
+    cfg = cfg_for(workdir, tiny_model_dir, steps=2, **{"data.reward": f"{workdir / 'rew.py'}:garbage"})
+    run = train(cfg, tmp_path / "run", log=logs.append)
+    m = rows(run)
+    # step 1 scores rows 0-3 (None, "1.0", nan, a tuple), step 2 rows 4-7 (a dict, inf, 0.5, 0.5): n = 2 each
+    assert m[0]["reward_errors"] == 8 and m[1]["reward_errors"] == 12
+    assert m[0]["reward_mean"] == 0.0 and m[1]["reward_mean"] == pytest.approx(0.25)
+    said = [x for x in logs if "invalid value" in str(x)]
+    assert len(said) == 1 and "example prompts:0" in said[0] and "NoneType (None)" in said[0]
+    assert "invalid value on example prompts:0" in (run / "reward_errors.log").read_text()
+
+
+def test_reward_worker_kinds_of_failure(workdir):
+    """A hang in a C call (sleep), a worker that dies, and a good call after each: the worker restarts."""
+    from tether.tasks.reward_worker import RewardWorker
+
+    exs = [Example("q", str(i), f"ex:{i}") for i in (0, 1, 2)]
+    w = RewardWorker(f"{workdir / 'rew.py'}:sleepy", timeout=0.5)
+    rewards, correct, failures = w.score(["a", "b", "c"], exs)
+    assert rewards == [1.0, 0.0, 1.0] and correct == [True, False, True]
+    assert [(f.example_id, f.kind) for f in failures] == [("ex:1", "timeout")]
+    assert w.restarts == 1  # the hung worker was killed; a fresh one scored ex:2
+    assert w.score(["a"], exs[:1]) == ([1.0], [True], []) and w.restarts == 1
+    w.close()
+    w = RewardWorker(f"{workdir / 'rew.py'}:dies", timeout=5)
+    rewards, _, failures = w.score(["a", "b", "c"], exs)
+    assert rewards == [1.0, 0.0, 1.0]
+    assert [(f.example_id, f.kind) for f in failures] == [("ex:1", "crashed")] and "code 3" in failures[0].detail
+    w.close()
