@@ -137,3 +137,67 @@ def test_reward_worker_kinds_of_failure(workdir):
     assert rewards == [1.0, 0.0, 1.0]
     assert [(f.example_id, f.kind) for f in failures] == [("ex:1", "crashed")] and "code 3" in failures[0].detail
     w.close()
+
+
+# ---------------------------------------------------------------- non-finite logits
+
+
+@pytest.fixture
+def tiny(tiny_model_dir):
+    return load_model(ModelConfig(name=str(tiny_model_dir)))
+
+
+def test_nan_weights_stop_training_naming_the_step(workdir, tiny_model_dir, tmp_path):
+    cfg = cfg_for(workdir, tiny_model_dir, steps=3, **{"data.reward": f"{workdir / 'rew.py'}:garbage"})
+    tr = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    tr.train_step()
+    with torch.no_grad():
+        tr.model.lm_head.weight[5].fill_(float("nan"))  # one vocabulary row: NaN reaches every row's softmax
+    with pytest.raises(GenerationError, match=r"trainer step 2: the model's logits are NaN or infinite.*train\.lr"):
+        tr.train_step()
+
+
+@pytest.mark.parametrize("mode", ["greedy", "inverse_cdf", "multinomial"])
+def test_inf_logits_in_generation_raise(tiny, mode):
+    """A forward hook puts +inf into one row's logits at the 3rd decode step."""
+    model, tok = tiny
+    calls = {"n": 0}
+
+    def hook(module, args, out):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            out = out.clone()
+            out[0, -1, 7] = float("inf")
+        return out
+
+    model.lm_head.register_forward_hook(hook)
+    eng = HFEngine(model, tok, sampler="multinomial" if mode == "multinomial" else "inverse_cdf", prune_every=0)
+    params = SamplingParams(n=2, max_new_tokens=6, greedy=mode == "greedy", temperature=1.0, seed=0,
+                            min_new_tokens=6)
+    with pytest.raises(GenerationError, match="NaN or infinite"):
+        eng.generate([tok("Hello world")["input_ids"], tok("x")["input_ids"]], params)
+    assert calls["n"] >= 3
+
+
+def test_sampler_flags_nan_rows_and_stays_in_the_vocabulary():
+    """Before: a NaN row drew index 1023 of a 384-token vocabulary (an IndexError in generate)."""
+    s = _InverseCDFSampler()
+    scores = torch.randn(3, 384)
+    scores[1] = float("nan")
+    out = s(None, scores)
+    assert out.shape == (3, 384) and torch.isfinite(out.amax(-1)).all()  # one token per row, in range
+    assert bool(s.nonfinite)
+    s2 = _InverseCDFSampler()
+    s2(None, torch.randn(3, 384))
+    assert not bool(s2.nonfinite)
+
+
+def test_cli_train_at_huge_lr_exits_2_with_one_line(workdir, tiny_model_dir, tmp_path):
+    r = run_module("train", "--model", str(tiny_model_dir), "--data", str(workdir / "prompts.jsonl"), "--steps", "3",
+                   "--output-dir", str(tmp_path / "run"), "train.lr=1e10", "run.progress=false", "run.plot=false",
+                   "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.n=2",
+                   f"data.reward={workdir / 'rew.py'}:garbage")
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("tether: error:")]
+    assert len(err) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "trainer step" in err[0] and "NaN or infinite" in err[0] and "train.lr" in err[0]

@@ -30,6 +30,7 @@ from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, over
 from .anchor import make_anchor
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, load_config, save_config, to_dict
+from .errors import GenerationError
 from .logprobs import response_stats
 from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
 from .passes import Passes, StepBatch, exact_kl_sample, micro_batches
@@ -356,7 +357,10 @@ class Trainer:
     def train_step(self) -> dict:
         """One trainer step; returns its metrics row."""
         t0 = time.perf_counter()
-        b, m = self._rollout()
+        try:
+            b, m = self._rollout()
+        except GenerationError as e:  # non-finite logits, an overlong prompt: say at which step
+            raise GenerationError(f"trainer step {self.step + 1}: {e}") from e
         t1 = time.perf_counter()
         self.passes.sampler(b)
         t2 = time.perf_counter()

@@ -24,6 +24,10 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
+#: The ``GenerationError`` message of an engine that met NaN or infinite logits (the trainer adds its step).
+NONFINITE_LOGITS = ("the model's logits are NaN or infinite: its weights have diverged or are broken. In training, "
+                    "lower train.lr; otherwise check the checkpoint or model that was loaded")
+
 
 @dataclass
 class SamplingParams:

@@ -38,6 +38,15 @@ whole sequence including the prompt, so a stop string that begins in the prompt 
 ``"\\n\\n"`` after a chat template ending in ``"\\n"``) would end a response at its first
 token.
 
+Non-finite logits. A model whose weights have diverged (e.g. at a learning rate far too high)
+gives NaN or infinite logits, and sampling from them would draw garbage: the inverse-CDF
+search would return an index past the vocabulary, greedy argmax an arbitrary token. Every
+decode step therefore marks such rows in a flag that stays on the device (no host sync per
+token): the sampler reads it off the total probability mass it already sums (free), and
+`_FiniteGuard` takes one max over the logits for greedy and ``multinomial`` decoding. The
+bad rows are given a harmless token so that ``generate`` finishes its segment; the flag is
+read once per segment, where `_generate_chunk` syncs anyway, and raises a ``GenerationError``.
+
 Seeding. With ``params.seed`` set, the call runs inside ``torch.random.fork_rng`` (CPU and
 the model's CUDA device) after ``torch.manual_seed(seed)``: the same prompts, params,
 ``batch_size`` and device give the same output, and the global RNG state is left as it
@@ -55,8 +64,9 @@ import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from ..errors import GenerationError
 from ..logprobs import prompt_groups
-from .base import RolloutBatch, SamplingParams
+from .base import NONFINITE_LOGITS, RolloutBatch, SamplingParams
 from .kvcache import growing_cache
 from .rows import RowPostprocess
 
@@ -129,6 +139,7 @@ class _InverseCDFSampler(LogitsProcessor):
     """
 
     def __init__(self, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, block: int = 1024):
+        self.nonfinite: torch.Tensor | None = None  # True once a row had no finite distribution (see the module doc)
         self.warpers = []
         if temperature != 1.0:
             self.warpers.append(TemperatureLogitsWarper(float(temperature)))
@@ -139,11 +150,14 @@ class _InverseCDFSampler(LogitsProcessor):
         self.block = int(block)
 
     @torch.no_grad()
-    def draw(self, scores: torch.Tensor, uniform: torch.Tensor | None = None) -> torch.Tensor:
+    def draw(self, scores: torch.Tensor, uniform: torch.Tensor | None = None, flag=None) -> torch.Tensor:
         """Token ids ``[rows]`` drawn from ``softmax(warped scores)``.
 
         ``uniform`` (``[rows, 1]`` float64 in ``[0, 1)``) replaces the random draw; the tests
         sweep it over a grid to check the token-interval lengths against the probabilities.
+        ``flag``: an object whose ``nonfinite`` (a device bool tensor) is OR-ed with "some row's
+        scores had NaN / +inf, or no token left" (its total mass is NaN or 0); such a row's id
+        is meaningless.
         """
         for w in self.warpers:
             scores = w(None, scores)
@@ -154,6 +168,9 @@ class _InverseCDFSampler(LogitsProcessor):
             probs = torch.nn.functional.pad(probs, (0, nb * self.block - vocab))
         blocks = probs.view(rows, nb, self.block)
         cum_blocks = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [R, nb]
+        if flag is not None:  # NaN mass (a NaN or +inf logit) or none (every logit -inf); no host sync
+            bad = ~(cum_blocks[:, -1] > 0).all()
+            flag.nonfinite = bad if flag.nonfinite is None else flag.nonfinite | bad
         if uniform is None:
             uniform = torch.rand(rows, 1, dtype=torch.float64, device=probs.device)
         u = uniform.to(torch.float64) * cum_blocks[:, -1:]
@@ -166,10 +183,28 @@ class _InverseCDFSampler(LogitsProcessor):
         return (b * self.block + j).squeeze(1)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        tok = self.draw(scores)
+        tok = self.draw(scores, flag=self)
         out = torch.full_like(scores, float("-inf"))
-        out.scatter_(1, tok.unsqueeze(1), 0.0)
+        out.scatter_(1, tok.clamp_(max=scores.shape[-1] - 1).unsqueeze(1), 0.0)  # a bad row's index may run past
         return out
+
+
+class _FiniteGuard(LogitsProcessor):
+    """Greedy and ``multinomial`` decoding: flags rows whose logits are NaN or +inf, or all -inf.
+
+    One max per row (NaN propagates through it) decides; ``nonfinite`` is OR-ed on the device
+    and read once per segment (see the module doc). A flagged row's scores become 0 (uniform),
+    so that ``generate`` runs on to the end of the segment instead of failing inside
+    ``torch.multinomial``.
+    """
+
+    def __init__(self):
+        self.nonfinite: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        bad = ~torch.isfinite(scores.amax(dim=-1, keepdim=True))  # [R, 1]
+        self.nonfinite = bad.any() if self.nonfinite is None else self.nonfinite | bad.any()
+        return scores.masked_fill(bad, 0.0)
 
 
 def _chunks(seq: list[int], size: int) -> Iterable[list[int]]:
@@ -316,6 +351,7 @@ class HFEngine(RowPostprocess):
             kw["min_new_tokens"] = 0
         if self.sampler == "multinomial" and not params.is_greedy:
             kw.update(
+                logits_processor=LogitsProcessorList([_FiniteGuard()]),
                 do_sample=True,
                 temperature=float(params.temperature),
                 top_p=float(params.top_p),
@@ -331,7 +367,9 @@ class HFEngine(RowPostprocess):
         # typical-p, epsilon/eta cutoffs or default top-k of 50 cannot apply) and picks the
         # argmax, which is the sampler's one-hot draw when sampling.
         kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        if not params.is_greedy:
+        if params.is_greedy:
+            kw["logits_processor"] = LogitsProcessorList([_FiniteGuard()])
+        else:
             kw["logits_processor"] = LogitsProcessorList([_InverseCDFSampler(
                 temperature=float(params.temperature), top_k=int(params.top_k), top_p=float(params.top_p))])
         return kw
@@ -369,6 +407,8 @@ class HFEngine(RowPostprocess):
                 kwargs["stopping_criteria"] = StoppingCriteriaList([crit])
             kwargs["past_key_values"] = cache
             out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+            if any(bool(p.nonfinite) for p in gen_kwargs["logits_processor"] if p.nonfinite is not None):
+                raise GenerationError(NONFINITE_LOGITS)  # one read per segment (see the module doc)
             seqs = out if isinstance(out, torch.Tensor) else out.sequences  # a generation config may ask for a dict
             made_now = seqs.shape[1] - ids.shape[1]
             made += made_now

@@ -54,7 +54,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .base import RolloutBatch, SamplingParams
+from ..errors import GenerationError
+from .base import NONFINITE_LOGITS, RolloutBatch, SamplingParams
 from .rows import RowPostprocess
 
 _DTYPES = {"auto", "float32", "bfloat16", "float16"}
@@ -272,6 +273,8 @@ class VLLMEngine(RowPostprocess):
                 results.append((kept, reason, text))
                 logps.append(lp[: len(kept)])
         batch = self._assemble(prompts, row_group, results, logps)
+        if not torch.isfinite(batch.sampler_logp[batch.response_mask]).all():  # NaN logits: vLLM samples on regardless
+            raise GenerationError(NONFINITE_LOGITS)
         batch.gen_time_s = time.perf_counter() - t0
         return batch
 
