@@ -201,3 +201,79 @@ def test_cli_train_at_huge_lr_exits_2_with_one_line(workdir, tiny_model_dir, tmp
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("tether: error:")]
     assert len(err) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "trainer step" in err[0] and "NaN or infinite" in err[0] and "train.lr" in err[0]
+
+
+# ---------------------------------------------------------------- prompts longer than the context
+
+
+@pytest.fixture(scope="module")
+def long_data(tmp_path_factory):
+    """Six rows; row 3 is far longer than the tiny model's 1024-token context, row 5 is 20 MB."""
+    d = tmp_path_factory.mktemp("long")
+    with open(d / "long.jsonl", "w") as f:
+        for i in range(6):
+            f.write(json.dumps({"question": "word " * 1500 if i == 3 else f"Say {i}", "answer": str(i)}) + "\n")
+    with open(d / "huge.jsonl", "w") as f:
+        for i in range(3):
+            f.write(json.dumps({"question": "word " * 4_000_000 if i == 1 else f"Say {i}", "answer": str(i)}) + "\n")
+    return d
+
+
+def test_overlong_row_fails_before_the_first_step(workdir, long_data, tiny_model_dir, tmp_path):
+    cfg = cfg_for(workdir, tiny_model_dir, **{"data.task": str(long_data / "long.jsonl")})
+    with pytest.raises(GenerationError, match=r"example long:3: the prompt has \d+ tokens, more than the 1020 "
+                                              r"that fit in the model's context \(1024 tokens"):
+        Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+
+
+def test_overlong_row_at_its_step_names_step_and_row(workdir, long_data, tiny_model_dir, tmp_path):
+    """A row the early check cannot see (appended after it) fails at the step that draws it."""
+    cfg = cfg_for(workdir, tiny_model_dir, steps=2, **{"data.task": str(long_data / "long.jsonl"),
+                                                       "rollout.prompts_per_step": 2, "data.limit": 2})
+    tr = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    tr.data.examples[1] = Example("word " * 1500, "1", "late:1")
+    with pytest.raises(GenerationError, match=r"trainer step 1: example late:1: the prompt has \d+ tokens"):
+        tr.train_step()
+
+
+def test_huge_row_is_rejected_without_tokenizing_it(workdir, long_data, tiny_model_dir, tmp_path):
+    """20 MB take about 20 s to tokenize (SmolLM2's tokenizer); the character bound answers at once
+    (the message counts characters: the row was never tokenized)."""
+    cfg = cfg_for(workdir, tiny_model_dir, **{"data.task": str(long_data / "huge.jsonl")})
+    with pytest.raises(GenerationError, match=r"example huge:1: the prompt has 20000000 characters \(so at least"):
+        Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+
+
+def test_cli_overlong_row_exits_2_before_training(workdir, long_data, tiny_model_dir, tmp_path):
+    r = run_module("train", "--model", str(tiny_model_dir), "--data", str(long_data / "long.jsonl"),
+                   "--steps", "1", "--output-dir", str(tmp_path / "run"), "run.progress=false", "run.plot=false",
+                   "rollout.max_new_tokens=4", f"data.reward={workdir / 'rew.py'}:garbage")
+    assert r.returncode == 2, r.stdout + r.stderr
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("tether: error:")]
+    assert len(err) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "example long:3: the prompt has" in err[0] and "rollout.prompt_overflow=truncate" in err[0], err[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step ran
+
+
+def test_cli_truncate_trains_and_warns_once(workdir, long_data, tiny_model_dir, tmp_path):
+    r = run_module("train", "--model", str(tiny_model_dir), "--data", str(long_data / "long.jsonl"),
+                   "--steps", "1", "--output-dir", str(tmp_path / "run"), "run.progress=false", "run.plot=false",
+                   "rollout.max_new_tokens=4", "rollout.prompts_per_step=4", "rollout.n=2", "data.shuffle=false",
+                   "rollout.prompt_overflow=truncate", f"data.reward={workdir / 'rew.py'}:garbage")
+    assert r.returncode == 0, r.stdout + r.stderr
+    warned = [ln for ln in r.stderr.splitlines() if "warning: example long:3" in ln]
+    assert len(warned) == 1 and "keeping its last 1020 tokens" in warned[0], r.stderr
+    assert len(rows(tmp_path / "run")) == 1
+
+
+def test_cli_eval_bad_reward_spec_and_overlong_prompt_exit_2(workdir, long_data, tiny_model_dir, tmp_path):
+    """Before: a reward file with a syntax error ended `tether eval` with a SyntaxError traceback."""
+    (tmp_path / "syntax.py").write_text("def fn(c, e):\n    return 1 +\n")
+    common = ["eval", "--model", str(tiny_model_dir), "--max-new-tokens", "4", "--no-progress", "--limit", "4"]
+    for bench, reward, want in (
+            (workdir / "prompts.jsonl", f"{tmp_path / 'syntax.py'}:fn", "syntax.py, line 2: SyntaxError"),
+            (long_data / "long.jsonl", f"{workdir / 'rew.py'}:garbage", "example long:3: the prompt has")):
+        r = run_module(*common, "--benchmarks", str(bench), "--reward", reward, "--out", str(tmp_path / "ev"))
+        assert r.returncode == 2, r.stdout + r.stderr
+        err = [ln for ln in r.stderr.splitlines() if ln.startswith("tether: error:")]
+        assert len(err) == 1 and "Traceback" not in r.stderr and want in err[0], r.stderr

@@ -351,6 +351,38 @@ def test_score_one_failure_kinds_name_the_example():
     assert failure is None and res.reward == pytest.approx(0.7)
 
 
+def test_prompt_encoder_fits_prompts_in_the_context(capsys):
+    from types import SimpleNamespace
+
+    from tether.errors import GenerationError
+    from tether.tasks.prompts import PromptEncoder, encode_prompts, model_context
+    from tether.testing import make_tiny_tokenizer
+
+    tok = make_tiny_tokenizer()
+    short, long_ = Example("Say 1", "1", "d:0"), Example("word " * 200, "2", "d:1")
+    full = encode_prompts(tok, [short, long_])
+    assert len(full[1]) > 100 > len(full[0])
+    enc = PromptEncoder(tok, context=108, overflow="error")
+    assert enc.limit(8) == 100 and enc.encode([short], 8) == full[:1]
+    with pytest.raises(GenerationError, match=rf"example d:1: the prompt has {len(full[1])} tokens, more than the "
+                                              r"100 that fit in the model's context \(108 tokens, less 8 for"):
+        enc.encode([short, long_], 8)
+    with pytest.raises(GenerationError, match="example d:1"):
+        enc.check([short, long_], 8)  # the early check of a dataset finds it too
+    enc.check([short], 8)
+    with pytest.raises(GenerationError, match="no room for a prompt"):
+        enc.limit(108)
+    cut = PromptEncoder(tok, context=108, overflow="truncate")
+    assert cut.encode([short, long_, long_], 8) == [full[0], full[1][-100:], full[1][-100:]]
+    warned = [ln for ln in capsys.readouterr().err.splitlines() if "warning: example d:1" in ln]
+    assert len(warned) == 1 and "keeping its last 100 tokens" in warned[0] and cut.truncated == 2
+    assert PromptEncoder(tok, context=None).encode([long_], 8) == full[1:]  # unknown context: no check
+
+    assert model_context(SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192)), tok) == 8192
+    assert model_context(None, SimpleNamespace(model_max_length=2048)) == 2048
+    assert model_context(None, SimpleNamespace(model_max_length=int(1e30))) is None  # transformers' "unknown"
+
+
 # --------------------------------------------------------------------------------------
 # arithmetic task
 # --------------------------------------------------------------------------------------

@@ -179,15 +179,16 @@ def test_raising_reward_scores_zero_and_training_goes_on(workdir, tiny_model_dir
     assert sum("reward function raised" in str(x) for x in logs) == 1  # the first traceback only
 
 
-def test_reward_timeout_is_validated(workdir, tiny_model_dir):
+def test_reward_timeout_and_prompt_overflow_are_validated(workdir, tiny_model_dir):
     for over, msg in (({"data.reward": "math", "data.reward_timeout": 5}, "data.reward_timeout only applies to a user"),
                       ({"data.reward": "auto", "data.reward_timeout": 5}, "data.reward_timeout only applies to a user"),
                       ({"data.reward_timeout": -1}, "data.reward_timeout must be >= 0"),
-                      ({"data.reward_timeout": float("nan")}, "data.reward_timeout must be >= 0")):
+                      ({"data.reward_timeout": float("nan")}, "data.reward_timeout must be >= 0"),
+                      ({"rollout.prompt_overflow": "truncat"}, "rollout.prompt_overflow 'truncat'.*Did you mean")):
         with pytest.raises(ConfigError, match=msg):
             cfg_for(workdir, tiny_model_dir, "grpo", 1, **over)
-    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"data.reward_timeout": 0})
-    assert cfg.data.reward_timeout == 0
+    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"data.reward_timeout": 0, "rollout.prompt_overflow": "truncate"})
+    assert cfg.data.reward_timeout == 0 and cfg.rollout.prompt_overflow == "truncate"
 
 
 def test_non_finite_loss_skips_the_update(workdir, tiny_model_dir, tmp_path, monkeypatch):

@@ -55,6 +55,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling (1 = off)
     top_k: int = 0  # top-k sampling (0 = off)
     max_new_tokens: int = 48  # response length cap; longer responses are truncated (search agent: the cap of each policy turn)
+    prompt_overflow: str = "error"  # a prompt of more than (the model's context - max_new_tokens) tokens (search agent: more than search.max_context - 1, each turn being cut to the room left): error (a GenerationError naming the example and the lengths; dataset rows are checked before the first step) | truncate (keep its last tokens; warns once)
     min_new_tokens: int = 0  # EOS is banned before this many new tokens (0 = off; benchmarks use it for fixed-length decoding)
     stop: list = field(default_factory=list)  # stop strings; the response ends right after one
     batch_size: int = 32  # sequences per generate call
@@ -346,6 +347,8 @@ def check(cfg: Config) -> Config:
     elif d.reward_timeout != dd.reward_timeout and (d.reward == "auto" or ":" not in d.reward):
         errs.append("data.reward_timeout only applies to a user reward (data.reward=module:function or "
                     "path.py:function); the built-in rewards run in the trainer process")
+    if r.prompt_overflow not in ("error", "truncate"):
+        errs.append(unknown_choice("rollout.prompt_overflow", r.prompt_overflow, ("error", "truncate")))
     from .agents import AGENTS
     from .rollout import ENGINES
     if r.engine not in ENGINES:

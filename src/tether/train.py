@@ -129,6 +129,9 @@ class Trainer:
         self.anchor = make_anchor(cfg.algo.anchor, model)
         self.engine = make_engine(cfg.rollout, model, tokenizer)
         self.agent = agent_from_config(cfg, self.engine, tokenizer, tools)
+        prompts = getattr(self.agent, "prompts", None)  # the agent's PromptEncoder (tether.tasks.prompts)
+        if prompts is not None and self.data.examples is not None:  # an overlong row fails now, not at its step
+            prompts.check(self.data.examples, cfg.rollout.max_new_tokens)
         self.step = 0
         self.skipped_updates = 0
         self.reward_errors = 0

@@ -31,7 +31,9 @@ class Agent(Protocol):
     Rows of example ``i`` are contiguous and have ``group == i``; ``response_ids`` hold every
     token after the prompt (the policy's and any tool's), and ``loss_mask`` marks the ones the
     policy sampled. ``metrics()`` returns the agent's counters since the last call (floats),
-    which the trainer logs with the step.
+    which the trainer logs with the step. An agent may have a ``prompts`` attribute, its
+    ``tether.tasks.prompts.PromptEncoder``: the trainer then checks every dataset row against
+    the model's context before the first step, and ``tether eval`` before generating.
     """
 
     def rollout(self, examples: Sequence[Example], params: SamplingParams) -> RolloutBatch: ...
@@ -65,8 +67,10 @@ AGENTS.register("search")(_search)
 
 #: agent name -> (options(cfg) -> dict, tools(cfg) -> dict): how a tether Config configures it
 AGENT_CONFIG: dict[str, tuple[Callable[[Any], dict], Callable[[Any], dict]]] = {
-    "single_turn": (lambda cfg: {"system_prompt": cfg.data.system_prompt}, lambda cfg: {}),
-    "search": (lambda cfg: {"system_prompt": cfg.data.system_prompt, "topk": cfg.search.topk,
+    "single_turn": (lambda cfg: {"system_prompt": cfg.data.system_prompt,
+                                 "prompt_overflow": cfg.rollout.prompt_overflow}, lambda cfg: {}),
+    "search": (lambda cfg: {"system_prompt": cfg.data.system_prompt, "prompt_overflow": cfg.rollout.prompt_overflow,
+                            "topk": cfg.search.topk,
                             "max_searches": cfg.search.max_searches, "max_obs_tokens": cfg.search.max_obs_tokens,
                             "max_context": cfg.search.max_context}, _search_tools),
 }

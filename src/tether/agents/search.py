@@ -15,11 +15,16 @@ only at ``</answer>``, and a search there is not executed).
 
 Budgets: ``params.max_new_tokens`` (``rollout.max_new_tokens``) new tokens per turn, ``max_obs_tokens`` per observation (cut,
 keeping the closing tag), ``max_context`` tokens of prompt + response in all; a trajectory that
-reaches the context cap ends with finish reason ``"length"``.
+reaches the context cap ends with finish reason ``"length"``. The cap is never more than the
+model's context (``max_position_embeddings``): a larger ``max_context`` is lowered to it, with a
+warning, so an episode can never run past what the model can attend to. Since every turn is cut
+to the room left under the cap, the first prompt need only leave one token of it; a longer one
+is an error or cut to its last tokens (``prompt_overflow``, as for the single-turn agent).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -31,7 +36,7 @@ from ..search.protocol import INVALID_ACTION_MESSAGE, STOP_STRINGS, parse_action
 from ..search.retrievers import RetrievalError
 from ..search.reward import golden_answers, score_response
 from ..tasks.base import Example
-from ..tasks.prompts import encode_prompts
+from ..tasks.prompts import agent_prompt_encoder
 
 _CLOSE = "</information>\n\n"
 
@@ -70,12 +75,15 @@ class SearchAgent:
         topk: passages per search.
         max_searches: searches per episode; then one final turn without search.
         max_obs_tokens: tokens per observation (longer ones are cut, keeping ``</information>``).
-        max_context: prompt + response tokens per episode; reaching it ends the episode.
+        max_context: prompt + response tokens per episode; reaching it ends the episode (at most
+            the model's context).
+        prompt_overflow: a first prompt that leaves no room under the cap: ``"error"`` or
+            ``"truncate"`` (``tether.tasks.prompts.PromptEncoder``).
     """
 
     def __init__(self, engine, tokenizer, retriever, *, system_prompt: str = "", topk: int = 3,
                  max_searches: int = 4, max_obs_tokens: int = 512,
-                 max_context: int = 4096):
+                 max_context: int = 4096, prompt_overflow: str = "error"):
         for name, v in (("topk", topk), ("max_obs_tokens", max_obs_tokens),
                         ("max_context", max_context)):
             if v < 1:
@@ -84,7 +92,12 @@ class SearchAgent:
             raise ValueError(f"search agent: max_searches must be >= 0, got {max_searches}")
         self.engine, self.tokenizer, self.retriever = engine, tokenizer, retriever
         self.system_prompt, self.topk, self.max_searches = system_prompt, topk, max_searches
-        self.max_obs_tokens, self.max_context = max_obs_tokens, max_context
+        self.prompts = agent_prompt_encoder(engine, tokenizer, system_prompt, prompt_overflow, max_context=max_context,
+                                            reserve=1)
+        if self.prompts.context < max_context:
+            print(f"[tether] warning: search.max_context={max_context} is more than the model's context "
+                  f"({self.prompts.context} tokens); episodes end at {self.prompts.context} tokens", file=sys.stderr)
+        self.max_obs_tokens, self.max_context = max_obs_tokens, self.prompts.context
         self._ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
         self._invalid_ids = self._ids(INVALID_ACTION_MESSAGE)
         self._close_ids = self._ids(_CLOSE)
@@ -94,7 +107,7 @@ class SearchAgent:
 
     def rollout(self, examples: Sequence[Example], params: SamplingParams) -> RolloutBatch:
         """``params.n`` episodes per example (rows of example ``i`` contiguous, ``group == i``)."""
-        prompts = encode_prompts(self.tokenizer, examples, self.system_prompt)
+        prompts = self.prompts.encode(examples, params.max_new_tokens)
         eps = [_Episode(prompt=list(p)) for p in prompts for _ in range(params.n)]
         t_gen, t_ret, failures = 0.0, 0.0, 0
         self._got_logp = True

@@ -153,8 +153,12 @@ def evaluate(
     eng = make_engine(RolloutConfig(engine=engine, batch_size=int(batch_size)), model, tokenizer,
                       show_progress=False)
     runner = make_agent(agent, eng, tokenizer, system_prompt=system_prompt, **dict(agent_options or {}))
-    # batching order only (longest chat-encoded prompt first); the agent encodes what it generates from
-    prompt_len = [len(p) for p in encode_prompts(tokenizer, examples, system_prompt)]
+    # batching order only (longest chat-encoded prompt first); the agent encodes what it generates from.
+    # Through the agent's PromptEncoder when it has one: a prompt too long for the model fails here, before generating.
+    prompts = getattr(runner, "prompts", None)
+    encoded = prompts.encode(examples, int(max_new_tokens)) if prompts is not None else \
+        encode_prompts(tokenizer, examples, system_prompt)
+    prompt_len = [len(p) for p in encoded]
     per_chunk = max(1, int(batch_size) // n)
     order = sorted(range(len(examples)), key=lambda i: -prompt_len[i])
     chunks = [order[i:i + per_chunk] for i in range(0, len(order), per_chunk)]
