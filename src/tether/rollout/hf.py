@@ -193,18 +193,19 @@ class _FiniteGuard(LogitsProcessor):
     """Greedy and ``multinomial`` decoding: flags rows whose logits are NaN or +inf, or all -inf.
 
     One max per row (NaN propagates through it) decides; ``nonfinite`` is OR-ed on the device
-    and read once per segment (see the module doc). A flagged row's scores become 0 (uniform),
-    so that ``generate`` runs on to the end of the segment instead of failing inside
-    ``torch.multinomial``.
+    and read once per segment (see the module doc). Greedy argmax runs on whatever it gets;
+    with ``sanitize`` (multinomial) a flagged row's scores become 0 (uniform), so that
+    ``generate`` reaches the end of the segment instead of failing inside ``torch.multinomial``.
     """
 
-    def __init__(self):
+    def __init__(self, sanitize: bool = False):
         self.nonfinite: torch.Tensor | None = None
+        self.sanitize = sanitize
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         bad = ~torch.isfinite(scores.amax(dim=-1, keepdim=True))  # [R, 1]
         self.nonfinite = bad.any() if self.nonfinite is None else self.nonfinite | bad.any()
-        return scores.masked_fill(bad, 0.0)
+        return scores.masked_fill(bad, 0.0) if self.sanitize else scores
 
 
 def _chunks(seq: list[int], size: int) -> Iterable[list[int]]:
@@ -351,7 +352,7 @@ class HFEngine(RowPostprocess):
             kw["min_new_tokens"] = 0
         if self.sampler == "multinomial" and not params.is_greedy:
             kw.update(
-                logits_processor=LogitsProcessorList([_FiniteGuard()]),
+                logits_processor=LogitsProcessorList([_FiniteGuard(sanitize=True)]),
                 do_sample=True,
                 temperature=float(params.temperature),
                 top_p=float(params.top_p),
