@@ -277,3 +277,19 @@ def test_cli_eval_bad_reward_spec_and_overlong_prompt_exit_2(workdir, long_data,
         assert r.returncode == 2, r.stdout + r.stderr
         err = [ln for ln in r.stderr.splitlines() if ln.startswith("tether: error:")]
         assert len(err) == 1 and "Traceback" not in r.stderr and want in err[0], r.stderr
+
+
+def test_cli_train_bad_reward_spec_exits_2_before_the_model_loads(workdir, tiny_model_dir, tmp_path):
+    """Before: a traceback (ValueError, SyntaxError or the module's own exception) and exit 1."""
+    (tmp_path / "syntax.py").write_text("def fn(c, e):\n    return 1 +\n")
+    (tmp_path / "raises.py").write_text("raise RuntimeError('no verifier here')\n")
+    for spec, want in ((f"{tmp_path / 'syntax.py'}:fn", "syntax.py, line 2: SyntaxError"),
+                       (f"{tmp_path / 'raises.py'}:fn", "raised RuntimeError: no verifier here"),
+                       ("nosuch", "unknown reward 'nosuch'"),
+                       ("no_such_module_xyz:fn", "cannot import reward module 'no_such_module_xyz'")):
+        r = run_module("train", "--model", str(tiny_model_dir), "--data", str(workdir / "prompts.jsonl"),
+                       "--steps", "1", "--output-dir", str(tmp_path / "run"), f"data.reward={spec}")
+        assert r.returncode == 2, r.stdout + r.stderr
+        err = [ln for ln in r.stderr.splitlines() if ln.startswith("tether: error:")]
+        assert len(err) == 1 and "Traceback" not in r.stderr and want in err[0], r.stderr
+        assert "loading model" not in r.stdout + r.stderr

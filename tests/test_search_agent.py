@@ -157,6 +157,21 @@ def test_context_cap_ends_the_episode(tok):
     assert int(rb.response_mask.sum()) == len(turn) + 5  # the observation is cut at the cap
 
 
+def test_context_cap_is_at_most_the_models_context(tok, capsys):
+    """Before: max_context (default 4096) above the model's context let an episode run past it silently."""
+    from types import SimpleNamespace
+
+    prompt_len = len(encode_prompts(tok, [EX])[0])
+    turn = char_ids(tok, "<search>q</search>")
+    eng = ScriptedEngine(tok, [[turn], [turn]])
+    eng.model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=prompt_len + len(turn) + 5))
+    agent = SearchAgent(eng, tok, FakeRetriever(), topk=3, max_searches=4)  # max_context 4096
+    assert agent.max_context == prompt_len + len(turn) + 5
+    assert "search.max_context=4096 is more than the model's context" in capsys.readouterr().err
+    rb = agent.rollout([EX], SamplingParams(n=1, max_new_tokens=64, seed=0))
+    assert rb.finish_reason == ["length"] and int(rb.response_mask.sum()) == len(turn) + 5
+
+
 def test_batched_episodes_leave_when_done_and_a_failed_search_is_an_observation(tok):
     a, s = char_ids(tok, "<answer>Ann</answer>"), char_ids(tok, "<search>q</search>")
     # 2 examples x n=2: rows 0 and 3 answer at once; rows 1 and 2 search, then answer
