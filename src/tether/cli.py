@@ -21,10 +21,16 @@ def _train(args) -> int:
 
     if args.resume:
         if args.config or args.recipe or args.task:
-            raise SystemExit("tether train --resume RUN_DIR continues with the run's saved config; "
-                             "drop --config/--recipe/--task (key=value overrides such as train.steps=60 are allowed)")
+            from .algo.recipes import ConfigError
+            raise ConfigError("tether train --resume RUN_DIR continues with the run's saved config; drop "
+                              "--config/--recipe/--task (key=value overrides such as train.steps=60 are allowed)")
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").is_file():
+            from .errors import RunError
+            raise RunError(f"cannot resume {run_dir}: " + ("no config.yaml in it (is it a tether run directory?)"
+                                                           if run_dir.is_dir() else "no such directory"))
         try:
-            resume(Path(args.resume), overrides)
+            resume(run_dir, overrides)
         finally:
             distributed.teardown()  # under torchrun: leave the process group (no-op otherwise)
         return 0
@@ -130,8 +136,19 @@ def main(argv=None) -> int:
     try:
         return args.fn(args)
     except (ConfigError, DataError, ExportError, *USER_ERRORS) as e:
-        print(f"tether: error: {e}", file=sys.stderr)
+        print(f"tether: error: {error_text(e)}", file=sys.stderr)
         return 2
+
+
+def error_text(e: BaseException) -> str:
+    """The message of a user error for ``tether: error: ...``: one line, except that a list of
+    problems (lines starting with ``  - ``, as `tether.config.check` writes them) keeps one
+    problem per line under it. Other line breaks (e.g. in a message transformers wrote) are
+    joined with spaces, so the error is one line a script or a log search can take."""
+    lines = [ln.rstrip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if len(lines) > 1 and all(ln.startswith("  - ") for ln in lines[1:]):
+        return "\n".join(lines)
+    return " ".join(ln.strip() for ln in lines) or type(e).__name__
 
 
 if __name__ == "__main__":
