@@ -203,3 +203,80 @@ def test_failed_append_leaves_no_torn_row(tmp_path, monkeypatch):
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(path)
     w.close()
     assert path.read_text() == json.dumps({"step": 1, "reward_mean": 0.5}) + "\n"
+
+
+# ---------------------------------------------------------------- 5. checkpoint integrity
+
+
+def _truncate(p):
+    p.write_bytes(p.read_bytes()[:-100])
+
+
+def _flip(p):
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2] ^= 0x01
+    p.write_bytes(bytes(b))
+
+
+DAMAGE = {  # name -> (damage the newest checkpoint, what the warning says)
+    "truncated": (lambda c: _truncate(c / "policy.safetensors"), "policy.safetensors has"),
+    "flipped": (lambda c: _flip(c / "optimizer.safetensors"), "optimizer.safetensors does not match its sha256"),
+    "missing": (lambda c: (c / "rng.safetensors").unlink(), "rng.safetensors is missing"),
+    "bad_state_json": (lambda c: (c / "state.json").write_text('{"step": 2, "trainer"'), "state.json"),
+    "bad_manifest": (lambda c: (c / "manifest.json").write_text("{not json"), "manifest.json is unreadable"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_checkpoint_falls_back_to_the_previous_one(damage, base_run, tmp_path, capsys):
+    from tether.eval.cli import resolve_eval_spec
+    from tether.export import resolve_run_checkpoint
+
+    run = copy_run(base_run, tmp_path / "run")
+    newest, previous = run / "checkpoints" / "step-000002", run / "checkpoints" / "step-000001"
+    do, says = DAMAGE[damage]
+    do(newest)
+    assert latest_checkpoint(run) == previous
+    err = capsys.readouterr().err
+    assert f"checkpoint {newest} is damaged" in err and says in err, err
+    assert resolve_run_checkpoint(run).checkpoint == previous  # tether export
+    assert resolve_eval_spec(run).checkpoint == previous  # tether eval
+    do(previous)
+    with pytest.raises(RunError, match="no valid checkpoint.*step-000002.*step-000001"):
+        latest_checkpoint(run)
+
+
+def test_resume_from_the_previous_checkpoint_when_the_newest_is_damaged(base_run, tmp_path, capsys):
+    run = copy_run(base_run, tmp_path / "run")
+    _flip(run / "checkpoints" / "step-000002" / "policy.safetensors")
+    resume(run, log=quiet)
+    assert "step-000002 is damaged" in capsys.readouterr().err
+    assert_same_run(run, base_run, 2)  # step 2 redone from step 1, exactly
+
+
+def test_checkpoint_without_manifest_loads_unverified(base_run, tmp_path, capsys):
+    run = copy_run(base_run, tmp_path / "run")
+    (run / "checkpoints" / "step-000002" / "manifest.json").unlink()
+    assert latest_checkpoint(run) == run / "checkpoints" / "step-000002"
+    assert "loaded without verification" in capsys.readouterr().err
+
+
+def test_prune_leaves_a_live_trainers_temp_checkpoint(tmp_path):
+    """Checkpoint cleanup removes leftovers of dead writers (and its own), never a temp directory of a
+    process that still runs (another trainer's checkpoint in progress)."""
+    import tether.checkpoint as ck
+
+    root = tmp_path / "checkpoints"
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    try:
+        for name in ("step-000001", "step-000002", f"step-000003.tmp-{live.pid}", f"step-000003.tmp-{dead.pid}",
+                     f"step-000002.tmp-{os.getpid()}"):
+            (root / name).mkdir(parents=True)
+            (root / name / "policy.safetensors").write_bytes(b"x")
+        ck._prune(root, keep=2)
+        assert sorted(p.name for p in root.iterdir()) == ["step-000001", "step-000002", f"step-000003.tmp-{live.pid}"]
+    finally:
+        live.kill()
+        live.wait(timeout=60)
