@@ -17,6 +17,8 @@ def _train(args) -> int:
         v = getattr(args, flag)
         if v is not None:
             overrides[key] = v
+    if args.overwrite:
+        overrides["run.overwrite"] = True
     from . import distributed
 
     if args.resume:
@@ -89,7 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", help="arithmetic | gsm8k | math500 | ... | a .jsonl/.json/.parquet file | a hub id")
     t.add_argument("--steps", type=int, help="trainer steps (= train.steps)")
     t.add_argument("--output-dir", dest="output_dir", help="run directory (= run.output_dir)")
-    t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
+    t.add_argument("--overwrite", action="store_true", help="a fresh run into a non-empty --output-dir first deletes "
+                   "the old run there (= run.overwrite=true); without it such a run is refused")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest valid checkpoint")
     t.set_defaults(fn=_train)
 
     pl = sub.add_parser("plot", help="plot the curves of one or more runs, overlaid")

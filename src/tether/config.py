@@ -115,7 +115,8 @@ class TrainConfig:
 class RunConfig:
     """Outputs: run directory, checkpoints, logs."""
 
-    output_dir: str = ""  # run directory ("" = runs/<recipe>-<task>-<timestamp>)
+    output_dir: str = ""  # run directory ("" = runs/<recipe>-<task>-<timestamp>); a fresh run refuses a non-empty one (see run.overwrite) and locks it (RUN/.lock) while it trains
+    overwrite: bool = False  # a fresh run into a non-empty run.output_dir first deletes its contents (config, logs, checkpoints); false refuses it (CLI: --overwrite; needs run.output_dir; not with --resume)
     save_every: int = 10  # checkpoint every N trainer steps (0 = only at the end)
     keep_checkpoints: int = 2  # keep the newest N checkpoints (-1 = keep every checkpoint)
     log_samples: int = 2  # prompts/responses per step written to samples.jsonl
@@ -449,6 +450,9 @@ def check(cfg: Config) -> Config:
             errs.append(f"eval.anchor=true needs an anchor with its own weights, not {cfg.algo.anchor.kind!r}")
         if not e.benchmarks:
             errs.append("eval.benchmarks is empty")
+    if cfg.run.overwrite and not cfg.run.output_dir:
+        errs.append("run.overwrite=true needs run.output_dir (--output-dir): the default run directory is a new "
+                    "one, so there is nothing to overwrite")
     if cfg.run.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401
@@ -631,8 +635,10 @@ def _check_engine(cfg: Config) -> list[str]:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    """Write the resolved config as YAML (loadable with ``--config``)."""
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write the resolved config as YAML (loadable with ``--config``), atomically (never half a file)."""
+    from .metrics import write_text_atomic
+
+    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def config_from_dict(data: dict) -> Config:

@@ -28,12 +28,13 @@ from . import distributed as dist
 from .agents import agent_from_config, agent_tools
 from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, overlong_penalty, zero_variance_groups
 from .anchor import make_anchor
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import Config, load_config, save_config, to_dict
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import Config, to_dict
 from .logprobs import response_stats
 from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
 from .passes import Passes, StepBatch, exact_kl_sample, micro_batches
 from .rollout import RolloutBatch, SamplingParams, make_engine
+from .rundir import RunDirectory, resume_checkpoint, resume_config
 from .tasks import Example
 
 
@@ -86,13 +87,20 @@ class PromptSource:
 
 
 class Trainer:
-    """Owns the model, optimizer, anchor and data stream of one run; ``run()`` trains to ``train.steps``."""
+    """Owns the model, optimizer, anchor and data stream of one run; ``run()`` trains to ``train.steps``.
 
-    def __init__(self, cfg: Config, run_dir: Path, model=None, tokenizer=None, log=print):
+    ``run_guard`` (`tether.rundir.RunDirectory`, passed by `train` / `resume`) creates, locks and
+    checks the run directory once the data, reward and tools have loaded, before the model does; it
+    writes config.yaml (a resume: after the checkpoint is restored). Without it (tests, benchmarks)
+    the directory is only created.
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path, model=None, tokenizer=None, log=print,
+                 run_guard: Optional[RunDirectory] = None):
         dist.init()
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.log = log if dist.is_main() else (lambda *a, **k: None)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.guard = run_guard
         t = cfg.train
         if dist.enabled():
             from .algo.recipes import ConfigError
@@ -110,6 +118,10 @@ class Trainer:
         reward_spec = self.data.reward_name if cfg.data.reward == "auto" else cfg.data.reward
         self.reward_fn = load_reward(reward_spec, format_weight=cfg.data.format_weight)
         tools = agent_tools(cfg)  # e.g. the search agent's retriever: its corpus is checked before the model load
+        if run_guard is not None:
+            run_guard.open(cfg)  # after the cheap checks (a bad config leaves no directory), before the model load
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         if model is None:
             from .models import load_model
             self.log(f"[tether] loading model {cfg.model.name!r}")
@@ -413,11 +425,11 @@ class Trainer:
         """Train until ``train.steps``; checkpoints every ``run.save_every`` steps and at the end."""
         cfg = self.cfg
         if resume:
-            ckpt = latest_checkpoint(self.run_dir)
-            if ckpt is None:
-                raise FileNotFoundError(f"{self.run_dir} has no complete checkpoint to resume from")
+            ckpt = resume_checkpoint(self.run_dir)  # the newest that verifies; RunError if none
             self.restore(ckpt)
             self.log(f"[tether] resumed from {ckpt} (step {self.step})")
+            if self.guard is not None:
+                self.guard.save_config(cfg)  # only now: a resume that fails leaves config.yaml as it was
         main = dist.is_main()  # only rank 0 logs, shows progress and writes samples
         logger = MetricsLogger(self.run_dir, resume_step=self.step if resume else None,
                                tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
@@ -477,32 +489,46 @@ def default_run_dir(cfg: Config) -> Path:
 
 
 def train(cfg: Config, run_dir: Optional[Path] = None, model=None, tokenizer=None, log=print) -> Path:
-    """Train a fresh run; returns the run directory (config.yaml, metrics.jsonl, checkpoints/, curves.png)."""
+    """Train a fresh run; returns the run directory (config.yaml, metrics.jsonl, checkpoints/, curves.png).
+
+    The directory must be new or empty (``run.overwrite`` deletes an old run's contents first) and is
+    locked while the run trains; see `tether.rundir`.
+    """
     dist.init()
     if not (run_dir or cfg.run.output_dir) and dist.enabled():  # one timestamped name for all ranks
         run_dir = Path(dist.all_gather_objects(str(default_run_dir(cfg)))[0])
     run_dir = Path(run_dir or cfg.run.output_dir or default_run_dir(cfg))
-    run_dir.mkdir(parents=True, exist_ok=True)
     if dist.is_main():
-        save_config(cfg, run_dir / "config.yaml")
         from .algo import describe
-        log(f"[tether] run directory: {run_dir}\n[tether] {describe(cfg.algo)}")
-    return Trainer(cfg, run_dir, model, tokenizer, log=log).run()
+        log(f"[tether] {describe(cfg.algo)}")
+    guard = RunDirectory(run_dir, fresh=True, overwrite=cfg.run.overwrite, log=log)
+    return _run_guarded(guard, lambda: Trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard), resume=False)
 
 
 def resume(run_dir: Path, overrides: Optional[dict] = None, model=None, tokenizer=None, log=print) -> Path:
-    """Continue a run from its latest checkpoint (``overrides`` may extend e.g. train.steps)."""
-    import yaml
+    """Continue a run from its newest valid checkpoint (``overrides`` may extend e.g. train.steps).
 
-    from .config import _flatten
+    Every rank reads the saved config here; rank 0 rewrites it with the overrides only once the
+    checkpoint has been restored (a resume that fails leaves config.yaml as it was).
+    """
     run_dir = Path(run_dir)
-    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    name = saved.pop("recipe")
-    vals = _flatten(saved)
-    vals.update(overrides or {})
-    cfg = load_config(None, vals, recipe_name=name)
+    cfg = resume_config(run_dir, overrides)
     dist.init()
-    dist.barrier()  # every rank has read the saved config before rank 0 rewrites it
-    if dist.is_main():
-        save_config(cfg, run_dir / "config.yaml")
-    return Trainer(cfg, run_dir, model, tokenizer, log=log).run(resume=True)
+    guard = RunDirectory(run_dir, fresh=False, log=log)
+    return _run_guarded(guard, lambda: Trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard), resume=True)
+
+
+def _run_guarded(guard: RunDirectory, make_trainer, resume: bool) -> Path:
+    """Build the trainer (its ``__init__`` opens the guard) and run it; the lock is released however it
+    ends, a fresh run whose trainer cannot be built leaves no directory, and a disk-full or read-only
+    write while training is a `RunError` naming the path."""
+    try:
+        trainer = make_trainer()
+    except BaseException:
+        guard.abandon()
+        raise
+    try:
+        with guard.write_errors():
+            return trainer.run(resume=resume)
+    finally:
+        guard.release()
