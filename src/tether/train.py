@@ -34,6 +34,7 @@ from .logprobs import response_stats
 from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
 from .passes import Passes, StepBatch, exact_kl_sample, micro_batches
 from .rollout import RolloutBatch, SamplingParams, make_engine
+from .stop import GracefulStop, resume_hint
 from .tasks import Example
 
 
@@ -87,6 +88,8 @@ class PromptSource:
 
 class Trainer:
     """Owns the model, optimizer, anchor and data stream of one run; ``run()`` trains to ``train.steps``."""
+
+    stopped_by: Optional[str] = None  # "SIGINT" / "SIGTERM" after run() stopped early on that signal
 
     def __init__(self, cfg: Config, run_dir: Path, model=None, tokenizer=None, log=print):
         dist.init()
@@ -444,8 +447,19 @@ class Trainer:
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def run(self, resume: bool = False) -> Path:
-        """Train until ``train.steps``; checkpoints every ``run.save_every`` steps and at the end."""
+        """Train until ``train.steps``; checkpoints every ``run.save_every`` steps and at the end.
+
+        SIGINT / SIGTERM stop the run gracefully (``tether.stop``): the step in progress finishes,
+        a checkpoint is written, and ``run()`` returns with ``self.stopped_by`` set to the signal's
+        name; a second signal aborts at once (``tether.stop.Aborted``).
+        """
+        with GracefulStop(self.run_dir, announce=dist.is_main()) as stop:
+            self._run(resume, stop)
+        return self.run_dir
+
+    def _run(self, resume: bool, stop: GracefulStop) -> None:
         cfg = self.cfg
+        self.stopped_by = None
         if resume:
             ckpt = latest_checkpoint(self.run_dir)
             if ckpt is None:
@@ -478,8 +492,18 @@ class Trainer:
                     post["s/step"] = f"{m['time_step_s']:.1f}"
                     bar.set_postfix(post)
                     bar.update(1)
+                saved = None
                 if (cfg.run.save_every and self.step % cfg.run.save_every == 0) or self.step == cfg.train.steps:
-                    self.save()
+                    saved = self.save()
+                # once per step on every rank (an all-reduce under torchrun): all ranks stop at the same step
+                signal_name = stop.requested() if self.step < cfg.train.steps else None
+                if signal_name:
+                    saved = saved or self.save()
+                    self.stopped_by = signal_name
+                    stop.stopped(signal_name)
+                    self.log(f"[tether] stopped by {signal_name} after step {self.step} of {cfg.train.steps}; "
+                             f"checkpoint {saved}. Resume with: {resume_hint(self.run_dir)}")
+                    break
         finally:
             if bar is not None:
                 bar.close()
@@ -488,7 +512,6 @@ class Trainer:
         if cfg.run.plot and main:
             from .plot import plot_runs
             plot_runs([self.run_dir], self.run_dir / "curves.png")
-        return self.run_dir
 
 
 def _schedule(kind: str, warmup: int, total: int, start: Optional[int] = None, mult: float = 1.0, **_):
