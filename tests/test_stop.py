@@ -137,6 +137,7 @@ def signalled_run(stopdir, tiny_model_dir, tmp_path, signals: list, **over):
             p.send_signal(getattr(signal, name))
             if i + 1 < len(signals):
                 wait_for(f"{name} to be acknowledged", lambda: f"{name} received" in log.read_text(), p, log)
+                time.sleep(stop.REPEAT_S + 0.2)  # a second stop, not the first delivered twice (step 2 waits)
         gate.unlink()
         rc, out = finish(p, log)
     finally:
@@ -181,6 +182,22 @@ def test_a_second_signal_aborts_without_a_new_checkpoint(stopdir, tiny_model_dir
     assert not any(".tmp-" in p.name for p in (run / "checkpoints").iterdir())  # no write was even begun
     resume_to_the_end(run, tmp_path)
     assert [_strip(r) for r in rows(run)] == [_strip(r) for r in reference]
+
+
+@pytest.mark.faults
+def test_the_same_stop_delivered_twice_is_not_an_abort(tmp_path):
+    """A signal right after the first (torchrun's agent forwarding the Ctrl-C its workers already got)
+    does not abort; one that comes later does. Sent straight to the handler: the delivery is not timed."""
+    gs = stop.GracefulStop(tmp_path, announce=False)
+    gs._handle(signal.SIGINT, None)
+    try:
+        gs._handle(signal.SIGTERM, None)  # within REPEAT_S of the first
+    except stop.Aborted:
+        pytest.fail("the first stop, delivered twice, aborted the run")
+    assert gs.requested() == "SIGINT"
+    gs._first_at -= stop.REPEAT_S
+    with pytest.raises(stop.Aborted, match=r"second stop signal \(SIGTERM\).*no checkpoint yet"):
+        gs._handle(signal.SIGTERM, None)
 
 
 @pytest.mark.faults
@@ -276,3 +293,31 @@ def test_ctrl_c_outside_a_run_is_one_line_and_exit_130(monkeypatch, capsys):
         pytest.fail("Ctrl-C escaped tether.cli.main (a traceback for the user)")
     assert rc == 130
     assert capsys.readouterr().err.strip() == "tether: interrupted (SIGINT)"
+
+
+@pytest.mark.faults
+def test_ctrl_c_under_torchrun_stops_gracefully(stopdir, tiny_model_dir, tmp_path):
+    """Ctrl-C in a terminal signals the whole process group: each worker gets SIGINT from the terminal and
+    again from torchrun's agent, which forwards it. That is one stop (a graceful one), not an abort."""
+    from test_distributed import _env, _torchrun, _train_args
+
+    run, gate, log = tmp_path / "run", tmp_path / "gate", tmp_path / "torchrun.log"
+    gate.touch()
+    args = _train_args(stopdir, tiny_model_dir, str(run), steps=STEPS,
+                       **{"data.reward": f"{stopdir / 'rew.py'}:gated", "run.save_every": 0})
+    env = dict(_env(), TETHER_TEST_GATE=str(gate), TETHER_TEST_METRICS=str(run / "metrics.jsonl"))
+    with open(log, "w") as out:
+        p = subprocess.Popen(_torchrun(2, *args), cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    try:
+        wait_for("step 2 to wait at the gate", lambda: Path(f"{gate}.waiting").exists(), p, log)
+        os.killpg(p.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        wait_for("SIGINT to be acknowledged", lambda: "SIGINT received" in log.read_text(), p, log)
+        gate.unlink()
+        rc, out = finish(p, log)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert "stopped by SIGINT after step 2" in out and "aborted" not in out, out[-6000:]
+    assert [r["step"] for r in rows(run)] == [1, 2]
+    assert latest_checkpoint(run).name == "step-000002"

@@ -5,7 +5,9 @@ progress finishes, a checkpoint is written, the loggers close and ``run()`` retu
 then exits with 128 + the signal number (130 for SIGINT, 143 for SIGTERM) and says how to
 resume. A second signal raises `Aborted` (a ``KeyboardInterrupt``) at once: the step or
 checkpoint write in progress is dropped, and since checkpoints are written atomically the
-previous one stays the latest (the run resumes from it).
+previous one stays the latest (the run resumes from it). A signal within `REPEAT_S` of the
+first one is the same stop delivered twice, not a second one: a Ctrl-C under ``torchrun``
+reaches every worker from the terminal and again, a moment later, forwarded by torchrun's agent.
 
 The handlers are installed only while ``run()`` runs, only in the main thread (Python allows no
 other), and never over a signal the process ignores (SIG_IGN: e.g. SIGINT in a background job
@@ -22,6 +24,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +32,7 @@ from . import distributed as dist
 from .checkpoint import latest_checkpoint
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+REPEAT_S = 1.0  # seconds after the first signal during which another one is the same stop, delivered twice
 
 _last_stop: Optional[str] = None
 
@@ -67,6 +71,7 @@ class GracefulStop:
         self.run_dir = Path(run_dir)
         self.announce = announce  # rank 0 says what it does; the other ranks stay quiet
         self.signum = 0  # the first signal received by this process (0: none)
+        self._first_at = 0.0  # when it came (time.monotonic)
         self._previous: dict = {}
 
     def __enter__(self) -> "GracefulStop":
@@ -88,8 +93,10 @@ class GracefulStop:
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self.signum:
+            if time.monotonic() - self._first_at < REPEAT_S:
+                return  # the first stop, delivered twice
             raise Aborted(name, self.run_dir, self.announce)
-        self.signum = signum
+        self.signum, self._first_at = signum, time.monotonic()
         if self.announce:  # os.write, not print: the signal may have interrupted a print to the same stream
             os.write(2, f"\n[tether] {name} received: stopping after the step in progress and writing a "
                         f"checkpoint (send it again to abort at once)\n".encode())
