@@ -96,12 +96,12 @@ class SearchConfig:
 class TrainConfig:
     """Optimization: the update over one rollout batch."""
 
-    steps: int = 14  # trainer steps (rollout + update); the default run fits 20 minutes on 2 CPU cores
-    lr: float = 2e-5  # AdamW learning rate (EMA-PG used 1e-6 for hundreds of steps; the short CPU default needs more)
+    steps: int = 14  # trainer steps (rollout + update); the default run fits 20 minutes on 2 CPU cores. Raised on --resume it extends the run (see train.schedule)
+    lr: float = 2e-5  # AdamW learning rate (EMA-PG used 1e-6 for hundreds of steps; the short CPU default needs more); set on --resume, it applies from the next step
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     warmup_steps: int = 0  # linear warm-up, in optimizer steps
-    schedule: str = "constant"  # constant | cosine | linear (after warm-up, to 0 at the last optimizer step)
+    schedule: str = "constant"  # constant | cosine | linear (after warm-up, to 0 at the last optimizer step). The LR never jumps on --resume: when train.steps (or the schedule) changes, the decay is re-laid from the multiplier reached to 0 at the new end; a run already decayed to 0 cannot be extended except with constant (train.lr)
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     epochs: int = 1  # passes over each rollout batch (> 1 makes the update off-policy)
     mini_batches: int = 1  # optimizer steps per epoch; each sees 1/mini_batches of the batch
