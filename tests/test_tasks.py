@@ -312,7 +312,8 @@ def test_reward_spec_errors_are_reward_errors_naming_spec_and_cause(tmp_path, mo
     monkeypatch.syspath_prepend(str(tmp_path))
     cases = [
         (f"{tmp_path / 'syntax.py'}:fn", rf"syntax\.py:fn'.*syntax\.py, line 2: SyntaxError"),
-        (f"{tmp_path / 'raises.py'}:fn", r"raises\.py:fn'.*raised RuntimeError: no verifier here \(at .*raises\.py:2\)"),
+        (f"{tmp_path / 'raises.py'}:fn",
+         r"raises\.py:fn'.*raised RuntimeError: no verifier here \(at .*raises\.py:2\)"),
         (f"{tmp_path / 'exits.py'}:fn", r"exits\.py:fn'.*raised SystemExit: 3"),
         ("mod_raises:fn", r"'mod_raises:fn'.*module 'mod_raises' raised KeyError: 'missing setting'"),
         ("nosuch", r"unknown reward 'nosuch'"),

@@ -7,10 +7,17 @@ Layout of ``RUN/checkpoints/step-000010/``:
     optimizer.safetensors   AdamW moments, keyed ``state.<param index>.<name>``
     rng.safetensors         torch CPU (and CUDA) generator states
     state.json              step, data position, scheduler, optimizer groups, anchor counters, python RNG
+    manifest.json           size and sha256 of each file above, read back from disk after it was written
 
 A checkpoint is written into ``step-N.tmp-<pid>``, flushed to disk, renamed to ``step-N``
 and only then named in ``RUN/checkpoints/latest``; an interrupted write leaves the
-previous checkpoint as the latest loadable one.
+previous checkpoint as the latest loadable one. A write that fails (disk full) removes its
+temporary directory; one that is killed leaves it, and a later save of any trainer removes
+it once its pid is no longer running (never another live trainer's).
+
+:func:`latest_checkpoint` checks the newest checkpoint against its manifest (a truncated,
+flipped or missing file, bad JSON) and falls back to the previous one with a warning; a
+checkpoint written before manifests existed loads unverified.
 
 Under FSDP2 (``torchrun``, ``tether.distributed``) the sharded tensors (policy, anchor, AdamW
 moments) are all-gathered into whole tensors and rank 0 writes the same files as one process
@@ -23,19 +30,38 @@ nodes see. The RNG states saved are rank 0's (sampling seeds are derived per ran
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from . import distributed as dist
 from .anchor import Anchor
+from .errors import RunError
+from .metrics import warn, with_path
+from .metrics import write_text_atomic as _write_text_atomic  # a module name: tests inject failures here
+
+MANIFEST = "manifest.json"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (one of another user counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _fsync_dir(path: Path) -> None:
@@ -79,18 +105,54 @@ def _read_tensors(path: Path) -> Mapping[str, torch.Tensor]:
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    except SafetensorError as e:  # safetensors reports I/O failures (disk full, ...) as "... (os error N) ..."
+        m = re.search(r"os error (\d+)", str(e))
+        if m is None:
+            raise
+        raise with_path(OSError(int(m.group(1)), os.strerror(int(m.group(1)))), path) from e
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _digest(path: Path, chunk: int = 1 << 22) -> dict:
+    """Size and sha256 of a file, read in chunks (a checkpoint is never held in memory twice)."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            size += len(block)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def verify_checkpoint(ckpt: Path) -> tuple[bool, str]:
+    """``(ok, note)``: whether checkpoint ``ckpt`` matches its manifest, and what failed if not.
+
+    A checkpoint without manifest (saved before manifests existed) is ``(True, note)``: it loads
+    unverified. Sizes are compared first (cheap), then every file is hashed.
+    """
+    ckpt = Path(ckpt)
+    mpath = ckpt / MANIFEST
+    if not mpath.is_file():
+        if not (ckpt / "state.json").is_file():
+            return False, "no state.json and no manifest.json"
+        return True, "has no manifest.json (saved by an older tether): loaded without verification"
+    try:
+        files = json.loads(mpath.read_text())["files"]
+        entries = [(name, int(f["size"]), str(f["sha256"])) for name, f in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return False, f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    for name, size, _ in entries:
+        if not (ckpt / name).is_file():
+            return False, f"{name} is missing"
+        have = (ckpt / name).stat().st_size
+        if have != size:
+            return False, f"{name} has {have} bytes, the manifest says {size} (truncated or rewritten)"
+    for name, _, sha in entries:
+        if _digest(ckpt / name)["sha256"] != sha:
+            return False, f"{name} does not match its sha256 in the manifest (corrupted)"
+    return True, ""
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -151,15 +213,10 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, anchor: Op
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    _save_tensors(policy, tmp / "policy.safetensors")
-    if anchor_t is not None:
-        _save_tensors(anchor_t, tmp / "anchor.safetensors")
-    _save_tensors(opt_t, tmp / "optimizer.safetensors")
     rng = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         for i, s in enumerate(torch.cuda.get_rng_state_all()):
             rng[f"cuda.{i}"] = s
-    _save_tensors(rng, tmp / "rng.safetensors")
     state = {
         "step": step,
         "trainer": trainer_state,
@@ -169,7 +226,21 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, anchor: Op
                                                "kl_ma": anchor.kl_ma},
         "python_rng": _jsonable_rng(random.getstate()),
     }
-    _write_text_atomic(tmp / "state.json", json.dumps(state, indent=1, default=_json_default))
+    try:
+        tensor_files = {"policy": policy, "anchor": anchor_t, "optimizer": opt_t, "rng": rng}
+        written = []
+        for name, tensors in tensor_files.items():
+            if tensors is not None:
+                _save_tensors(tensors, tmp / f"{name}.safetensors")
+                written.append(f"{name}.safetensors")
+        _write_text_atomic(tmp / "state.json", json.dumps(state, indent=1, default=_json_default))
+        written.append("state.json")
+        # the bytes on disk, read back after the fsync: a later truncation or bit flip shows on resume
+        manifest = {"format": 1, "files": {n: _digest(tmp / n) for n in written}}
+        _write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    except Exception:  # e.g. disk full: drop the partial checkpoint (and free its space); a kill leaves it to _prune
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -192,25 +263,50 @@ def _jsonable_rng(state) -> list:
 
 
 def _prune(root: Path, keep: int) -> None:
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and ".tmp-" not in p.name)
-    for p in done[:-keep] if keep > 0 else []:
+    """Keep the newest ``keep`` checkpoints; remove leftovers of interrupted writes whose writer is gone.
+
+    A temporary directory ``step-N.tmp-<pid>`` of a process that still runs is another trainer's
+    checkpoint in progress (the run lock should prevent that, but a lock can be removed by hand):
+    it is left alone.
+    """
+    for p in checkpoints(root.parent)[keep:] if keep > 0 else []:
         shutil.rmtree(p, ignore_errors=True)
-    for p in root.glob("step-*.tmp-*"):  # leftovers of interrupted writes
-        if p.is_dir() and not p.name.endswith(f".tmp-{os.getpid()}"):
+    for p in root.glob("step-*.tmp-*"):
+        pid = p.name.rpartition(".tmp-")[2]
+        if p.is_dir() and pid.isdigit() and (int(pid) == os.getpid() or not pid_alive(int(pid))):
             shutil.rmtree(p, ignore_errors=True)
 
 
-def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The newest complete checkpoint of a run (None if there is none)."""
+def _step_of(p: Path) -> Optional[int]:
+    m = re.fullmatch(r"step-(\d+)", p.name)
+    return int(m.group(1)) if m else None
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoint directories ``checkpoints/step-N`` (renamed into place whole), newest first."""
     root = Path(run_dir) / "checkpoints"
-    pointer = root / "latest"
-    if pointer.is_file():
-        p = root / pointer.read_text().strip()
-        if (p / "state.json").is_file():
+    found = [p for p in root.glob("step-*") if p.is_dir() and _step_of(p) is not None]
+    return sorted(found, key=_step_of, reverse=True)
+
+
+def latest_checkpoint(run_dir: Path, warn=warn) -> Optional[Path]:
+    """The newest checkpoint of a run that passes :func:`verify_checkpoint` (None if the run has none).
+
+    A damaged checkpoint is skipped with a warning naming it and what failed, and the previous one
+    is tried. Raises `RunError` when there are checkpoints but none is valid.
+    """
+    problems = []
+    for p in checkpoints(run_dir):
+        ok, note = verify_checkpoint(p)
+        if ok:
+            if note:
+                warn(f"checkpoint {p} {note}")
             return p
-    done = sorted(p for p in root.glob("step-*") if p.is_dir() and ".tmp-" not in p.name
-                  and (p / "state.json").is_file())
-    return done[-1] if done else None
+        warn(f"checkpoint {p} is damaged: {note}; trying the previous one")
+        problems.append(f"{p.name}: {note}")
+    if problems:
+        raise RunError(f"run {run_dir} has no valid checkpoint ({'; '.join(problems)})")
+    return None
 
 
 def copy_named_tensors(tensors: dict[str, torch.Tensor], model: torch.nn.Module, source: str) -> None:
@@ -245,7 +341,19 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, anchor: Optional[Anchor]
                     optimizer: torch.optim.Optimizer, scheduler) -> dict:
     """Restore everything saved by ``save_checkpoint``; returns the trainer state (step, data position...)."""
     ckpt = Path(ckpt)
-    state = json.loads((ckpt / "state.json").read_text())
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise RunError(f"cannot restore checkpoint {ckpt}: {ckpt / 'state.json'} is unreadable ({e})") from None
+    try:
+        return _load_checkpoint(ckpt, state, model, anchor, optimizer, scheduler)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, SafetensorError) as e:
+        what = f"{type(e).__name__}: {e}" if isinstance(e, (KeyError, TypeError, IndexError)) else str(e)
+        raise RunError(f"cannot restore checkpoint {ckpt}: {what} (was the model or algorithm changed by an "
+                       f"override? a resume must keep the shapes the checkpoint was saved with)") from None
+
+
+def _load_checkpoint(ckpt: Path, state: dict, model, anchor, optimizer, scheduler) -> dict:
     load_policy_weights(ckpt, model)
     if anchor is not None and anchor.master:
         anchor.load_state_dict({"kind": state["anchor"]["kind"], "num_updates": state["anchor"]["num_updates"],

@@ -17,23 +17,53 @@ def _train(args) -> int:
         v = getattr(args, flag)
         if v is not None:
             overrides[key] = v
+    if args.overwrite:
+        overrides["run.overwrite"] = True
     from . import distributed
 
     if args.resume:
         if args.config or args.recipe or args.task:
-            raise SystemExit("tether train --resume RUN_DIR continues with the run's saved config; "
-                             "drop --config/--recipe/--task (key=value overrides such as train.steps=60 are allowed)")
+            from .algo.recipes import ConfigError
+            raise ConfigError("tether train --resume RUN_DIR continues with the run's saved config; drop "
+                              "--config/--recipe/--task (key=value overrides such as train.steps=60 are allowed)")
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").is_file():
+            from .errors import RunError
+            raise RunError(f"cannot resume {run_dir}: " + ("no config.yaml in it (is it a tether run directory?)"
+                                                           if run_dir.is_dir() else "no such directory"))
         try:
-            resume(Path(args.resume), overrides)
+            resume(run_dir, overrides)
         finally:
             distributed.teardown()  # under torchrun: leave the process group (no-op otherwise)
-        return 0
+        return _stop_status()
     cfg = load_config(args.config, overrides, recipe_name=args.recipe, task=args.task)
     try:
         train(cfg)
     finally:
         distributed.teardown()
-    return 0
+    return _stop_status()
+
+
+def _stop_status() -> int:
+    """0 when the run finished; 128 + the signal's number (SIGINT 130, SIGTERM 143) when it stopped
+    early on that signal (tether.stop: the trainer wrote a checkpoint and printed how to resume)."""
+    from . import stop
+
+    stopped = stop.last_stop()
+    return stop.exit_code(stopped) if stopped else 0
+
+
+def _interrupted(e: KeyboardInterrupt) -> int:
+    """A second SIGINT / SIGTERM aborted a run (tether.stop.Aborted), or Ctrl-C came outside a run
+    (while loading, evaluating, exporting): one line, and the signal's exit status instead of a traceback."""
+    from . import stop
+
+    if isinstance(e, stop.Aborted):
+        if e.announce:  # rank 0 under torchrun
+            print(f"tether: {e}", file=sys.stderr)
+        return stop.exit_code(e.signal_name)
+    print("tether: interrupted (SIGINT)", file=sys.stderr)
+    return stop.exit_code("SIGINT")
 
 
 def _plot(args) -> int:
@@ -72,7 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a policy (no arguments: SmolLM2-135M on synthetic arithmetic with ema_pg)",
                        description="Train. Settings resolve as: recipe -> --config YAML -> key=value overrides "
-                       "(e.g. train.lr=1e-5 algo.kl.beta=0.01 rollout.n=8). Every key: docs/config.md or `tether config --reference`.")
+                       "(e.g. train.lr=1e-5 algo.kl.beta=0.01 rollout.n=8). Every key: docs/config.md or `tether config --reference`.",
+                       epilog="Stopping: SIGINT (Ctrl-C) or SIGTERM (a scheduler's stop) finishes the step in "
+                       "progress, writes a checkpoint, prints how to continue (tether train --resume RUN_DIR) and "
+                       "exits with 130 (SIGINT) or 143 (SIGTERM). A second signal (a second or more after the "
+                       "first) aborts at once, without a new checkpoint (the previous one stays the latest and "
+                       "resumes; same exit codes). Exit 0: the run finished; 2: an error in the command, config, "
+                       "data, model or run directory.")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=50")
     t.add_argument("--config", help="YAML config file")
     t.add_argument("--recipe", help="named algorithm (tether recipes lists them); default ema_pg")
@@ -83,7 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", help="arithmetic | gsm8k | math500 | ... | a .jsonl/.json/.parquet file | a hub id")
     t.add_argument("--steps", type=int, help="trainer steps (= train.steps)")
     t.add_argument("--output-dir", dest="output_dir", help="run directory (= run.output_dir)")
-    t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
+    t.add_argument("--overwrite", action="store_true", help="a fresh run into a non-empty --output-dir first deletes "
+                   "the old run there (= run.overwrite=true); without it such a run is refused")
+    t.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue RUN_DIR from its latest valid checkpoint with its saved config; key=value overrides "
+                   "apply, e.g. train.steps=60 extends the run. The LR never jumps on resume: a cosine or linear "
+                   "decay is re-laid from the multiplier the run had reached to 0 at the new last step (a run "
+                   "already decayed to 0 is refused: extend it with train.schedule=constant, which trains at "
+                   "train.lr, or start a new run from an exported model)")
     t.set_defaults(fn=_train)
 
     pl = sub.add_parser("plot", help="plot the curves of one or more runs, overlaid")
@@ -130,8 +173,21 @@ def main(argv=None) -> int:
     try:
         return args.fn(args)
     except (ConfigError, DataError, ExportError, *USER_ERRORS) as e:
-        print(f"tether: error: {e}", file=sys.stderr)
+        print(f"tether: error: {error_text(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:
+        return _interrupted(e)
+
+
+def error_text(e: BaseException) -> str:
+    """The message of a user error for ``tether: error: ...``: one line, except that a list of
+    problems (lines starting with ``  - ``, as `tether.config.check` writes them) keeps one
+    problem per line under it. Other line breaks (e.g. in a message transformers wrote) are
+    joined with spaces, so the error is one line a script or a log search can take."""
+    lines = [ln.rstrip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if len(lines) > 1 and all(ln.startswith("  - ") for ln in lines[1:]):
+        return "\n".join(lines)
+    return " ".join(ln.strip() for ln in lines) or type(e).__name__
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ import yaml
 
 from .algo.recipes import RECIPES, AlgoConfig, ConfigError, recipe, validate
 from .algo.registry import unknown_choice
-from .models import ModelConfig
+from .models import DTYPES, ModelConfig
 
 DEFAULT_RECIPE = "ema_pg"
 
@@ -96,12 +98,12 @@ class SearchConfig:
 class TrainConfig:
     """Optimization: the update over one rollout batch."""
 
-    steps: int = 14  # trainer steps (rollout + update); the default run fits 20 minutes on 2 CPU cores
-    lr: float = 2e-5  # AdamW learning rate (EMA-PG used 1e-6 for hundreds of steps; the short CPU default needs more)
+    steps: int = 14  # trainer steps (rollout + update); the default run fits 20 minutes on 2 CPU cores. Raised on --resume it extends the run (see train.schedule)
+    lr: float = 2e-5  # AdamW learning rate (EMA-PG used 1e-6 for hundreds of steps; the short CPU default needs more); set on --resume, it applies from the next step
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     warmup_steps: int = 0  # linear warm-up, in optimizer steps
-    schedule: str = "constant"  # constant | cosine | linear (after warm-up, to 0 at the last optimizer step)
+    schedule: str = "constant"  # constant | cosine | linear (after warm-up, to 0 at the last optimizer step). The LR never jumps on --resume: when train.steps (or the schedule) changes, the decay is re-laid from the multiplier reached to 0 at the new end; a run already decayed to 0 cannot be extended except with constant (train.lr)
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     epochs: int = 1  # passes over each rollout batch (> 1 makes the update off-policy)
     mini_batches: int = 1  # optimizer steps per epoch; each sees 1/mini_batches of the batch
@@ -115,9 +117,10 @@ class TrainConfig:
 class RunConfig:
     """Outputs: run directory, checkpoints, logs."""
 
-    output_dir: str = ""  # run directory ("" = runs/<recipe>-<task>-<timestamp>)
+    output_dir: str = ""  # run directory ("" = runs/<recipe>-<task>-<timestamp>); a fresh run refuses a non-empty one (see run.overwrite) and locks it (RUN/.lock) while it trains
+    overwrite: bool = False  # a fresh run into a non-empty run.output_dir first deletes its contents (config, logs, checkpoints); false refuses it (CLI: --overwrite; needs run.output_dir; not with --resume)
     save_every: int = 10  # checkpoint every N trainer steps (0 = only at the end)
-    keep_checkpoints: int = 2  # keep the newest N checkpoints
+    keep_checkpoints: int = 2  # keep the newest N checkpoints (-1 = keep every checkpoint)
     log_samples: int = 2  # prompts/responses per step written to samples.jsonl
     exact_kl_samples: int = 1  # responses per step whose exact full-vocabulary KL to the anchor is logged (0 = off)
     progress: bool = True  # a progress bar with live reward and KL
@@ -181,7 +184,11 @@ def _fields(obj) -> dict[str, dataclasses.Field]:
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Convert a YAML/CLI value to the field's declared type."""
+    """Convert a YAML/CLI value to the field's declared type.
+
+    A bool is never taken for a number or a string (YAML reads ``steps: true`` or ``name: no``
+    as booleans, and ``int(True)`` is 1); a bool key takes true/false, yes/no, on/off or 0/1.
+    """
     origin = typing.get_origin(tp)
     if origin is typing.Union or isinstance(tp, types.UnionType):
         args = typing.get_args(tp)
@@ -208,15 +215,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
             return value.lower() in ("true", "1", "yes", "on")
         raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if isinstance(value, bool) and tp in _TYPE_NAMES:  # bool is an int subclass: int(True) would be 1
+        raise ConfigError(f"{key}: expected {_TYPE_NAMES[tp]}, got {value!r}")
     if tp is int:
         try:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value) if not isinstance(value, str) else int(float(value)) if "e" in value.lower() else int(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
     if tp is float:
         try:
@@ -224,10 +235,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected a number, got {value!r}") from None
     if tp is str:
-        if isinstance(value, (dict, list)):
+        if value is None or isinstance(value, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return str(value)
     return value
+
+
+# how _coerce names the expected type when it gets a bool
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string (quote it in YAML)"}
 
 
 def _set(obj, dotted: str, value: Any, prefix: str = "") -> None:
@@ -283,21 +298,45 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def read_yaml_mapping(path: str | Path) -> dict:
+    """The mapping at the top of a YAML config file (an empty file is ``{}``).
+
+    Raises ConfigError naming the file (and the line, where the problem has one) when it is
+    missing or unreadable, not UTF-8, not valid YAML, or its top level is not a mapping.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} {'is not a file' if p.exists() else 'does not exist'}")
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"config file {path}: cannot read it: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"config file {path} line {line}: not valid UTF-8 (byte {e.start}: {e.reason})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"config file {path}{where}: not valid YAML: {what}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping of config keys "
+                          f"(key: value lines), got a {type(data).__name__}")
+    return data
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] = None,
                 recipe_name: Optional[str] = None, task: Optional[str] = None) -> Config:
     """Resolve a Config: recipe -> task preset (``TASK_PRESETS``) -> YAML file -> overrides, then validate it."""
     file_vals: dict[str, Any] = {}
     if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of config keys")
-        file_vals = _flatten(data)
+        file_vals = _flatten(read_yaml_mapping(path))
     overrides = dict(overrides or {})
     name = recipe_name or overrides.pop("recipe", None) or file_vals.pop("recipe", None) or DEFAULT_RECIPE
     file_vals.pop("recipe", None)
@@ -397,8 +436,6 @@ def check(cfg: Config) -> Config:
             errs.append(f"train.{k} must be >= 1")
     if t.schedule not in ("constant", "cosine", "linear"):
         errs.append(f"unknown train.schedule {t.schedule!r}. Valid choices: constant, cosine, linear")
-    if len(t.betas) != 2:
-        errs.append("train.betas must be two numbers")
     if r.prompts_per_step * r.n < t.mini_batches:
         errs.append("train.mini_batches exceeds the number of sequences per step")
     if (cfg.algo.anchor.kind == "iterative" and t.epochs == 1 and t.mini_batches == 1
@@ -422,6 +459,9 @@ def check(cfg: Config) -> Config:
             errs.append(f"eval.anchor=true needs an anchor with its own weights, not {cfg.algo.anchor.kind!r}")
         if not e.benchmarks:
             errs.append("eval.benchmarks is empty")
+    if cfg.run.overwrite and not cfg.run.output_dir:
+        errs.append("run.overwrite=true needs run.output_dir (--output-dir): the default run directory is a new "
+                    "one, so there is nothing to overwrite")
     if cfg.run.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401
@@ -432,9 +472,135 @@ def check(cfg: Config) -> Config:
             import wandb  # noqa: F401
         except Exception:
             errs.append("run.wandb=true needs the wandb package (pip install wandb)")
+    errs.extend(_check_values(cfg))
+    if len(errs) == 1:
+        raise ConfigError(f"invalid config: {errs[0]}")
     if errs:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+        raise ConfigError(f"invalid config ({len(errs)} problems):\n  - " + "\n  - ".join(errs))
     return cfg
+
+
+def _check_values(cfg: Config) -> list[str]:
+    """Ranges of single values that would otherwise fail late (at the model load, or mid-run):
+    optimizer, sampling, model, LoRA, checkpointing and reward settings."""
+    m, r, t, run, errs = cfg.model, cfg.rollout, cfg.train, cfg.run, []
+    if not (math.isfinite(t.lr) and t.lr > 0):
+        errs.append(f"train.lr must be a finite number > 0, got {t.lr!r}")
+    if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
+        errs.append(f"train.weight_decay must be a finite number >= 0, got {t.weight_decay!r}")
+    if len(t.betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in t.betas):
+        errs.append(f"train.betas must be two numbers in [0, 1), got {t.betas!r}")
+    if not (math.isfinite(t.grad_clip) and t.grad_clip >= 0):
+        errs.append(f"train.grad_clip must be a finite number >= 0 (0 = off), got {t.grad_clip!r}")
+    total = t.steps * t.epochs * t.mini_batches
+    if t.warmup_steps < 0:
+        errs.append(f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    elif t.warmup_steps > total > 0:
+        errs.append(f"train.warmup_steps={t.warmup_steps} exceeds the run's {total} optimizer steps "
+                    f"(train.steps x train.epochs x train.mini_batches): the LR would never reach train.lr")
+    if not (math.isfinite(r.temperature) and r.temperature > 0):
+        errs.append(f"rollout.temperature must be a finite number > 0 (training samples; log-probs are taken at "
+                    f"the same temperature), got {r.temperature!r}")
+    if not 0 < r.top_p <= 1:
+        errs.append(f"rollout.top_p must be in (0, 1] (1 = off), got {r.top_p!r}")
+    if r.top_k < 0:
+        errs.append(f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
+    if str(m.dtype).lower() not in DTYPES:
+        errs.append(unknown_choice("model.dtype", m.dtype, DTYPES))
+    errs.extend(check_device(m.device))
+    errs.extend(_check_lora(m))
+    if run.save_every < 0:
+        errs.append(f"run.save_every must be >= 0 (0 = only at the end), got {run.save_every}")
+    if run.keep_checkpoints < 1 and run.keep_checkpoints != -1:
+        errs.append(f"run.keep_checkpoints must be >= 1 (or -1 = keep every checkpoint), got {run.keep_checkpoints}")
+    if not math.isfinite(cfg.data.format_weight):
+        errs.append(f"data.format_weight must be a finite number, got {cfg.data.format_weight!r}")
+    errs.extend(_check_reward_spec(cfg.data.reward))
+    return errs
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_device(device: str, key: str = "model.device") -> list[str]:
+    """Problems with a device setting (``key`` names it in the messages): it must be 'auto', or a
+    torch device string (cpu, cuda, cuda:N, mps) whose device this machine has."""
+    import torch
+
+    if device == "auto":
+        return []
+    choices = "cpu | cuda | cuda:N | mps | auto"
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return [f"{key} {device!r} is not a device; use {choices}"]
+    if d.type == "cpu":
+        return []
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            return [f"{key} {device!r}: CUDA is not available on this machine; use cpu "
+                    f"(or auto: cuda when available, else cpu)"]
+        n = torch.cuda.device_count()
+        if d.index is not None and d.index >= n:
+            return [f"{key} {device!r}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}"]
+        return []
+    if d.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        return [] if mps is not None and mps.is_available() else [
+            f"{key} {device!r}: MPS is not available on this machine; use cpu"]
+    return [f"{key} {device!r}: device type {d.type!r} is not supported; use {choices}"]
+
+
+def _check_lora(m: ModelConfig) -> list[str]:
+    """The LoRA keys: ranges, and no lora_* setting without LoRA (model.lora_r=0)."""
+    errs, dm = [], ModelConfig()
+    if m.lora_r < 0:
+        errs.append(f"model.lora_r must be >= 0 (0 = full fine-tuning), got {m.lora_r}")
+    if m.lora_r <= 0:
+        errs += [f"model.{k} only applies with model.lora_r > 0 (LoRA)"
+                 for k in ("lora_alpha", "lora_dropout", "lora_target_modules") if getattr(m, k) != getattr(dm, k)]
+        return errs
+    if m.lora_alpha <= 0:
+        errs.append(f"model.lora_alpha must be > 0, got {m.lora_alpha}")
+    if not 0 <= m.lora_dropout < 1:
+        errs.append(f"model.lora_dropout must be in [0, 1), got {m.lora_dropout!r}")
+    targets = m.lora_target_modules
+    names = [targets] if isinstance(targets, str) else list(targets)
+    if not names or not all(isinstance(x, str) and x.strip() for x in names):
+        errs.append(f"model.lora_target_modules must name at least one module (or 'all-linear'), got {targets!r}")
+    return errs
+
+
+_PY_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _check_reward_spec(spec: str) -> list[str]:
+    """data.reward: 'auto', a reward name, or the syntax of 'module:function' / 'path.py:function'.
+
+    Nothing is imported here (the reward loads, and its module is imported, when training starts,
+    before the model); a file spec's file must exist.
+    """
+    from .tasks.rewards import BUILTIN_REWARDS, SEARCH_REWARDS
+
+    names = ["auto", *BUILTIN_REWARDS, *SEARCH_REWARDS]
+    if spec in names:
+        return []
+    if ":" not in spec:
+        return [unknown_choice("data.reward", spec, names) + ", or module:function / path.py:function"]
+    target, _, func = spec.rpartition(":")
+    form = f"data.reward {spec!r}: expected module:function or path/to/file.py:function"
+    if not target or not _PY_NAME.fullmatch(func):
+        return [f"{form} (the function must be a Python name)"]
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        if not target.endswith(".py"):
+            return [f"{form} (a reward file must be a .py file)"]
+        if not Path(target).expanduser().is_file():
+            return [f"data.reward {spec!r}: reward file {target} not found"]
+        return []
+    if not _PY_NAME.fullmatch(target):
+        return [f"{form} (the module must be a dotted Python name)"]
+    return []
 
 
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -478,8 +644,10 @@ def _check_engine(cfg: Config) -> list[str]:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    """Write the resolved config as YAML (loadable with ``--config``)."""
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Write the resolved config as YAML (loadable with ``--config``), atomically (never half a file)."""
+    from .metrics import write_text_atomic
+
+    write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
 def config_from_dict(data: dict) -> Config:

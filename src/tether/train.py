@@ -28,13 +28,15 @@ from . import distributed as dist
 from .agents import agent_from_config, agent_tools
 from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, overlong_penalty, zero_variance_groups
 from .anchor import make_anchor
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import Config, load_config, save_config, to_dict
+from .checkpoint import load_checkpoint, save_checkpoint
+from .config import Config, to_dict
 from .errors import GenerationError
 from .logprobs import response_stats
 from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
 from .passes import Passes, StepBatch, exact_kl_sample, micro_batches
 from .rollout import RolloutBatch, SamplingParams, make_engine
+from .rundir import RunDirectory, resume_checkpoint, resume_config
+from .stop import GracefulStop, resume_hint
 from .tasks import Example
 
 
@@ -87,13 +89,22 @@ class PromptSource:
 
 
 class Trainer:
-    """Owns the model, optimizer, anchor and data stream of one run; ``run()`` trains to ``train.steps``."""
+    """Owns the model, optimizer, anchor and data stream of one run; ``run()`` trains to ``train.steps``.
 
-    def __init__(self, cfg: Config, run_dir: Path, model=None, tokenizer=None, log=print):
+    ``run_guard`` (`tether.rundir.RunDirectory`, passed by `train` / `resume`) creates, locks and
+    checks the run directory once the data, reward and tools have loaded, before the model does; it
+    writes config.yaml (a resume: after the checkpoint is restored). Without it (tests, benchmarks)
+    the directory is only created.
+    """
+
+    stopped_by: Optional[str] = None  # "SIGINT" / "SIGTERM" after run() stopped early on that signal
+
+    def __init__(self, cfg: Config, run_dir: Path, model=None, tokenizer=None, log=print,
+                 run_guard: Optional[RunDirectory] = None):
         dist.init()
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.log = log if dist.is_main() else (lambda *a, **k: None)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.guard = run_guard
         t = cfg.train
         if dist.enabled():
             from .algo.recipes import ConfigError
@@ -113,6 +124,10 @@ class Trainer:
         self.score_rewards = reward_scorer(reward_spec, format_weight=cfg.data.format_weight,
                                            timeout=cfg.data.reward_timeout)
         tools = agent_tools(cfg)  # e.g. the search agent's retriever: its corpus is checked before the model load
+        if run_guard is not None:
+            run_guard.open(cfg)  # after the cheap checks (a bad config leaves no directory), before the model load
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         if model is None:
             from .models import load_model
             self.log(f"[tether] loading model {cfg.model.name!r}")
@@ -124,8 +139,10 @@ class Trainer:
         # Not fused=True: torch's fused CPU AdamW assumes contiguous tensors and silently mis-updates
         # the column-major weights that models.column_major_linear_weights gives CPU models.
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
-        total = t.steps * t.epochs * t.mini_batches
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(t.schedule, t.warmup_steps, total))
+        # The LR schedule as laid for this config; a resume that extends the run re-lays it (_continue_schedule)
+        self.schedule = dict(kind=t.schedule, warmup=t.warmup_steps, total=t.steps * t.epochs * t.mini_batches,
+                             start=t.warmup_steps, mult=1.0, steps=t.steps, per_step=t.epochs * t.mini_batches)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(**self.schedule))
         self.anchor = make_anchor(cfg.algo.anchor, model)
         self.engine = make_engine(cfg.rollout, model, tokenizer)
         self.agent = agent_from_config(cfg, self.engine, tokenizer, tools)
@@ -406,7 +423,7 @@ class Trainer:
 
     def state(self) -> dict:
         return {"data_position": self.data.position, "skipped_updates": self.skipped_updates,
-                "reward_errors": self.reward_errors}
+                "reward_errors": self.reward_errors, "schedule": self.schedule}
 
     def save(self) -> Path:
         return save_checkpoint(self.run_dir, self.step, self.model, self.anchor, self.optimizer, self.scheduler,
@@ -418,17 +435,60 @@ class Trainer:
         self.data.position = st["data_position"]
         self.skipped_updates = st["skipped_updates"]
         self.reward_errors = st["reward_errors"]
+        if "schedule" in st:  # absent in checkpoints written before it was saved: those keep the config's schedule
+            self._continue_schedule(st["schedule"])
         self.engine.sync_weights(self.model)
 
+    def _continue_schedule(self, saved: dict) -> None:
+        """Go on with the checkpoint's LR schedule; when the resume changed it (train.steps raised to extend
+        the run, or the schedule's settings), re-lay the decay so that the LR never jumps: from the multiplier
+        reached, to 0 at the new last optimizer step. Warm-up already done stays done. A run whose decay had
+        already reached 0 cannot be extended (it would train at lr 0): a ConfigError says what to do."""
+        t = self.cfg.train
+        done = self.scheduler.last_epoch  # optimizer steps taken (skipped updates do not count)
+        if all(saved[k] == self.schedule[k] for k in ("kind", "warmup", "steps", "per_step")):
+            self.schedule = saved  # the same run: the same schedule, so the resume is exact
+        else:
+            remaining = (t.steps - self.step) * self.schedule["per_step"]
+            if t.schedule != "constant" and done > t.warmup_steps:  # the decay runs: go on from where it was
+                mult = _schedule(**saved)(done)
+                if mult <= 0 and remaining > 0:
+                    from .algo.recipes import ConfigError
+                    raise ConfigError(
+                        f"train.steps={t.steps}: the run's {saved['kind']} LR schedule had already decayed to 0 at "
+                        f"step {self.step} (optimizer step {done}), so extending it would train at lr 0. Resume with "
+                        f"train.schedule=constant to train on at train.lr ({t.lr}), or start a new run from the "
+                        f"exported model (tether export {self.run_dir} OUT_DIR, then tether train model.name=OUT_DIR)")
+                self.schedule = dict(self.schedule, start=done, mult=mult, total=done + remaining)
+            else:  # constant, or warm-up not finished: the decay (if any) starts after warm-up
+                self.schedule = dict(self.schedule, total=done + remaining)
+        f = _schedule(**self.schedule)
+        self.scheduler.lr_lambdas = [f] * len(self.optimizer.param_groups)
+        self.scheduler.base_lrs = [t.lr] * len(self.optimizer.param_groups)  # train.lr given on resume applies
+        for g in self.optimizer.param_groups:
+            g["initial_lr"], g["lr"] = t.lr, t.lr * f(done)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
     def run(self, resume: bool = False) -> Path:
-        """Train until ``train.steps``; checkpoints every ``run.save_every`` steps and at the end."""
+        """Train until ``train.steps``; checkpoints every ``run.save_every`` steps and at the end.
+
+        SIGINT / SIGTERM stop the run gracefully (``tether.stop``): the step in progress finishes,
+        a checkpoint is written, and ``run()`` returns with ``self.stopped_by`` set to the signal's
+        name; a second signal aborts at once (``tether.stop.Aborted``).
+        """
+        with GracefulStop(self.run_dir, announce=dist.is_main()) as stop:
+            self._run(resume, stop)
+        return self.run_dir
+
+    def _run(self, resume: bool, stop: GracefulStop) -> None:
         cfg = self.cfg
+        self.stopped_by = None
         if resume:
-            ckpt = latest_checkpoint(self.run_dir)
-            if ckpt is None:
-                raise FileNotFoundError(f"{self.run_dir} has no complete checkpoint to resume from")
+            ckpt = resume_checkpoint(self.run_dir)  # the newest that verifies; RunError if none
             self.restore(ckpt)
             self.log(f"[tether] resumed from {ckpt} (step {self.step})")
+            if self.guard is not None:
+                self.guard.save_config(cfg)  # only now: a resume that fails leaves config.yaml as it was
         main = dist.is_main()  # only rank 0 logs, shows progress and writes samples
         logger = MetricsLogger(self.run_dir, resume_step=self.step if resume else None,
                                tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
@@ -455,8 +515,18 @@ class Trainer:
                     post["s/step"] = f"{m['time_step_s']:.1f}"
                     bar.set_postfix(post)
                     bar.update(1)
+                saved = None
                 if (cfg.run.save_every and self.step % cfg.run.save_every == 0) or self.step == cfg.train.steps:
-                    self.save()
+                    saved = self.save()
+                # once per step on every rank (an all-reduce under torchrun): all ranks stop at the same step
+                signal_name = stop.requested() if self.step < cfg.train.steps else None
+                if signal_name:
+                    saved = saved or self.save()
+                    self.stopped_by = signal_name
+                    stop.stopped(signal_name)
+                    self.log(f"[tether] stopped by {signal_name} after step {self.step} of {cfg.train.steps}; "
+                             f"checkpoint {saved}. Resume with: {resume_hint(self.run_dir)}")
+                    break
         finally:
             if bar is not None:
                 bar.close()
@@ -465,19 +535,24 @@ class Trainer:
         if cfg.run.plot and main:
             from .plot import plot_runs
             plot_runs([self.run_dir], self.run_dir / "curves.png")
-        return self.run_dir
 
 
-def _schedule(kind: str, warmup: int, total: int):
-    """LR multiplier per optimizer step: linear warm-up, then constant, cosine or linear decay to 0."""
+def _schedule(kind: str, warmup: int, total: int, start: Optional[int] = None, mult: float = 1.0, **_):
+    """LR multiplier per optimizer step: linear warm-up, then constant, or a cosine / linear decay from
+    ``mult`` at optimizer step ``start`` (default: the end of warm-up, at 1) to 0 at ``total``.
+
+    A fresh run decays from 1 after warm-up; a resume that extends it starts a new decay from the
+    multiplier reached (``Trainer._continue_schedule``). Other keys (the saved ``steps``...) are ignored.
+    """
+    start = warmup if start is None else start
 
     def f(step: int) -> float:
         if warmup and step < warmup:
             return (step + 1) / warmup
         if kind == "constant":
             return 1.0
-        frac = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.5 * (1 + math.cos(math.pi * frac)) if kind == "cosine" else 1.0 - frac
+        frac = min(1.0, (step - start) / max(1, total - start))
+        return mult * (0.5 * (1 + math.cos(math.pi * frac)) if kind == "cosine" else 1.0 - frac)
 
     return f
 
@@ -488,32 +563,46 @@ def default_run_dir(cfg: Config) -> Path:
 
 
 def train(cfg: Config, run_dir: Optional[Path] = None, model=None, tokenizer=None, log=print) -> Path:
-    """Train a fresh run; returns the run directory (config.yaml, metrics.jsonl, checkpoints/, curves.png)."""
+    """Train a fresh run; returns the run directory (config.yaml, metrics.jsonl, checkpoints/, curves.png).
+
+    The directory must be new or empty (``run.overwrite`` deletes an old run's contents first) and is
+    locked while the run trains; see `tether.rundir`.
+    """
     dist.init()
     if not (run_dir or cfg.run.output_dir) and dist.enabled():  # one timestamped name for all ranks
         run_dir = Path(dist.all_gather_objects(str(default_run_dir(cfg)))[0])
     run_dir = Path(run_dir or cfg.run.output_dir or default_run_dir(cfg))
-    run_dir.mkdir(parents=True, exist_ok=True)
     if dist.is_main():
-        save_config(cfg, run_dir / "config.yaml")
         from .algo import describe
-        log(f"[tether] run directory: {run_dir}\n[tether] {describe(cfg.algo)}")
-    return Trainer(cfg, run_dir, model, tokenizer, log=log).run()
+        log(f"[tether] {describe(cfg.algo)}")
+    guard = RunDirectory(run_dir, fresh=True, overwrite=cfg.run.overwrite, log=log)
+    return _run_guarded(guard, lambda: Trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard), resume=False)
 
 
 def resume(run_dir: Path, overrides: Optional[dict] = None, model=None, tokenizer=None, log=print) -> Path:
-    """Continue a run from its latest checkpoint (``overrides`` may extend e.g. train.steps)."""
-    import yaml
+    """Continue a run from its newest valid checkpoint (``overrides`` may extend e.g. train.steps).
 
-    from .config import _flatten
+    Every rank reads the saved config here; rank 0 rewrites it with the overrides only once the
+    checkpoint has been restored (a resume that fails leaves config.yaml as it was).
+    """
     run_dir = Path(run_dir)
-    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    name = saved.pop("recipe")
-    vals = _flatten(saved)
-    vals.update(overrides or {})
-    cfg = load_config(None, vals, recipe_name=name)
+    cfg = resume_config(run_dir, overrides)
     dist.init()
-    dist.barrier()  # every rank has read the saved config before rank 0 rewrites it
-    if dist.is_main():
-        save_config(cfg, run_dir / "config.yaml")
-    return Trainer(cfg, run_dir, model, tokenizer, log=log).run(resume=True)
+    guard = RunDirectory(run_dir, fresh=False, log=log)
+    return _run_guarded(guard, lambda: Trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard), resume=True)
+
+
+def _run_guarded(guard: RunDirectory, make_trainer, resume: bool) -> Path:
+    """Build the trainer (its ``__init__`` opens the guard) and run it; the lock is released however it
+    ends, a fresh run whose trainer cannot be built leaves no directory, and a disk-full or read-only
+    write while training is a `RunError` naming the path."""
+    try:
+        trainer = make_trainer()
+    except BaseException:
+        guard.abandon()
+        raise
+    try:
+        with guard.write_errors():
+            return trainer.run(resume=resume)
+    finally:
+        guard.release()

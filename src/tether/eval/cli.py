@@ -82,10 +82,8 @@ def _run_settings(run_dir: Path) -> tuple[Any, str, str, str]:
     Uses :func:`tether.config.load_config`; if the saved config no longer validates here
     (e.g. it asked for wandb, which this environment lacks), the raw YAML's sections are read.
     """
-    import yaml
-
     from ..algo.recipes import ConfigError
-    from ..config import load_config
+    from ..config import load_config, read_yaml_mapping
     from ..models import ModelConfig
 
     path = run_dir / "config.yaml"
@@ -95,9 +93,9 @@ def _run_settings(run_dir: Path) -> tuple[Any, str, str, str]:
     except ConfigError:
         pass
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise EvalError(f"{path}: not valid YAML: {e}") from None
+        raw = read_yaml_mapping(path)
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     mc = ModelConfig(**{k: v for k, v in (raw.get("model") or {}).items() if k in known})
     anchor = ((raw.get("algo") or {}).get("anchor") or {}).get("kind", "none")
@@ -369,6 +367,12 @@ def run_eval_cli(args) -> int:
             raise EvalError(f"--{k.replace('_', '-')} must be >= 1")
     if args.limit is not None and args.limit < 1:
         raise EvalError("--limit must be >= 1")
+    from ..config import check_device
+    from ..models import DTYPES
+    if str(args.dtype).lower() not in DTYPES:
+        raise EvalError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
+    for problem in check_device(args.device, "--device"):
+        raise EvalError(problem)
     ks = default_ks(n)
 
     # 1. every benchmark, fully validated (and the search agent's corpus), before any model is touched

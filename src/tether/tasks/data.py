@@ -288,7 +288,11 @@ def iter_jsonl(path: str | os.PathLike, label: str | None = None, error: type[Da
     lines included, so it ends as the hash of the whole file.
     """
     label = label or str(path)
-    with open(path, "rb") as f:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise error(f"{label}: cannot read the file: {e.strerror or e}") from None
+    with f:
         for lineno, raw in enumerate(f, start=1):
             if raw_hash is not None:
                 raw_hash.update(raw)
@@ -306,8 +310,16 @@ def iter_jsonl(path: str | os.PathLike, label: str | None = None, error: type[Da
 
 def _iter_json(path: Path, label: str) -> Iterator[tuple[int, Any]]:
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            data = json.load(f)
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{label}: cannot read the file: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{label} line {line}: not valid UTF-8 (byte {e.start}: {e.reason})") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(f"{label}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
@@ -328,8 +340,16 @@ def _iter_parquet(path: Path, label: str) -> Iterator[tuple[int, Any]]:
     except Exception as e:
         raise DataError(f"{label}: cannot read parquet file: {e}") from None
     i = 0
-    for batch in pf.iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
+    batches = pf.iter_batches(batch_size=1024)
+    while True:
+        try:  # a damaged page or a string column that is not UTF-8 fails here, mid-file
+            batch = next(batches, None)
+            rows = [] if batch is None else batch.to_pylist()
+        except Exception as e:
+            raise DataError(f"{label}: cannot read parquet rows after row {i}: {e}") from None
+        if batch is None:
+            return
+        for row in rows:
             i += 1
             yield i, row
 

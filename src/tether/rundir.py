@@ -1,0 +1,343 @@
+"""A run directory's protection: one trainer at a time, a fresh run only into an empty directory,
+a resume that fails leaves the run as it was, write failures end as clean errors.
+
+What ``tether.train.train`` / ``resume`` do with a run directory ``RUN`` (through `RunDirectory`):
+
+* **Validate first.** ``Trainer.__init__`` loads the data rows, the reward spec and the agent's
+  tools, then calls :meth:`RunDirectory.open`, then loads the model. A bad config, data file or
+  reward leaves no directory behind (a rerun would be refused as "not empty"); a directory that
+  cannot be created or written is a `RunError` before the slow model load. A fresh run whose
+  trainer cannot be built (e.g. the model does not load) removes what it made.
+* **Lock.** ``RUN/.lock`` (`RunLock`) keeps a second trainer out, fresh or ``--resume``: it fails
+  at once with a `RunError` naming the directory and the holder's pid. Released when the run
+  ends, also by an exception. Under torchrun only rank 0 takes it.
+* **Fresh runs** refuse a directory that holds anything (but a lock file) unless
+  ``run.overwrite`` (``tether train --overwrite``), which deletes the old contents first, and
+  only those of a directory that looks like a run (``config.yaml``, ``metrics.jsonl`` or
+  ``checkpoints/``): a mistyped ``--output-dir $HOME`` is never emptied. ``config.yaml`` is
+  written as the directory is opened.
+* **Resume** (`resume_config`, `resume_checkpoint`): a missing directory, config.yaml or checkpoint is
+  a `RunError` before the model loads; the checkpoint is the newest that passes its manifest
+  (``tether.checkpoint.latest_checkpoint``). ``config.yaml`` is rewritten with the overrides only
+  after the checkpoint has been restored (:meth:`RunDirectory.save_config`), atomically.
+* **Write errors** while training (disk full, quota, read-only, permissions) become a `RunError`
+  naming the path (:meth:`RunDirectory.write_errors`); the checkpoint and log writers leave no
+  partial checkpoint and no torn row, so ``--resume`` continues once space is freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from . import distributed as dist
+from .checkpoint import checkpoints, latest_checkpoint, pid_alive
+from .errors import RunError
+from .metrics import warn
+
+LOCK_NAME = ".lock"
+
+#: OSError codes that mean "this directory cannot be written" rather than a bug.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+# flock errors of filesystems that do not support it (some network mounts)
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+class RunLock:
+    """``RUN/.lock``: an exclusive ``fcntl.flock`` held while a trainer runs; the file names the holder.
+
+    Why flock rather than a file created with ``O_CREAT|O_EXCL`` alone: the kernel drops a flock
+    when its holder dies in any way (kill -9, OOM kill, power loss of a local disk), so a dead
+    trainer never blocks the next one and a recycled pid cannot pass for a live trainer; and
+    there is no take-over race between two trainers that find the same stale file. The file's
+    content (pid, host, start time) makes the error message; content left by a holder that died
+    is reported as a stale lock taken over. On a filesystem without flock the content decides:
+    a lock of another host, or of a live pid on this one, is respected; one of a dead pid is
+    taken over. The holder unlinks the file when it releases; a trainer that opened the old
+    file just before sees a different inode at the path and retries.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self.fd: Optional[int] = None
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
+
+    def acquire(self, warn: Callable[[str], None] = warn) -> None:
+        """Take the lock or raise `RunError` naming the directory and the holder's pid."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                locked = _flock(fd)
+                if locked is False:
+                    raise RunError(self._busy(_read_holder(fd, wait=True)))
+                try:
+                    current = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    current = False
+            except BaseException:
+                os.close(fd)
+                raise
+            if current:
+                break
+            os.close(fd)  # the holder released (and unlinked) the file between our open and our flock
+        try:
+            holder = _read_holder(fd)
+            me = {"pid": os.getpid(), "host": socket.gethostname()}
+            if holder and (holder.get("pid"), holder.get("host")) != (me["pid"], me["host"]):
+                if locked is None and (holder.get("host") != me["host"] or pid_alive(int(holder.get("pid", 0)))):
+                    raise RunError(self._busy(holder))  # no flock here: trust the file
+                warn(f"{self.path}: took over a stale lock of pid {holder.get('pid')} on {holder.get('host')} "
+                     f"(that trainer is gone: killed or crashed)")
+            data = json.dumps({**me, "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+
+    def _busy(self, holder: dict) -> str:
+        who = (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}" if holder
+               else "a process that has not written its pid yet")
+        since = f", since {holder['since']}" if holder.get("since") else ""
+        return (f"run directory {self.run_dir} is in use by another trainer ({who}{since}; lock {self.path}): "
+                f"wait for it to end or stop it, or use another --output-dir")
+
+    def release(self) -> None:
+        """Unlink the lock file (while still holding it) and drop the lock; a no-op when not held."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
+
+
+def _flock(fd: int) -> Optional[bool]:
+    """True: locked; False: another process holds it; None: this filesystem has no flock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno in _NO_FLOCK:
+            return None
+        raise
+    return True
+
+
+def _read_holder(fd: int, wait: bool = False) -> dict:
+    """The lock file's content ({} when empty or unreadable); ``wait``: give a holder that has just
+    taken the lock a moment to write its name."""
+    for _ in range(20 if wait else 1):
+        raw = os.pread(fd, 4096, 0)
+        if raw:
+            try:
+                out = json.loads(raw)
+                return out if isinstance(out, dict) else {}
+            except ValueError:
+                pass  # being written, or not ours
+        if wait:
+            time.sleep(0.05)
+    return {}
+
+
+class RunDirectory:
+    """One trainer's hold on its run directory: created, locked and checked by :meth:`open`, released
+    by :meth:`release` (or undone by :meth:`abandon` when the trainer could not be built).
+
+    ``fresh``: a new run, which needs an empty (or new) directory unless ``overwrite``; otherwise the
+    resume of the run in it. Under torchrun every rank calls :meth:`open`; rank 0 does the work and
+    the others raise the same `RunError` if it fails.
+    """
+
+    def __init__(self, path: Path, *, fresh: bool, overwrite: bool = False, log: Callable[..., Any] = print):
+        self.path = Path(path)
+        self.fresh, self.overwrite, self.log = fresh, overwrite, log
+        self.lock = RunLock(self.path)
+        self._created = False  # this process made the directory
+        self._wrote_config = False
+
+    def open(self, cfg) -> None:
+        """Create (fresh run), lock and check the directory; a fresh run writes config.yaml."""
+        err = None
+        if dist.is_main():
+            try:
+                self._open(cfg)
+            except RunError as e:
+                err = e
+        if dist.enabled():  # the other ranks must not go on to load the model (and hang in a collective)
+            msg = dist.all_gather_objects(None if err is None else str(err))[0]
+            if msg is not None and err is None:
+                err = RunError(msg)
+        if err is not None:
+            raise err
+
+    def _open(self, cfg) -> None:
+        p = self.path
+        try:
+            if self.fresh:
+                try:
+                    p.mkdir(parents=True)
+                    self._created = True
+                except FileExistsError:
+                    if not p.is_dir():
+                        raise RunError(f"run directory {p} exists and is not a directory") from None
+            elif not p.is_dir():
+                raise RunError(f"cannot resume {p}: no such directory")
+            self.lock.acquire()
+            if self.fresh:
+                old = sorted(e.name for e in p.iterdir() if e.name != LOCK_NAME)
+                if old:
+                    if not self.overwrite:
+                        shown = ", ".join(old[:5]) + (", ..." if len(old) > 5 else "")
+                        raise RunError(
+                            f"run directory {p} is not empty ({shown}); a fresh run would mix with what is "
+                            f"there. To continue that run: tether train --resume {p}; to start a new one: "
+                            f"another --output-dir; to replace it: --overwrite (run.overwrite=true)")
+                    self._clear(old)
+                self.save_config(cfg)
+                self.log(f"[tether] run directory: {p}")
+        except OSError as e:
+            raise RunError(f"cannot use run directory {p}: {e.strerror or e} ({e.filename or p}); make it "
+                           f"writable or choose another --output-dir") from None
+
+    def _clear(self, names: list[str]) -> None:
+        """run.overwrite: delete the previous contents, if they are a run's."""
+        p = self.path
+        if not any(n in names for n in ("config.yaml", "metrics.jsonl", "checkpoints")):
+            raise RunError(f"run directory {p} is not empty and does not look like a tether run (no config.yaml, "
+                           f"metrics.jsonl or checkpoints/): --overwrite only replaces a run; "
+                           f"choose another --output-dir")
+        for name in names:
+            e = p / name
+            if e.is_dir() and not e.is_symlink():
+                shutil.rmtree(e)
+            else:
+                e.unlink()
+        self.log(f"[tether] run.overwrite: deleted the previous contents of {p} ({len(names)} entries)")
+
+    def save_config(self, cfg) -> None:
+        """Write ``RUN/config.yaml`` atomically (rank 0). ``run.overwrite`` is saved false: it was an
+        action on the directory, and a rerun of the saved config must not delete the run."""
+        from .config import save_config
+
+        if not dist.is_main():
+            return
+        save_config(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, overwrite=False)),
+                    self.path / "config.yaml")
+        self._wrote_config = True
+
+    def abandon(self) -> None:
+        """The trainer could not be built: a fresh run removes what :meth:`open` made; then release."""
+        held = self.lock.held
+        if self.fresh and held and self._wrote_config:
+            with contextlib.suppress(OSError):
+                (self.path / "config.yaml").unlink()
+        self.release()
+        if self.fresh and held and self._created:
+            with contextlib.suppress(OSError):
+                self.path.rmdir()  # only if empty: nothing else was ever written there
+
+    def release(self) -> None:
+        self.lock.release()
+
+    @contextlib.contextmanager
+    def write_errors(self):
+        """Disk full, quota, read-only or permission errors on a path of the run: a `RunError` naming it."""
+        try:
+            yield
+        except OSError as e:
+            if e.errno not in WRITE_ERRNOS or not self._inside(e.filename):
+                raise
+            raise RunError(f"cannot write {e.filename or self.path}: {e.strerror or os.strerror(e.errno)}; the run "
+                           f"stopped. Free space (or fix permissions), then continue from its last checkpoint: "
+                           f"tether train --resume {self.path}") from e
+
+    def _inside(self, filename) -> bool:
+        if not filename:
+            return True
+        try:
+            Path(os.fsdecode(filename)).resolve().relative_to(self.path.resolve())
+        except ValueError:
+            return False
+        return True
+
+
+def resume_config(run_dir: Path, overrides: Optional[dict] = None):
+    """The saved config of run ``run_dir`` with ``overrides`` applied (nothing is written).
+
+    Raises `RunError` (no directory, no or unreadable config.yaml, no checkpoint at all: the run
+    stopped before its first save) before any model is loaded, `ConfigError` for a bad override.
+    """
+    import yaml
+
+    from .algo.recipes import ConfigError
+    from .config import DEFAULT_RECIPE, _flatten, load_config
+
+    run_dir = Path(run_dir)
+    path = run_dir / "config.yaml"
+    if not run_dir.is_dir():
+        raise RunError(f"cannot resume {run_dir}: no such directory")
+    if not path.is_file():
+        raise RunError(f"cannot resume {run_dir}: it has no config.yaml (not a tether run directory, or its "
+                       f"run never started)")
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise RunError(f"cannot resume {run_dir}: {path} is unreadable ({e})") from None
+    if not isinstance(saved, dict):
+        raise RunError(f"cannot resume {run_dir}: {path} is not a mapping of config keys")
+    overrides = dict(overrides or {})
+    if "run.overwrite" in overrides:
+        raise ConfigError("run.overwrite (--overwrite) starts a fresh run in a used directory; --resume continues "
+                          "the run in place: drop one of them")
+    if not checkpoints(run_dir):
+        raise RunError(_no_checkpoint(run_dir))
+    name = saved.pop("recipe", DEFAULT_RECIPE)
+    vals = _flatten(saved)
+    vals.pop("run.overwrite", None)
+    vals.update(overrides)
+    return load_config(None, vals, recipe_name=name)
+
+
+def _no_checkpoint(run_dir: Path) -> str:
+    return (f"cannot resume {run_dir}: it has no checkpoint ({run_dir / 'checkpoints'}/step-N); the run stopped "
+            f"before its first save (run.save_every). Start it again: tether train --output-dir {run_dir} "
+            f"--overwrite ...")
+
+
+def resume_checkpoint(run_dir: Path) -> Path:
+    """The checkpoint to resume from: the newest that passes its manifest (older ones if it is damaged).
+
+    Rank 0 verifies (it reads every file once) and the other ranks get its choice. Raises
+    `RunError` if there is none or none is valid.
+    """
+    found, err = None, None
+    if dist.is_main():
+        try:
+            ckpt = latest_checkpoint(run_dir)
+            found, err = (str(ckpt), None) if ckpt is not None else (None, _no_checkpoint(Path(run_dir)))
+        except RunError as e:
+            err = str(e)
+    if dist.enabled():
+        found, err = dist.all_gather_objects((found, err))[0]
+    if err is not None:
+        raise RunError(err)
+    return Path(found)
