@@ -59,9 +59,8 @@ def cli(capsys, *args) -> tuple[int, str, str]:
 
 
 BAD_VALUES = [  # (overrides, text the error must contain: the key and the value or the valid range)
-    (["train.lr=0"], "train.lr must be a finite number > 0, got 0"),
-    (["train.lr=-1e-5"], "train.lr must be a finite number > 0, got -1e-05"),
-    (["train.lr=.nan"], "train.lr must be a finite number > 0, got nan"),
+    (["train.lr=-1e-5"], "train.lr must be a finite number >= 0, got -1e-05"),
+    (["train.lr=.nan"], "train.lr must be a finite number >= 0, got nan"),
     (["train.weight_decay=-0.1"], "train.weight_decay must be a finite number >= 0, got -0.1"),
     (["train.betas=[0.9]"], "train.betas must be two numbers in [0, 1), got [0.9]"),
     (["train.betas=[0.9,1.0]"], "train.betas must be two numbers in [0, 1), got [0.9, 1.0]"),
@@ -316,7 +315,7 @@ def _subcommands(t: Path) -> dict:
     latin = t / "latin.json"
     latin.write_bytes(b'[{"prompt": "caf\xe9", "answer": "1"}]')
     bad_cfg = _fake_run(t / "bad_cfg_run", config=b"model:\n  name: caf\xe9\n")
-    bad_metrics = _fake_run(t / "bad_metrics_run", metrics=b'{"step": 1}\n' + BAD_UTF8 + b"\n")
+    bad_metrics = _fake_run(t / "bad_metrics_run", metrics=b'{"step": 1}\n' + BAD_UTF8 + b'\n{"step": 3}\n')
     corpus = t / "corpus.jsonl"
     corpus.write_bytes(b'{"id": "1", "contents": "\\"T\\"\\ncaf\xe9"}\n')
     missing = t / "missing_run"

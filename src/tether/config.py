@@ -99,7 +99,7 @@ class TrainConfig:
     """Optimization: the update over one rollout batch."""
 
     steps: int = 14  # trainer steps (rollout + update); the default run fits 20 minutes on 2 CPU cores. Raised on --resume it extends the run (see train.schedule)
-    lr: float = 2e-5  # AdamW learning rate (EMA-PG used 1e-6 for hundreds of steps; the short CPU default needs more); set on --resume, it applies from the next step
+    lr: float = 2e-5  # AdamW learning rate, >= 0 (0: no update, a baseline; EMA-PG used 1e-6 for hundreds of steps; the short CPU default needs more); set on --resume, it applies from the next step
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     warmup_steps: int = 0  # linear warm-up, in optimizer steps
@@ -484,8 +484,8 @@ def _check_values(cfg: Config) -> list[str]:
     """Ranges of single values that would otherwise fail late (at the model load, or mid-run):
     optimizer, sampling, model, LoRA, checkpointing and reward settings."""
     m, r, t, run, errs = cfg.model, cfg.rollout, cfg.train, cfg.run, []
-    if not (math.isfinite(t.lr) and t.lr > 0):
-        errs.append(f"train.lr must be a finite number > 0, got {t.lr!r}")
+    if not (math.isfinite(t.lr) and t.lr >= 0):  # 0 is allowed: a no-update baseline (noise floor of a comparison)
+        errs.append(f"train.lr must be a finite number >= 0, got {t.lr!r}")
     if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
         errs.append(f"train.weight_decay must be a finite number >= 0, got {t.weight_decay!r}")
     if len(t.betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in t.betas):
