@@ -307,15 +307,8 @@ def read_yaml_mapping(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {path} {'is not a file' if p.exists() else 'does not exist'}")
-    try:
-        raw = p.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"config file {path}: cannot read it: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise ConfigError(f"config file {path} line {line}: not valid UTF-8 (byte {e.start}: {e.reason})") from None
+    from .errors import read_utf8
+    text = read_utf8(p, f"config file {path}", ConfigError)
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -33,6 +33,20 @@ class GenerationError(RuntimeError):
     """Generation cannot go on: non-finite logits, or a prompt longer than the model's context."""
 
 
+def read_utf8(path, label: str, error: type[Exception]) -> str:
+    """The text of file ``path``; an unreadable or non-UTF-8 file raises ``error`` naming ``label``,
+    the line and the byte (shared by config files and data files)."""
+    try:
+        raw = open(path, "rb").read()
+    except OSError as e:
+        raise error(f"{label}: cannot read it: {e.strerror or e}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise error(f"{label} line {line}: not valid UTF-8 (byte {e.start}: {e.reason})") from None
+
+
 USER_ERRORS = (EvalError, RunError, ModelLoadError, RewardError, GenerationError)
 
-__all__ = ["EvalError", "GenerationError", "ModelLoadError", "RewardError", "RunError", "USER_ERRORS"]
+__all__ = ["EvalError", "GenerationError", "ModelLoadError", "RewardError", "RunError", "USER_ERRORS", "read_utf8"]

@@ -309,15 +309,8 @@ def iter_jsonl(path: str | os.PathLike, label: str | None = None, error: type[Da
 
 
 def _iter_json(path: Path, label: str) -> Iterator[tuple[int, Any]]:
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise DataError(f"{label}: cannot read the file: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise DataError(f"{label} line {line}: not valid UTF-8 (byte {e.start}: {e.reason})") from None
+    from ..errors import read_utf8
+    text = read_utf8(path, label, DataError)
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
