@@ -26,13 +26,8 @@ def _train(args) -> int:
             from .algo.recipes import ConfigError
             raise ConfigError("tether train --resume RUN_DIR continues with the run's saved config; drop "
                               "--config/--recipe/--task (key=value overrides such as train.steps=60 are allowed)")
-        run_dir = Path(args.resume)
-        if not (run_dir / "config.yaml").is_file():
-            from .errors import RunError
-            raise RunError(f"cannot resume {run_dir}: " + ("no config.yaml in it (is it a tether run directory?)"
-                                                           if run_dir.is_dir() else "no such directory"))
         try:
-            resume(run_dir, overrides)
+            resume(Path(args.resume), overrides)  # a missing run dir or config.yaml: a RunError (tether.rundir)
         finally:
             distributed.teardown()  # under torchrun: leave the process group (no-op otherwise)
         return _stop_status()

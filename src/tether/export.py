@@ -331,23 +331,15 @@ def model_card(rc: RunCheckpoint, *, anchor: bool, fmt: str, dtype: str, base_re
 # --------------------------------------------------------------------------- atomic output
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def _clean_stale_temps(out: Path, tag: str = _TMP_TAG) -> None:
     """Remove the hidden dirs (``tag``: temp, or moved-aside old export) that earlier exports to
     ``out`` left when they were killed (their process is gone)."""
+    from .checkpoint import pid_alive
+
     prefix = f".{out.name}{tag}"
     for p in out.parent.glob(f"{prefix}*"):
         m = re.match(r"(\d+)(-|$)", p.name[len(prefix):])
-        if p.is_dir() and m and not _pid_alive(int(m.group(1))):
+        if p.is_dir() and m and not pid_alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
 
 

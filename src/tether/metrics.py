@@ -49,9 +49,7 @@ def json_safe(v):
 def write_json_atomic(path: Path, obj) -> None:
     """Write ``json_safe(obj)`` to ``path`` via a temporary file and a rename (never a partial file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(json_safe(obj), indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(json_safe(obj), indent=2, ensure_ascii=False) + "\n")
 
 
 def _clean(v):

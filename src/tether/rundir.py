@@ -286,10 +286,8 @@ def resume_config(run_dir: Path, overrides: Optional[dict] = None):
     Raises `RunError` (no directory, no or unreadable config.yaml, no checkpoint at all: the run
     stopped before its first save) before any model is loaded, `ConfigError` for a bad override.
     """
-    import yaml
-
     from .algo.recipes import ConfigError
-    from .config import DEFAULT_RECIPE, _flatten, load_config
+    from .config import DEFAULT_RECIPE, _flatten, load_config, read_yaml_mapping
 
     run_dir = Path(run_dir)
     path = run_dir / "config.yaml"
@@ -299,11 +297,9 @@ def resume_config(run_dir: Path, overrides: Optional[dict] = None):
         raise RunError(f"cannot resume {run_dir}: it has no config.yaml (not a tether run directory, or its "
                        f"run never started)")
     try:
-        saved = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise RunError(f"cannot resume {run_dir}: {path} is unreadable ({e})") from None
-    if not isinstance(saved, dict):
-        raise RunError(f"cannot resume {run_dir}: {path} is not a mapping of config keys")
+        saved = read_yaml_mapping(path)  # unreadable, not UTF-8, not YAML, not a mapping: named with the line
+    except ConfigError as e:
+        raise RunError(f"cannot resume {run_dir}: {e}") from None
     overrides = dict(overrides or {})
     if "run.overwrite" in overrides:
         raise ConfigError("run.overwrite (--overwrite) starts a fresh run in a used directory; --resume continues "

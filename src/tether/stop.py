@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import distributed as dist
-from .checkpoint import latest_checkpoint
+from .checkpoint import checkpoints
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_S = 1.0  # seconds after the first signal during which another one is the same stop, delivered twice
@@ -58,7 +58,8 @@ class Aborted(KeyboardInterrupt):
     def __init__(self, signal_name: str, run_dir: Path, announce: bool = True):
         self.signal_name, self.run_dir = signal_name, Path(run_dir)
         self.announce = announce  # rank 0 (or the only process) reports it
-        ckpt = latest_checkpoint(self.run_dir)
+        # the newest checkpoint directory, not verified: an abort must not read gigabytes back to hash them
+        ckpt = next(iter(checkpoints(self.run_dir)), None)
         where = (f"the latest checkpoint is {ckpt}; resume with: {resume_hint(self.run_dir)}" if ckpt is not None
                  else f"{self.run_dir} has no checkpoint yet, so the run cannot be resumed")
         super().__init__(f"aborted by a second stop signal ({signal_name}) without a new checkpoint; {where}")
