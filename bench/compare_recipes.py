@@ -68,14 +68,15 @@ PLACEHOLDER = ("_Placeholder, written by hand after the run: what the tables and
                "and no conclusions._")
 
 # full-mode and --quick defaults of the budget flags (a flag given on the command line wins)
-FULL = dict(steps={"arithmetic": 8, "gsm8k": 8}, prompts_per_step=4, samples=4, max_new_tokens={"arithmetic": 48, "gsm8k": 128},
-            eval_limit_synthetic=200, eval_limit_gsm8k=200,
+FULL = dict(steps={"arithmetic": 16, "gsm8k": 8}, prompts_per_step=6, samples=8, max_new_tokens={"arithmetic": 64, "gsm8k": 256},
+            eval_limit_synthetic=500, eval_limit_gsm8k=200,
             eval_max_new_tokens={"arithmetic": 96, "gsm8k": 256}, kl_prompts=32)
 QUICK = dict(steps={"arithmetic": 2, "gsm8k": 2}, prompts_per_step=2, samples=2, max_new_tokens={"arithmetic": 16, "gsm8k": 16},
              eval_limit_synthetic=8, eval_limit_gsm8k=8,
              eval_max_new_tokens={"arithmetic": 16, "gsm8k": 32}, kl_prompts=4)
 # settings that must match for --resume to reuse earlier runs
 BUDGET_KEYS = ("model", "steps", "prompts_per_step", "samples", "max_new_tokens", "lr", "temperature",
+               "format_weight", "mini_batches", "anchor_every",
                "difficulty", "eval_limit_synthetic", "eval_limit_gsm8k", "eval_max_new_tokens", "eval_batch_size",
                "eval_seed", "kl_prompts", "kl_max_new_tokens", "rollout_batch_size", "micro_batch_size")
 
@@ -130,7 +131,19 @@ def parse_args(argv=None):
                    help="training response cap: one number for every task, or per task like 'arithmetic=48 "
                         "gsm8k=128' (default arithmetic=48 gsm8k=128; --quick 16 for both)")
     p.add_argument("--lr", type=float, default=None,
-                   help="AdamW learning rate, the same for every recipe (default: tether's train.lr, 2e-05)")
+                   help="AdamW learning rate, the same for every recipe (default 1e-05)")
+    p.add_argument("--temperature", type=float, default=0.7,
+                   help="sampling temperature of the training rollouts (default 0.7: at 1.0 SmolLM2 answers the "
+                        "arithmetic task correctly about a quarter as often as greedily, so most groups carry no signal)")
+    p.add_argument("--format-weight", type=float, default=0.0,
+                   help="data.format_weight, the reward bonus for an answer in the requested '####' format "
+                        "(default 0: correctness only; a 0.2 bonus was gamed by lists of '####' lines)")
+    p.add_argument("--mini-batches", type=int, default=2,
+                   help="train.mini_batches, optimizer steps per rollout batch, the same for every recipe (default 2: "
+                        "the second step is off-policy, so ratios leave 1 and trust regions can bind)")
+    p.add_argument("--anchor-every", type=int, default=4,
+                   help="algo.anchor.every for the recipes whose anchor moves on a period (ema, reset); the fixed and "
+                        "iterative anchors have none (default 4: 4 EMA updates in 16 steps)")
     p.add_argument("--difficulty", type=int, default=None,
                    help="arithmetic difficulty 1-4 for training and the held-out set (default: the task's default)")
     p.add_argument("--eval-limit-synthetic", type=int, default=None,
@@ -196,7 +209,9 @@ def parse_args(argv=None):
         p.error("--recipes, --seeds and --tasks must not repeat a value")
     from tether.config import TrainConfig
     from tether.tasks.arithmetic import DEFAULT_DIFFICULTY
-    a.lr = TrainConfig().lr if a.lr is None else a.lr
+    a.lr = 1e-5 if a.lr is None else a.lr
+    if a.temperature <= 0 or a.mini_batches < 1 or a.anchor_every < 1:
+        p.error("--temperature must be > 0, --mini-batches and --anchor-every >= 1")
     if a.lr < 0:
         p.error("--lr must be >= 0")
     a.difficulty = DEFAULT_DIFFICULTY if a.difficulty is None else a.difficulty
@@ -213,7 +228,8 @@ def settings_of(a) -> dict:
     from tether.config import RolloutConfig, TrainConfig
     return {
         "model": a.model, "steps": a.steps, "prompts_per_step": a.prompts_per_step, "samples": a.samples,
-        "max_new_tokens": {t: a.max_new_tokens[t] for t in a.tasks}, "lr": a.lr, "temperature": 1.0,
+        "max_new_tokens": {t: a.max_new_tokens[t] for t in a.tasks}, "lr": a.lr, "temperature": a.temperature,
+        "format_weight": a.format_weight, "mini_batches": a.mini_batches, "anchor_every": a.anchor_every,
         "difficulty": a.difficulty, "eval_limit_synthetic": a.eval_limit_synthetic,
         "eval_limit_gsm8k": a.eval_limit_gsm8k,
         "eval_max_new_tokens": {t: a.eval_max_new_tokens[t] for t in a.tasks}, "eval_batch_size": a.eval_batch_size,
@@ -364,10 +380,12 @@ def overrides_for(a, task: str, seed: int, run_dir: Path) -> dict:
         "model.name": a.model, "model.dtype": "float32", "model.device": "cpu",
         "data.task": task,
         "rollout.prompts_per_step": a.prompts_per_step, "rollout.n": a.samples,
-        "rollout.max_new_tokens": a.max_new_tokens[task], "rollout.temperature": 1.0,
+        "rollout.max_new_tokens": a.max_new_tokens[task], "rollout.temperature": a.temperature,
+        "data.format_weight": a.format_weight, "train.mini_batches": a.mini_batches,
         "train.steps": a.steps[task], "train.lr": a.lr, "train.seed": seed,
         "run.output_dir": str(run_dir), "run.save_every": 0, "run.exact_kl_samples": 0,
         "run.progress": bool(a.progress), "run.plot": False,
+        "eval.before": False, "eval.after": False,  # evaluated here, before and after, on the same set for all
     }
     if task == "arithmetic":
         ov["data.difficulty"] = a.difficulty
@@ -390,9 +408,6 @@ def fresh_run_dir(path: Path) -> None:
     path.mkdir(parents=True)
 
 
-STEP_KEYS = ("reward_mean", "accuracy", "response_len", "gen_tokens", "train_tokens", "entropy", "kl", "time_step_s",
-             "ds_rounds", "truncation_rate", "groups_zero_variance_frac", "grad_norm", "anchor_updates")
-
 
 def one_run(a, task: str, recipe: str, seed: int, base_model, tok, evals: dict) -> dict:
     """Train one (task, recipe, seed), evaluate its final policy, measure KL and entropy."""
@@ -403,7 +418,11 @@ def one_run(a, task: str, recipe: str, seed: int, base_model, tok, evals: dict) 
 
     run_dir = a.work_dir / task / f"{recipe}-seed{seed}"
     rec = {"task": task, "recipe": recipe, "seed": seed, "run_dir": str(run_dir), "status": "running"}
-    cfg = load_config(None, overrides_for(a, task, seed, run_dir), recipe_name=recipe)
+    ov = overrides_for(a, task, seed, run_dir)
+    from tether.algo.recipes import recipe as named_recipe
+    if named_recipe(recipe).anchor.kind in ("ema", "reset"):
+        ov["algo.anchor.every"] = a.anchor_every
+    cfg = load_config(None, ov, recipe_name=recipe)
     rec["algo"] = describe(cfg.algo)
     rec["recipe_trainer_settings"] = dict(RECIPE_TRAINER_DEFAULTS.get(recipe, {}))
     fresh_run_dir(run_dir)
@@ -416,7 +435,8 @@ def one_run(a, task: str, recipe: str, seed: int, base_model, tok, evals: dict) 
     trainer.run()
     rec["train_wall_s"] = time.perf_counter() - t0
     rows = read_metrics(run_dir)
-    rec["steps"] = [{"step": r["step"], **{k: r[k] for k in STEP_KEYS if isinstance(r.get(k), (int, float))}}
+    # every numeric metric of every step (reward, accuracy, clip fractions, KL to the anchor, entropy, ...)
+    rec["steps"] = [{k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
                     for r in rows]
     rec["gen_tokens"] = int(sum(r.get("gen_tokens", 0) for r in rows))
     rec["train_tokens"] = int(sum(r.get("train_tokens", 0) for r in rows))
@@ -558,9 +578,11 @@ def render(res: dict, out: Path, png: Path) -> str:
           f"every seed; the seeds were fixed before any run); tasks: {', '.join(st['tasks'])}",
           f"- training per run: trainer steps " + ", ".join(f"{t} {n}" for t, n in _as_per_task(st["steps"]).items())
           + f" x {st['prompts_per_step']} prompts x {st['samples']} "
-          f"samples at temperature 1.0; max new tokens "
+          f"samples at temperature {st.get('temperature', 1.0):g}; max new tokens "
           + ", ".join(f"{t} {n}" for t, n in st["max_new_tokens"].items())
-          + f"; AdamW lr {st['lr']:g} (constant), gradient clip 1.0, micro-batches of {st['micro_batch_size']}; "
+          + f"; AdamW lr {st['lr']:g} (constant), {st.get('mini_batches', 1)} optimizer step(s) per rollout batch "
+            f"(train.mini_batches), gradient clip 1.0, micro-batches of {st['micro_batch_size']}; EMA anchors move "
+            f"every {st.get('anchor_every', '-')} steps (algo.anchor.every); otherwise "
             "each recipe's own algorithm settings (`tether.algo.recipes`)",
           "- algorithms (`tether.algo.describe`): " + "; ".join(
               f"`{d}`" for d in dict.fromkeys(r.get("algo") for r in res["runs"].values() if r.get("algo"))),
@@ -571,7 +593,8 @@ def render(res: dict, out: Path, png: Path) -> str:
           + "; ".join(f"{r}: " + ", ".join(f"`{k}={v}`" for k, v in s.items())
                       for r, s in res.get("recipe_trainer_settings", {}).items() if s) + ". Dynamic sampling "
           "generates more than the other recipes; the generated tokens of every run are in Table 3",
-          "- training reward: correctness (1/0) + 0.2 if the answer is in the requested `####` format; DAPO's "
+          f"- training reward: correctness (1/0) + {st.get('format_weight', 0.2):g} if the answer is in the requested "
+          "`####` format; DAPO's "
           "reward also carries its overlong penalty (so its reward curve is not on exactly the same scale; the "
           "accuracy curves are)",
           f"- evaluation (before and after, identical): greedy, one response per problem, max new tokens "

@@ -355,13 +355,64 @@ def test_evaluation_during_training(workdir, tiny_model_dir, tmp_path):
         "eval.max_new_tokens": 4, "eval.anchor": True, "algo.anchor.every": 1})
     run = train(cfg, tmp_path / "run", log=lambda *a: None)
     m = rows(run)
-    assert "eval/arithmetic/avg@1" not in m[0]  # only every 2 steps
+    assert [r["step"] for r in m] == [0, 1, 2]  # step 0: the initial policy (eval.before)
+    assert "eval/arithmetic/avg@1" in m[0] and "reward_mean" not in m[0]
+    assert "eval/arithmetic/avg@1" not in m[1]  # only every 2 steps
     for k in ("eval/arithmetic/avg@1", "eval/prompts/avg@1", "eval_anchor/arithmetic/avg@1"):
-        assert k in m[1], sorted(m[1])
-    with pytest.raises(ConfigError, match="eval.limit has no effect"):
-        load_config(None, {"eval.limit": 3})
+        assert k in m[2], sorted(m[2])
+    with pytest.raises(ConfigError, match="eval.limit has no effect while evaluation is off"):
+        load_config(None, {"eval.limit": 3, "eval.before": False, "eval.after": False})
     with pytest.raises(ConfigError, match="eval.anchor=true needs an anchor"):
         load_config(None, {"eval.every": 1, "eval.anchor": True}, recipe_name="dapo")
+
+
+def test_default_run_prints_held_out_accuracy_before_and_after(workdir, tiny_model_dir, tmp_path):
+    """By default (eval.before, eval.after, eval.benchmarks=auto) an arithmetic run evaluates its held-out
+    split before step 1 and after the last step, and ends by printing both accuracies; the numbers printed
+    are the ones logged. A resumed run finds its 'before' in metrics.jsonl."""
+    lines = []
+    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 2, **{"data.task": "arithmetic", "data.reward": "auto",
+                                                        "eval.limit": 4, "eval.max_new_tokens": 4})
+    run = train(cfg, tmp_path / "run", log=lambda *a: lines.append(" ".join(map(str, a))))
+    m = rows(run)
+    assert [r["step"] for r in m] == [0, 1, 2]
+    assert m[0]["eval/arithmetic/n_problems"] == 4 and "eval/arithmetic/avg@1" not in m[1]
+    before, after = m[0]["eval/arithmetic/avg@1"], m[2]["eval/arithmetic/avg@1"]
+    assert any(ln.startswith("[tether] held-out before training: arithmetic") for ln in lines), lines
+    want = (f"held-out accuracy, before -> after training: arithmetic (4 problems, greedy, 4 tokens): "
+            f"{100 * before:.1f} % -> {100 * after:.1f} % (step 2)")
+    assert any(want in ln for ln in lines), lines
+    # resume to 3 steps: no second 'before', and the summary still has it
+    lines.clear()
+    resume(run, {"train.steps": 3}, log=lambda *a: lines.append(" ".join(map(str, a))))
+    m = rows(run)
+    assert [r["step"] for r in m] == [0, 1, 2, 3]
+    assert f"{100 * before:.1f} % -> {100 * m[3]['eval/arithmetic/avg@1']:.1f} % (step 3)" in "\n".join(lines)
+    # off: no step-0 row, no summary
+    lines.clear()
+    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"data.task": "arithmetic", "data.reward": "auto",
+                                                        "eval.before": False, "eval.after": False})
+    run = train(cfg, tmp_path / "off", log=lambda *a: lines.append(" ".join(map(str, a))))
+    assert [r["step"] for r in rows(run)] == [1] and not any("held-out" in ln for ln in lines)
+
+
+def test_auto_benchmarks_follow_the_task(workdir, tiny_model_dir, tmp_path):
+    """auto -> the training task's held-out set; a task without one evaluates nothing and says so, and
+    asking for periodic evaluation of it is a configuration error."""
+    from tether.config import eval_benchmarks
+    assert eval_benchmarks(load_config(None, {})) == ["arithmetic"]
+    assert eval_benchmarks(load_config(None, {"data.task": "gsm8k"})) == ["gsm8k"]
+    assert eval_benchmarks(load_config(None, {"data.task": "gsm8k", "eval.benchmarks": ["auto", "math500"]})) == \
+        ["gsm8k", "math500"]
+    lines = []
+    run = train(cfg_for(workdir, tiny_model_dir, "grpo", 1), tmp_path / "run",
+                log=lambda *a: lines.append(" ".join(map(str, a))))
+    assert [r["step"] for r in rows(run)] == [1]
+    assert any("no held-out evaluation: data.task=" in ln and "prompts.jsonl" in ln for ln in lines), lines
+    with pytest.raises(ConfigError, match="has no held-out set tether knows"):
+        cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"eval.every": 1})
+    with pytest.raises(ConfigError, match="eval.every must be >= 0"):
+        load_config(None, {"eval.every": -1})
 
 
 def test_config_reference_is_complete_and_current():

@@ -41,7 +41,7 @@ class DataConfig:
     difficulty: int = 1  # arithmetic: number of steps per problem (1-4)
     reward: str = "auto"  # auto (by task) | arithmetic | gsm8k | math | module:function | path.py:function
     reward_timeout: float = 10.0  # user rewards (module:function, path.py:function) run in a worker process, at most this many seconds per call: a call that runs longer is stopped, scores 0 and counts in reward_errors (0 = no limit, the reward runs in the trainer process, as the built-in rewards always do)
-    format_weight: float = 0.2  # reward += format_weight when the answer is in the requested format (0 = correctness only)
+    format_weight: float = 0.0  # reward += format_weight when the answer is in the requested format (0 = correctness only, the default: a 0.2 bonus was gamed by responses of repeated "####" lines that collect it without a correct answer, see docs/results.md)
     system_prompt: str = ""  # system message prepended through the model's chat template ("" = none)
 
 
@@ -52,11 +52,11 @@ class RolloutConfig:
     engine: str = "hf"  # hf: transformers generate on the training model | vllm: an in-process vLLM engine (its own venv: scripts/setup.sh --vllm; options rollout.vllm_*; reports log-probs for algo.tis_cap) (engines register in tether.rollout.ENGINES)
     agent: str = "single_turn"  # how an episode runs: single_turn (prompt -> one response); agents register in tether.agents.AGENTS
     prompts_per_step: int = 6  # prompts per trainer step
-    n: int = 4  # samples per prompt (the group size G)
-    temperature: float = 1.0  # sampling temperature; log-probs are taken at the same temperature
+    n: int = 8  # samples per prompt (the group size G; 8 makes fewer groups all-wrong, which carry no signal)
+    temperature: float = 0.7  # sampling temperature; log-probs are taken at the same temperature (0.7: at 1.0 SmolLM2-135M is right about 4x less often than greedily, so most groups carry no signal)
     top_p: float = 1.0  # nucleus sampling (1 = off)
     top_k: int = 0  # top-k sampling (0 = off)
-    max_new_tokens: int = 48  # response length cap; longer responses are truncated (search agent: the cap of each policy turn)
+    max_new_tokens: int = 64  # response length cap; longer responses are truncated (search agent: the cap of each policy turn)
     prompt_overflow: str = "error"  # a prompt of more than (the model's context - max_new_tokens) tokens (search agent: more than search.max_context - 1, each turn being cut to the room left): error (a GenerationError naming the example and the lengths; dataset rows are checked before the first step) | truncate (keep its last tokens; warns once)
     min_new_tokens: int = 0  # EOS is banned before this many new tokens (0 = off; benchmarks use it for fixed-length decoding)
     stop: list = field(default_factory=list)  # stop strings; the response ends right after one
@@ -98,8 +98,8 @@ class SearchConfig:
 class TrainConfig:
     """Optimization: the update over one rollout batch."""
 
-    steps: int = 14  # trainer steps (rollout + update); the default run fits 20 minutes on 2 CPU cores. Raised on --resume it extends the run (see train.schedule)
-    lr: float = 2e-5  # AdamW learning rate, >= 0 (0: no update, a baseline; EMA-PG used 1e-6 for hundreds of steps; the short CPU default needs more); set on --resume, it applies from the next step
+    steps: int = 10  # trainer steps (rollout + update); the default run, with its held-out evaluation before and after, fits 20 minutes on 2 CPU cores. Raised on --resume it extends the run (see train.schedule)
+    lr: float = 1e-5  # AdamW learning rate, >= 0 (0: no update, a baseline; EMA-PG used 1e-6 for hundreds of steps; the short CPU default needs more); set on --resume, it applies from the next step
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     warmup_steps: int = 0  # linear warm-up, in optimizer steps
@@ -132,16 +132,41 @@ class RunConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation during training (off by default); the same metrics as `tether eval`."""
+    """Held-out evaluation inside a training run: before the first step and after the last (on by default, so
+    a run ends by printing the held-out accuracy before -> after), and every N steps if asked; the same
+    metrics as `tether eval`, logged as eval/<benchmark>/<metric> (the "before" row at step 0)."""
 
-    every: int = 0  # evaluate every N trainer steps and after the last one (0 = off)
-    benchmarks: list = field(default_factory=lambda: ["arithmetic"])  # arithmetic (the held-out synthetic split) | gsm8k | math500 | ... | a file
-    limit: int = 50  # problems per benchmark
+    before: bool = True  # evaluate the initial policy before the first trainer step (fresh runs; logged at step 0)
+    after: bool = True  # evaluate after the last trainer step; the run then prints the accuracy before -> after
+    every: int = 0  # also evaluate every N trainer steps (0 = only before / after)
+    benchmarks: list = field(default_factory=lambda: ["auto"])  # auto (the training task's held-out set: arithmetic -> its test split, gsm8k -> GSM8K test; other tasks have none, and nothing is evaluated) | arithmetic | gsm8k | math500 | ... | a file
+    limit: int = 100  # problems per benchmark (100: a standard error of about 4-5 points on accuracy)
     n: int = 1  # samples per problem
     greedy: bool = True  # temperature 0 (n must be 1); false samples at eval.temperature
     temperature: float = 1.0  # greedy=false: sampling temperature
     max_new_tokens: int = 256  # response length cap during evaluation
     anchor: bool = False  # also evaluate the anchor (fixed / ema / reset / kl_reset), as eval_anchor/...
+
+
+# eval.benchmarks=auto: the held-out set of a training task (tasks not listed have none)
+HELD_OUT = {"arithmetic": "arithmetic", "gsm8k": "gsm8k"}
+
+
+def eval_benchmarks(cfg: "Config") -> list[str]:
+    """eval.benchmarks with ``auto`` replaced by the training task's held-out set (dropped if it has none)."""
+    out = []
+    for b in cfg.eval.benchmarks:
+        if b != "auto":
+            out.append(b)
+        elif cfg.rollout.agent == "single_turn" and cfg.data.task in HELD_OUT:
+            out.append(HELD_OUT[cfg.data.task])
+    return list(dict.fromkeys(out))
+
+
+def evaluating(cfg: "Config") -> bool:
+    """Whether the run evaluates at all (before, after or every N steps) on at least one benchmark."""
+    e = cfg.eval
+    return bool((e.before or e.after or e.every) and eval_benchmarks(cfg))
 
 
 @dataclass
@@ -437,13 +462,16 @@ def check(cfg: Config) -> Config:
                     "pi_a = pi_old = pi, so the KL term is identically zero; use train.mini_batches > 1 "
                     "or train.epochs > 1, or another anchor")
     e, de = cfg.eval, EvalConfig()
-    if e.every == 0:
+    if e.every < 0:
+        errs.append(f"eval.every must be >= 0, got {e.every}")
+    if not (e.before or e.after or e.every):
         for k in ("benchmarks", "limit", "n", "greedy", "temperature", "max_new_tokens", "anchor"):
             if getattr(e, k) != getattr(de, k):
-                errs.append(f"eval.{k} has no effect while eval.every=0 (evaluation off)")
+                errs.append(f"eval.{k} has no effect while evaluation is off (eval.before=false, eval.after=false, "
+                            f"eval.every=0)")
     else:
-        if e.every < 0 or e.limit < 1 or e.n < 1 or e.max_new_tokens < 1:
-            errs.append("eval.every, eval.limit, eval.n and eval.max_new_tokens must be positive")
+        if e.limit < 1 or e.n < 1 or e.max_new_tokens < 1:
+            errs.append("eval.limit, eval.n and eval.max_new_tokens must be positive")
         if e.greedy and e.n != 1:
             errs.append("eval.greedy=true gives n identical samples; set eval.n=1 or eval.greedy=false")
         if e.greedy and e.temperature != de.temperature:
@@ -452,6 +480,9 @@ def check(cfg: Config) -> Config:
             errs.append(f"eval.anchor=true needs an anchor with its own weights, not {cfg.algo.anchor.kind!r}")
         if not e.benchmarks:
             errs.append("eval.benchmarks is empty")
+        elif not eval_benchmarks(cfg) and (e.every or e.benchmarks != de.benchmarks):
+            errs.append(f"eval.benchmarks=auto: data.task={d.task!r} has no held-out set tether knows "
+                        f"(auto knows {', '.join(HELD_OUT)}); name the benchmarks, e.g. eval.benchmarks=[gsm8k]")
     if cfg.run.overwrite and not cfg.run.output_dir:
         errs.append("run.overwrite=true needs run.output_dir (--output-dir): the default run directory is a new "
                     "one, so there is nothing to overwrite")

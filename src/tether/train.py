@@ -29,7 +29,7 @@ from .agents import agent_from_config, agent_tools
 from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, overlong_penalty, zero_variance_groups
 from .anchor import make_anchor
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config, to_dict
+from .config import Config, eval_benchmarks, evaluating, to_dict
 from .errors import GenerationError
 from .logprobs import response_stats
 from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
@@ -157,7 +157,11 @@ class Trainer:
         self.passes = Passes(model, self.anchor, self.needs, on_policy=t.epochs == 1 and t.mini_batches == 1,
                              temperature=cfg.rollout.temperature, micro_batch_size=t.micro_batch_size,
                              chunk_size=t.logprob_chunk, share_prompt=t.share_prompt)
-        self.eval_sets = self._load_eval_sets() if cfg.eval.every else {}
+        self.eval_sets = self._load_eval_sets() if evaluating(cfg) else {}
+        if (cfg.eval.before or cfg.eval.after) and not self.eval_sets and dist.is_main():
+            self.log(f"[tether] no held-out evaluation: data.task={cfg.data.task!r} has no held-out set for "
+                     f"eval.benchmarks=auto (name one, e.g. eval.benchmarks=[gsm8k], or set eval.before=false "
+                     f"eval.after=false)")
         # Under FSDP every forward with gradients all-gathers and its backward reduce-scatters, so all
         # ranks must make the same calls: one forward per micro-batch (the shared-prompt forward makes
         # two when a micro-batch repeats a prompt, and that depends on the data). No-grad passes share.
@@ -170,7 +174,7 @@ class Trainer:
         from .tasks.rewards import load_reward
         e, d = self.cfg.eval, self.cfg.data
         out = {}
-        for src in e.benchmarks:
+        for src in eval_benchmarks(self.cfg):
             if src == "arithmetic":  # the synthetic task's test split: never trained on
                 task = ArithmeticTask(seed=self.cfg.train.seed, difficulty=d.difficulty, split="test")
                 out["arithmetic"] = (task.examples(e.limit), load_reward("arithmetic"))
@@ -499,12 +503,21 @@ class Trainer:
             bar = tqdm(total=cfg.train.steps, initial=self.step, desc=f"tether {cfg.recipe}", unit="step",
                        dynamic_ncols=True)
         try:
+            if cfg.eval.before and self.eval_sets and self.step == 0:  # the initial policy, logged at step 0
+                t0 = time.perf_counter()
+                m = self.evaluate()
+                m["time_eval_s"] = time.perf_counter() - t0
+                if logger is not None:
+                    logger.log(0, m)
+                self.log(f"[tether] held-out before training: {_accuracy_line(m)}")
             while self.step < cfg.train.steps:
                 m = self.train_step()
-                if cfg.eval.every and (self.step % cfg.eval.every == 0 or self.step == cfg.train.steps):
-                    t0 = time.perf_counter()
-                    m.update(self.evaluate())
-                    m["time_eval_s"] = time.perf_counter() - t0
+                last = self.step == cfg.train.steps
+                if (cfg.eval.every and self.step % cfg.eval.every == 0) or (last and (cfg.eval.after or cfg.eval.every)):
+                    if self.eval_sets:
+                        t0 = time.perf_counter()
+                        m.update(self.evaluate())
+                        m["time_eval_s"] = time.perf_counter() - t0
                 if logger is not None:
                     logger.log(self.step, m)
                     logger.log_samples(self.step, self.samples(self._last_batch, cfg.run.log_samples))
@@ -535,6 +548,39 @@ class Trainer:
         if cfg.run.plot and main:
             from .plot import plot_runs
             plot_runs([self.run_dir], self.run_dir / "curves.png")
+        if main and self.eval_sets and self.step == cfg.train.steps and (cfg.eval.after or cfg.eval.every):
+            self.log(f"[tether] held-out accuracy, before -> after training: {self.before_after()}")
+
+    def before_after(self) -> str:
+        """'arithmetic (100 problems, greedy, 256 tokens): 22.0 % -> 51.0 %' from the step-0 and the last
+        eval rows of metrics.jsonl (a resumed run finds its 'before' there too); '?' where one is missing."""
+        from .metrics import read_metrics
+        rows = read_metrics(self.run_dir)
+        first = next((r for r in rows if r.get("step") == 0), {})
+        last = next((r for r in reversed(rows) if any(k.startswith("eval/") for k in r)), {})
+        e = self.cfg.eval
+        how = (f"greedy" if e.greedy else f"{e.n} samples at T={e.temperature:g}") + f", {e.max_new_tokens} tokens"
+        parts = []
+        for name in self.eval_sets:
+            key = f"eval/{name}/avg@{e.n}"
+            n = int(last.get(f"eval/{name}/n_problems", 0) or first.get(f"eval/{name}/n_problems", 0) or 0)
+            parts.append(f"{name} ({n} problems, {how}): {_pct(first.get(key))} -> {_pct(last.get(key))} "
+                         f"(step {last.get('step', '?')})")
+        return "; ".join(parts)
+
+
+def _pct(x) -> str:
+    return f"{100 * x:.1f} %" if isinstance(x, (int, float)) else "?"
+
+
+def _accuracy_line(m: dict) -> str:
+    """'arithmetic 22.0 % (100 problems)' for each eval/<name>/avg@n of a metrics row."""
+    out = []
+    for k, v in m.items():
+        parts = k.split("/")
+        if len(parts) == 3 and parts[0] == "eval" and parts[2].startswith("avg@"):
+            out.append(f"{parts[1]} {_pct(v)} ({int(m.get(f'eval/{parts[1]}/n_problems', 0))} problems)")
+    return ", ".join(out)
 
 
 def _schedule(kind: str, warmup: int, total: int, start: Optional[int] = None, mult: float = 1.0, **_):
