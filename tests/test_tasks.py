@@ -109,6 +109,14 @@ def test_has_answer_format():
     assert not has_answer_format("the answer is 4")
     assert not has_answer_format("####\n")
     assert not has_answer_format(r"\boxed{4")
+    # exactly one final answer, and '####' is followed by a number: what the gamed runs produced is not the format
+    assert has_answer_format("#### 35.") and has_answer_format("#### $1,234.50") and has_answer_format("#### -3")
+    assert not has_answer_format("#### Emma has 35 books.\n#### No need to add the books again.\n########")
+    assert not has_answer_format("#### Emma has 35 books.")
+    assert not has_answer_format("########")
+    assert not has_answer_format("work\n#### 4\n#### 4")
+    assert not has_answer_format(r"\boxed{1} or \boxed{2}")
+    assert not has_answer_format("#### 12\nAnswer: 12")
 
 
 # --------------------------------------------------------------------------------------

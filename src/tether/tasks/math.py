@@ -56,7 +56,8 @@ _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _FORMAT_LINE_RE = re.compile(
     r"^\s*[*_#>\s]*(?:final\s+answer|answer)\s*[*_]*\s*[:=]\s*[*_]*\s*\S", re.IGNORECASE | re.MULTILINE
 )
-_HASHES_FORMAT_RE = re.compile(r"####[ \t]*\S")
+_HASHES_LINE_RE = re.compile(r"####([^\n]*)")  # every '####' and the rest of its line ('########': two)
+_BOXED_START_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 # --------------------------------------------------------------------------------------
@@ -252,22 +253,32 @@ def gsm8k_reference(answer_field: str) -> str:
 
 
 def has_answer_format(text: str) -> bool:
-    """True when ``text`` states its answer in a recognised final-answer format.
-
-    Exactly one of these must be present:
+    """True when ``text`` states exactly one final answer, in a recognised format:
 
     * a complete ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces;
-    * ``####`` followed (on the same line) by something other than whitespace;
+    * ``####`` followed, on the same line, by a number (GSM8K's format: ``#### 42``,
+      ``#### $1,234.50``, a trailing period allowed);
     * a line that starts with ``Answer:`` or ``Final answer:`` (case-insensitive, ``=``
       also accepted, Markdown ``**``/``#`` decoration allowed) followed by something.
+
+    A response that states several final answers (two ``\\boxed``, a list of ``####`` lines,
+    ``########``) or whose ``####`` is followed by words (``#### Emma has 35 books.``) is not in
+    the format: the format bonus (``data.format_weight``) is for stating one answer where the
+    grader looks, and responses of repeated ``#### ...`` lines that collected it without a
+    correct answer took over training once (docs/results.md).
     """
     if not isinstance(text, str) or not text:
         return False
-    if extract_boxed(text) is not None:
-        return True
-    if _HASHES_FORMAT_RE.search(text):
-        return True
-    return _FORMAT_LINE_RE.search(text) is not None
+    boxes = len(_BOXED_START_RE.findall(text))
+    hashes = _HASHES_LINE_RE.findall(text)
+    lines = _FORMAT_LINE_RE.findall(text)
+    if boxes + len(hashes) + len(lines) != 1:
+        return False
+    if boxes:
+        return extract_boxed(text) is not None
+    if hashes:
+        return parse_number(hashes[0].strip().rstrip(".")) is not None
+    return True
 
 
 # --------------------------------------------------------------------------------------

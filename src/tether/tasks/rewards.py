@@ -34,9 +34,9 @@ Format bonus: with ``format_weight = w`` (default 0) every built-in reward becom
 
     reward = float(correct) + w * float(has_answer_format(completion))
 
-where :func:`~tether.tasks.math.has_answer_format` is true when the completion contains a
-complete ``\\boxed{...}``, or ``####`` followed by an answer on the same line, or a line
-starting with ``Answer:`` / ``Final answer:``. ``correct`` (the accuracy metric) is not
+where :func:`~tether.tasks.math.has_answer_format` is true when the completion states exactly one
+final answer: a complete ``\\boxed{...}``, or ``####`` followed by a number on the same line, or a
+line starting with ``Answer:`` / ``Final answer:`` (a list of ``####`` lines is not the format). ``correct`` (the accuracy metric) is not
 affected by the bonus.
 """
 
