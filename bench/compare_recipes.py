@@ -504,6 +504,15 @@ def runs_of(res: dict, task: str, recipe: str) -> list[dict]:
             if run_key(task, recipe, s) in res["runs"]]
 
 
+# the per-step curves of the plot: (metrics key, title, log scale)
+CURVES = (("reward_mean", "training reward (mean over the step's samples)", False),
+          ("accuracy", "training accuracy (fraction of samples correct)", False),
+          ("kl", "token KL to the anchor (the recipe's estimator)", True),
+          ("entropy", "token entropy of the policy on its samples", False),
+          ("clip_frac", "clip fraction (tokens the trust region masks)", False),
+          ("response_len", "mean response length (tokens)", False))
+
+
 def make_plot(res: dict, png: Path) -> Path:
     import matplotlib
 
@@ -513,40 +522,45 @@ def make_plot(res: dict, png: Path) -> Path:
 
     st = res["settings"]
     tasks = st["tasks"]
-    fig, axes = plt.subplots(2, len(tasks), figsize=(6.5 * len(tasks), 8), squeeze=False)
+    cols = 3
+    rows_per_task = -(-len(CURVES) // cols)
+    fig, axes = plt.subplots(rows_per_task * len(tasks), cols, figsize=(5.5 * cols, 3.6 * rows_per_task * len(tasks)),
+                             squeeze=False)
     cmap = plt.get_cmap("tab10")
     for j, task in enumerate(tasks):
-        for row, (key, label) in enumerate((("reward_mean", "training reward (mean over the step's samples)"),
-                                            ("accuracy", "training accuracy (fraction of samples correct)"))):
-            ax = axes[row][j]
+        for c, (key, label, log) in enumerate(CURVES):
+            ax = axes[j * rows_per_task + c // cols][c % cols]
             for i, recipe in enumerate(st["recipes"]):
-                c = cmap(i % 10)
+                col = cmap(i % 10)
                 curves = []
                 for r in runs_of(res, task, recipe):
                     if r.get("status") != "ok":
                         continue
-                    pts = [(s["step"], s[key]) for s in r.get("steps", []) if _num(s.get(key)) is not None]
+                    pts = [(s["step"], s[key]) for s in r.get("steps", [])
+                           if s.get("step", 0) > 0 and _num(s.get(key)) is not None]
                     if pts:
                         xs, ys = zip(*pts)
-                        ax.plot(xs, ys, color=c, lw=0.8, alpha=0.35)
+                        ax.plot(xs, ys, color=col, lw=0.8, alpha=0.35)
                         curves.append(dict(pts))
                 if not curves:
                     continue
                 steps = sorted(set().union(*curves))
                 ys = [[cv[s] for cv in curves if s in cv] for s in steps]
                 mean = [sum(v) / len(v) for v in ys]
-                ax.fill_between(steps, [min(v) for v in ys], [max(v) for v in ys], color=c, alpha=0.12, lw=0)
-                ax.plot(steps, mean, color=c, lw=2, marker="o", ms=3, label=f"{recipe} ({len(curves)} seeds)")
+                ax.fill_between(steps, [min(v) for v in ys], [max(v) for v in ys], color=col, alpha=0.12, lw=0)
+                ax.plot(steps, mean, color=col, lw=2, marker="o", ms=3, label=f"{recipe} ({len(curves)} seeds)")
+            if log and ax.has_data():
+                ax.set_yscale("symlog", linthresh=1e-4)
             ax.set_title(f"{task}: {label}", fontsize=10)
             ax.set_xlabel("trainer step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)
-            if row == 0:
+            if c == 0 and ax.has_data():
                 ax.legend(fontsize=8)
     fig.suptitle("Thick: mean over seeds; band: min-max over seeds; thin: each seed", fontsize=9)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=100)
+    fig.savefig(png, dpi=90)
     plt.close(fig)
     return png
 
@@ -592,7 +606,7 @@ def render(res: dict, out: Path, png: Path) -> str:
           "- recipe-specific trainer settings (part of the recipe, `tether.config.RECIPE_TRAINER_DEFAULTS`): "
           + "; ".join(f"{r}: " + ", ".join(f"`{k}={v}`" for k, v in s.items())
                       for r, s in res.get("recipe_trainer_settings", {}).items() if s) + ". Dynamic sampling "
-          "generates more than the other recipes; the generated tokens of every run are in Table 3",
+          "generates more than the other recipes; the generated tokens of every run are in Table 4",
           f"- training reward: correctness (1/0) + {st.get('format_weight', 0.2):g} if the answer is in the requested "
           "`####` format; DAPO's "
           "reward also carries its overlong penalty (so its reward curve is not on exactly the same scale; the "
@@ -610,8 +624,9 @@ def render(res: dict, out: Path, png: Path) -> str:
         b = res.get("before", {}).get(task)
         if b:
             L.append(f"- {task} held-out set: {b.get('description', '')}")
-    L += ["", "## Reward curves", "", f"![training reward and accuracy per step]({png.name})", "",
-          "Training reward and accuracy of the sampled responses at each step (rows), per task (columns). "
+    L += ["", "## Reward curves", "", f"![training curves per step]({png.name})", "",
+          "Per trainer step: training reward and accuracy of the sampled responses, the token KL to the anchor, "
+          "the policy's entropy, the clip fraction and the response length. "
           "Thick line: mean over seeds; band: min-max over seeds; thin lines: the individual seeds.", ""]
 
     # Table 1
@@ -669,8 +684,45 @@ def render(res: dict, out: Path, png: Path) -> str:
         L += [md(["recipe", "KL to initial (mean)", "KL per seed", "entropy (mean)", "entropy per seed",
                   "tokens measured"], rows), ""]
 
-    # Table 3
-    L += ["## Table 3: per-run wall time and generated tokens", "",
+    # Table 3: what the trust regions and anchors did during training
+    L += ["## Table 3: trust regions, anchors and dynamics during training", "",
+          "Per-step training metrics, mean over the run's steps, then over seeds (each seed's in brackets for the "
+          "total). Clip fractions are fractions of response tokens whose gradient the trust region removes "
+          "(`clip_frac_low`: ratio below the region with a negative advantage, `clip_frac_high`: above it with a "
+          "positive one, `clip_frac`: total, incl. dual-clip), averaged over the optimizer steps of a trainer step; "
+          "with one optimizer step per rollout they are 0 by construction. Token KL to the anchor: the recipe's "
+          "KL estimator at the first and the last step (its anchor: the initial model for grpo / atr_grpo, the "
+          "EMA for ema_pg, the sampler for rpg). Entropy and response length: first step -> last step.", ""]
+    for task in st["tasks"]:
+        rows = []
+        for recipe in st["recipes"]:
+            ok = [r for r in runs_of(res, task, recipe) if r.get("status") == "ok" and r.get("steps")]
+            if not ok:
+                rows.append([recipe] + ["-"] * 8)
+                continue
+
+            def run_mean(r, k):
+                return _mean([_num(x.get(k)) for x in r["steps"] if x.get("step", 0) > 0])
+
+            def first_last(k, fmt):
+                f = _mean([_num(next((x.get(k) for x in r["steps"] if x.get("step", 0) > 0), None)) for r in ok])
+                la = _mean([_num(r["steps"][-1].get(k)) for r in ok])
+                return f"{fmt(f)} -> {fmt(la)}"
+
+            tot = [run_mean(r, "clip_frac") for r in ok]
+            rows.append([recipe, _pct(_mean([run_mean(r, "clip_frac_low") for r in ok])),
+                         _pct(_mean([run_mean(r, "clip_frac_high") for r in ok])),
+                         _pct(_mean(tot)) + " (" + ", ".join(_pct(x) for x in tot) + ")",
+                         first_last("kl", _sci), first_last("entropy", _f3), first_last("response_len", _f1),
+                         first_last("truncation_rate", _pct),
+                         str(int(_mean([_num(r["steps"][-1].get("anchor_updates")) for r in ok]) or 0))])
+        L += [f"### {task}", "", md(["recipe", "clip low %", "clip high %", "clip total % (per seed)",
+                                     "token KL to anchor, first -> last", "entropy first -> last",
+                                     "response tokens first -> last", "truncated % first -> last",
+                                     "anchor updates"], rows), ""]
+
+    # Table 4
+    L += ["## Table 4: per-run wall time and generated tokens", "",
           "train s: the training loop (rollouts and updates); eval s: the greedy held-out evaluation; KL s: "
           "sampling and the two full-vocabulary passes. generated tokens: all tokens sampled during training "
           "(DAPO's refills included); rounds: generation rounds (steps, plus DAPO's refills); reward: mean "

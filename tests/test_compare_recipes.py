@@ -93,7 +93,8 @@ def test_quick_report_tables_plot_and_kl(cr, tiny_model_dir, gsm_dir, tmp_path, 
 
     text = md.read_text()
     for head in ("Table 1: held-out accuracy before and after", "Table 2: KL to the initial model and entropy",
-                 "Table 3: per-run wall time and generated tokens", "### Reading these numbers", "## Budgets"):
+                 "Table 3: trust regions, anchors and dynamics", "Table 4: per-run wall time and generated tokens",
+                 "### Reading these numbers", "## Budgets"):
         assert head in text
     assert cr.PLACEHOLDER in text and "results_rewards.png" in text
     assert "bench/compare_recipes.py --quick" in text and "--lr 1e-2" in text  # the exact command
@@ -108,8 +109,11 @@ def test_quick_report_tables_plot_and_kl(cr, tiny_model_dir, gsm_dir, tmp_path, 
     t2 = text.split("## Table 2")[1].split("## Table 3")[0]
     kl_cells = re.findall(r"\| (grpo|dapo) \| ([0-9.e+-]+) \|", t2)
     assert len(kl_cells) == 4 and all(float(v) >= 0 for _, v in kl_cells)
-    t3 = text.split("## Table 3")[1]
-    assert sum(ln.startswith("| arithmetic") or ln.startswith("| gsm8k") for ln in t3.splitlines()) == 8
+    t3 = text.split("## Table 3")[1].split("## Table 4")[0]
+    dyn = [ln for ln in t3.splitlines() if ln.startswith("| grpo") or ln.startswith("| dapo")]
+    assert len(dyn) == 4 and all(" -> " in ln and "| - |" not in ln for ln in dyn), dyn
+    t4 = text.split("## Table 4")[1]
+    assert sum(ln.startswith("| arithmetic") or ln.startswith("| gsm8k") for ln in t4.splitlines()) == 8
 
     # --report-only re-renders from the JSON without running anything
     md.unlink()
