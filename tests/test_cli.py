@@ -30,3 +30,20 @@ def test_python_m_tether_recipes():
     assert r.returncode == 0, r.stdout + r.stderr
     names = [line.split(":")[0] for line in r.stdout.splitlines() if line.strip()]
     assert names == list(RECIPES)
+
+
+def test_train_prints_held_out_accuracy_before_and_after(tiny_model_dir, tmp_path):
+    """What a newcomer sees at the end of ``tether train`` on arithmetic: the held-out accuracy of the
+    initial model and of the trained one, the same numbers as metrics.jsonl's step-0 and last rows."""
+    import json
+
+    run = tmp_path / "run"
+    r = run_module("train", "--model", str(tiny_model_dir), "--output-dir", str(run), "--steps", "1",
+                   "rollout.n=2", "rollout.prompts_per_step=2", "rollout.max_new_tokens=4", "eval.limit=3",
+                   "eval.max_new_tokens=4", "run.progress=false", "run.plot=false", "run.save_every=0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    before, after = rows[0]["eval/arithmetic/avg@1"], rows[-1]["eval/arithmetic/avg@1"]
+    assert f"[tether] held-out before training: arithmetic {100 * before:.1f} % (3 problems)" in r.stdout, r.stdout
+    assert (f"[tether] held-out accuracy, before -> after training: arithmetic (3 problems, greedy, 4 tokens): "
+            f"{100 * before:.1f} % -> {100 * after:.1f} % (step 1)") in r.stdout, r.stdout
