@@ -580,7 +580,7 @@ def render(res: dict, out: Path, png: Path) -> str:
     for c in cmds:
         L.append(f"- {c['started']}" + (f" (commit `{c['commit']}`)" if c.get("commit") else "")
                  + f": ran {c.get('runs_run', '?')} run(s), wall time {_dur(c.get('wall_s'))}"
-                 + (" (interrupted)" if c.get("interrupted") else ""))
+                 + (" (interrupted)" if c.get("interrupted") else "") + (f". {c['note']}" if c.get("note") else ""))
     L += [f"- total wall time: {_dur(sum(float(c.get('wall_s') or 0) for c in cmds))}",
           f"- machine: {info['nproc']} CPUs (`nproc`), {info['cpu']}, {info['memory']} RAM; torch threads "
           f"{info.get('torch_threads')}",

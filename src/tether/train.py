@@ -504,6 +504,8 @@ class Trainer:
                        dynamic_ncols=True)
         try:
             if cfg.eval.before and self.eval_sets and self.step == 0:  # the initial policy, logged at step 0
+                self.log(f"[tether] evaluating the initial policy on the held-out set: "
+                         + ", ".join(f"{k} ({len(v[0])} problems)" for k, v in self.eval_sets.items()))
                 t0 = time.perf_counter()
                 m = self.evaluate()
                 m["time_eval_s"] = time.perf_counter() - t0
