@@ -306,7 +306,36 @@ def run_eval(model, tok, examples, reward_fn, a, task: str) -> dict:
                    show_progress=a.progress, desc=f"eval {task}")
     keep = ("avg@1", "mean_response_tokens", "truncation_rate", "no_answer_rate", "n_problems", "gen_tokens",
             "wall_time_s", "reward_errors")
-    return {k: float(res.metrics[k]) for k in keep if k in res.metrics}
+    out = {k: float(res.metrics[k]) for k in keep if k in res.metrics}
+    out["correct"] = [int(p["n_correct"]) for p in res.per_problem]  # per problem, for clustered errors
+    return out
+
+
+def content_of(task: str, example) -> str:
+    """What makes two held-out problems the same problem: the arithmetic content (start value and
+    operations; the wording differs) or, for GSM8K, the problem itself."""
+    if task == "arithmetic":
+        return json.dumps([example.meta["start"], example.meta["ops"]])
+    return str(example.id)
+
+
+def clustered_se(before: list[int], after: list[int] | None, clusters: list[str]) -> float | None:
+    """Cluster-robust standard error of mean(after - before) (or of mean(before) when ``after`` is None)
+    with problems grouped by content: sqrt(C/(C-1) * sum_c (sum_{i in c} (d_i - mean d))^2) / n. Problems that
+    share a content are not independent draws, so this is the honest error bar (the binomial one assumes
+    they are)."""
+    d = [float(x) for x in before] if after is None else [float(y - x) for x, y in zip(before, after)]
+    n = len(d)
+    if n == 0 or len(clusters) != n:
+        return None
+    mean = sum(d) / n
+    sums: dict[str, float] = {}
+    for x, c in zip(d, clusters):
+        sums[c] = sums.get(c, 0.0) + (x - mean)
+    C = len(sums)
+    if C < 2:
+        return None
+    return math.sqrt(C / (C - 1) * sum(v * v for v in sums.values())) / n
 
 
 def token_kl_entropy(policy, initial, rb, *, micro: int = 2, chunk_size: int = 1024) -> dict:
@@ -607,8 +636,9 @@ def render(res: dict, out: Path, png: Path) -> str:
           + "; ".join(f"{r}: " + ", ".join(f"`{k}={v}`" for k, v in s.items())
                       for r, s in res.get("recipe_trainer_settings", {}).items() if s) + ". Dynamic sampling "
           "generates more than the other recipes; the generated tokens of every run are in Table 4",
-          f"- training reward: correctness (1/0) + {st.get('format_weight', 0.2):g} if the answer is in the requested "
-          "`####` format; DAPO's "
+          "- training reward: correctness (1/0)" + (f" + {st.get('format_weight', 0.2):g} if the answer is in the "
+                                                    "requested `####` format" if st.get("format_weight", 0.2) else
+                                                    " only (no format bonus)") + "; DAPO's "
           "reward also carries its overlong penalty (so its reward curve is not on exactly the same scale; the "
           "accuracy curves are)",
           f"- evaluation (before and after, identical): greedy, one response per problem, max new tokens "
@@ -649,15 +679,26 @@ def render(res: dict, out: Path, png: Path) -> str:
             m = _mean(after)
             per = ", ".join(f"s{r['seed']}: " + (_pct(_num(r["eval"].get("avg@1"))) if r.get("status") == "ok"
                                                  else "failed") for r in rs) or "not run"
+            contents, c0 = b.get("contents"), be.get("correct")
+            ses = [clustered_se(c0, r["eval"].get("correct"), contents) if contents and c0 and r["eval"].get("correct")
+                   else None for r in ok]
             rows.append([recipe, _pct(acc0), _pct(m),
                          "-" if m is None or acc0 is None else f"{100 * (m - acc0):+.1f}", per,
+                         ", ".join(_pct(x) for x in ses) or "-",
                          _f1(_mean([_num(r["eval"].get("mean_response_tokens")) for r in ok])),
                          _pct(_mean([_num(r["eval"].get("truncation_rate")) for r in ok]))])
         L += [md(["recipe", "before %", "after % (mean)", "change (points)", "after % per seed",
-                  "mean response tokens (after)", "truncated % (after)"], rows), ""]
-        L.append(f"Before: {_pct(acc0)} % (s.e. {_pct(se)} points), mean response "
-                 f"{_f1(_num(be.get('mean_response_tokens')))} tokens, "
-                 f"truncated {_pct(_num(be.get('truncation_rate')))} %.")
+                  "s.e. of each seed's change (clustered)", "mean response tokens (after)", "truncated % (after)"],
+                 rows), ""]
+        contents = b.get("contents")
+        n_c = len(set(contents)) if contents else None
+        cse = clustered_se(be["correct"], None, contents) if contents and be.get("correct") else None
+        L.append(f"Before: {_pct(acc0)} % (binomial s.e. {_pct(se)} points"
+                 + (f"; clustered by the {n_c} distinct problem contents, {_pct(cse)} points" if cse is not None
+                    else "") + f"), mean response {_f1(_num(be.get('mean_response_tokens')))} tokens, "
+                 f"truncated {_pct(_num(be.get('truncation_rate')))} %. The clustered standard errors group the "
+                 "held-out problems by content (arithmetic: start value and operations, told in different words), "
+                 "since problems that share one are not independent; '-' where a run kept no per-problem results.")
         L.append("")
 
     # Table 2
@@ -842,7 +883,8 @@ def main(argv=None) -> int:
             examples, reward_fn, desc = evals[task]
             print(f"[compare] before: evaluating the initial model on {task} ({len(examples)} problems) "
                   f"[elapsed {_dur(time.perf_counter() - t_start)}]", flush=True)
-            b = {"description": desc, "eval": run_eval(base_model, tok, examples, reward_fn, a, task)}
+            b = {"description": desc, "eval": run_eval(base_model, tok, examples, reward_fn, a, task),
+                 "contents": [content_of(task, e) for e in examples]}
             b.update(kl_and_entropy(base_model, base_model, tok, examples[:a.kl_prompts],
                                     max_new_tokens=a.kl_max_new_tokens[task], seed=0))
             b["wall_s"] = time.perf_counter() - t0
