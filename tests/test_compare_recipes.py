@@ -90,6 +90,12 @@ def test_quick_report_tables_plot_and_kl(cr, tiny_model_dir, gsm_dir, tmp_path, 
         b = res["before"][task]
         assert 0.0 <= b["eval"]["avg@1"] <= 1.0 and b["kl_to_initial"] < 1e-9 and b["entropy"] > 0
     assert res["before"]["gsm8k"]["eval"]["n_problems"] == 3 and "test" in res["before"]["gsm8k"]["description"]
+    # per-problem results and contents, for the clustered standard errors of Table 1
+    for task, n in (("arithmetic", 4), ("gsm8k", 3)):
+        b = res["before"][task]
+        assert len(b["contents"]) == n and len(b["eval"]["correct"]) == n
+        assert sum(b["eval"]["correct"]) == round(b["eval"]["avg@1"] * n)
+    assert all(len(r["eval"]["correct"]) == r["eval"]["n_problems"] for r in res["runs"].values())
 
     text = md.read_text()
     for head in ("Table 1: held-out accuracy before and after", "Table 2: KL to the initial model and entropy",
@@ -120,6 +126,19 @@ def test_quick_report_tables_plot_and_kl(cr, tiny_model_dir, gsm_dir, tmp_path, 
     png.unlink()
     assert cr.main(argv + ["--report-only"]) == 0
     assert md.read_text() == text and png.is_file()
+
+
+def test_clustered_se(cr):
+    """Independent problems: the usual standard error (with the C/(C-1) factor); problems that share a
+    content and agree: the error of C draws, not n."""
+    b = [1, 0] * 50
+    assert cr.clustered_se(b, None, [str(i) for i in range(100)]) == pytest.approx(math.sqrt(0.25 / 99))
+    same = [1] * 50 + [0] * 50
+    assert cr.clustered_se(same, None, [str(i // 10) for i in range(100)]) == pytest.approx(math.sqrt(0.25 / 9))
+    # paired: identical before and after -> 0; one content flips from wrong to right -> its cluster carries it
+    assert cr.clustered_se(same, same, [str(i // 10) for i in range(100)]) == 0
+    assert cr.clustered_se([0] * 4, [1, 1, 0, 0], ["a", "a", "b", "b"]) == pytest.approx(0.5)
+    assert cr.clustered_se([1], None, ["a"]) is None
 
 
 def test_lr0_has_zero_kl_and_a_crash_is_recorded(cr, tiny_model_dir, gsm_dir, tmp_path, monkeypatch):
