@@ -3,7 +3,8 @@
 Trains one run with ``tether train``'s settings plus the overrides given, and every ``--every``
 trainer steps (and before the first) evaluates the policy greedily on a *validation slice*: the
 first ``--val`` problems of the synthetic arithmetic **train** split drawn with seed 10000, a
-stream that no training seed (0, 1, 2, ...) reads in that order. The held-out test split
+stream that no training seed (0, 1, 2, ...) reads in that order, over the same training
+calculations (so it measures fit to the training distribution). The held-out test split
 (``eval.benchmarks=arithmetic``, what ``bench/compare_recipes.py`` and the default run report)
 is never touched, so a setting chosen here is not fitted to the numbers reported.
 
