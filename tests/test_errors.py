@@ -106,7 +106,7 @@ def test_train_bad_value_is_one_line_before_the_model_and_run_dir(overrides, nee
 
 
 @pytest.mark.parametrize("overrides", [
-    ["train.lr=1e-3", "train.weight_decay=0.01", "train.betas=[0.0,0.95]", "train.warmup_steps=14"],
+    ["train.lr=1e-3", "train.weight_decay=0.01", "train.betas=[0.0,0.95]", "train.warmup_steps=10"],
     ["rollout.temperature=0.7", "rollout.top_p=1", "rollout.top_k=0"],
     ["model.dtype=bf16", "model.device=auto"],
     ["model.device=cpu", "model.lora_r=4", "model.lora_alpha=8", "model.lora_dropout=0.05",

@@ -99,8 +99,10 @@ def start(args: list, log: Path, **env) -> subprocess.Popen:
     full = dict(os.environ, OMP_NUM_THREADS="1", **env)
     full["PYTHONPATH"] = src + (os.pathsep + full["PYTHONPATH"] if full.get("PYTHONPATH") else "")
     with open(log, "w") as out:
+        # SIGINT as in a user's terminal: a test run started in the background inherits it ignored, and the
+        # trainer (rightly) leaves an ignored signal alone
         return subprocess.Popen([sys.executable, "-m", "tether", *args], stdout=out, stderr=subprocess.STDOUT,
-                                env=full)
+                                env=full, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for(what, cond, proc: subprocess.Popen, log: Path) -> None:
