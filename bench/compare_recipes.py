@@ -284,7 +284,7 @@ def eval_set(a, task: str):
     from tether.tasks.rewards import load_reward
     if task == "arithmetic":
         ex = ArithmeticTask(seed=0, difficulty=a.difficulty, split="test").examples(a.eval_limit_synthetic)
-        distinct = len({json.dumps([e.meta["start"], e.meta["ops"]]) for e in ex})
+        distinct = len({content_of(task, e) for e in ex})
         desc = (f"synthetic arithmetic, held-out split (content buckets never trained on), difficulty "
                 f"{a.difficulty}, the first {len(ex)} problems of the seed-0 test stream ({distinct} distinct "
                 f"start/operation contents)")
