@@ -1,6 +1,10 @@
-"""Shared fixtures: a tiny offline Llama model directory (see `tether.testing`)."""
+"""Shared fixtures: a tiny offline Llama model directory (see `tether.testing`), and the scripts
+under ``bench/`` loaded as modules (they are scripts, not a package)."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -22,3 +26,20 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
+
+
+@pytest.fixture(scope="session")
+def bench_script():
+    """``bench_script("compare_recipes")`` -> ``bench/compare_recipes.py`` loaded as a module (once per session)."""
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    loaded = {}
+
+    def load(name):
+        if name not in loaded:
+            spec = importlib.util.spec_from_file_location(name, bench / f"{name}.py")
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            loaded[name] = mod
+        return loaded[name]
+
+    return load

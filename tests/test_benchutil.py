@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -15,9 +13,6 @@ from tether.rollout.hf import HFEngine
 from tether.tasks.base import Example
 from tether.tasks.prompts import encode_prompts
 from tether.train import Trainer
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def eos_eager(model, tok):
     """Make ``model`` put (almost) all its mass on EOS, so only a ban keeps responses going."""
@@ -32,11 +27,8 @@ def eos_eager(model, tok):
 
 
 @pytest.fixture(scope="module")
-def bu():
-    spec = importlib.util.spec_from_file_location("_benchutil", ROOT / "bench" / "_benchutil.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def bu(bench_script):
+    return bench_script("_benchutil")
 
 
 def test_full_length_engine_with_min_new_tokens(bu, tiny_model_dir):

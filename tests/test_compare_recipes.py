@@ -11,7 +11,6 @@ run that got a learning signal has KL > 0; a crashing run is recorded and the ot
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 import re
@@ -20,15 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 @pytest.fixture(scope="module")
-def cr():
-    spec = importlib.util.spec_from_file_location("compare_recipes", ROOT / "bench" / "compare_recipes.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def cr(bench_script):
+    return bench_script("compare_recipes")
 
 
 @pytest.fixture(scope="module")

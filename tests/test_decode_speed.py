@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_decode_speed_quick(tiny_model_dir, tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("decode_speed", ROOT / "bench" / "decode_speed.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_decode_speed_quick(bench_script, tiny_model_dir, tmp_path, capsys):
+    mod = bench_script("decode_speed")
     assert mod.main(["--quick", "--model", str(tiny_model_dir), "--prompts", "2", "--n", "2",
                      "--max-new-tokens", "6", "--data-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -4,21 +4,13 @@ evaluates the test split."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 @pytest.fixture(scope="module")
-def tune():
-    spec = importlib.util.spec_from_file_location("tune_regime", ROOT / "bench" / "tune_regime.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def tune(bench_script):
+    return bench_script("tune_regime")
 
 
 def test_tune_regime_validates_on_the_train_split(tune, tiny_model_dir, tmp_path, monkeypatch):
