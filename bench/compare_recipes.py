@@ -802,13 +802,13 @@ def write_report(res: dict, out: Path) -> None:
     js, png = paths_of(out)
     make_plot(res, png)
     text = render(res, out, png)
-    if out.exists():
+    head = "### Reading these numbers"
+    if out.exists():  # a hand-written reading survives a re-render (--resume, --report-only) of the tables
         old = out.read_text()
-        head = "### Reading these numbers"
-        if head in old and PLACEHOLDER not in old.split(head, 1)[1]:
-            bak = out.with_name(out.name + ".bak")
-            shutil.copyfile(out, bak)
-            print(f"[compare] {out} had a hand-written '{head}'; the old file is kept as {bak}", flush=True)
+        reading = old.split(head, 1)[1].strip() if head in old else ""
+        if reading and reading != PLACEHOLDER:
+            text = text.replace(PLACEHOLDER, reading, 1)
+            print(f"[compare] {out}: kept its hand-written '{head}'; check it against the new tables", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"[compare] wrote {out}, {png} and {js}", flush=True)

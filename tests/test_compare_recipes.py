@@ -119,6 +119,11 @@ def test_quick_report_tables_plot_and_kl(cr, tiny_model_dir, gsm_dir, tmp_path, 
     png.unlink()
     assert cr.main(argv + ["--report-only"]) == 0
     assert md.read_text() == text and png.is_file()
+    # a hand-written reading survives the next re-render; the tables are rewritten around it
+    reading = "grpo and dapo moved by less than one standard error."
+    md.write_text(text.replace(cr.PLACEHOLDER, reading).replace("## Table 1", "## Table 1 (stale)"))
+    assert cr.main(argv + ["--report-only"]) == 0
+    assert md.read_text() == text.replace(cr.PLACEHOLDER, reading)
 
 
 def test_clustered_se(cr):
