@@ -577,7 +577,8 @@ def make_plot(res: dict, png: Path) -> Path:
                 ys = [[cv[s] for cv in curves if s in cv] for s in steps]
                 mean = [sum(v) / len(v) for v in ys]
                 ax.fill_between(steps, [min(v) for v in ys], [max(v) for v in ys], color=col, alpha=0.12, lw=0)
-                ax.plot(steps, mean, color=col, lw=2, marker="o", ms=3, label=f"{recipe} ({len(curves)} seeds)")
+                seeds = f"{len(curves)} seed" + ("s" if len(curves) != 1 else "")
+                ax.plot(steps, mean, color=col, lw=2, marker="o", ms=3, label=f"{recipe} ({seeds})")
             if log and ax.has_data():
                 ax.set_yscale("symlog", linthresh=1e-4)
             ax.set_title(f"{task}: {label}", fontsize=10)
@@ -756,7 +757,7 @@ def render(res: dict, out: Path, png: Path) -> str:
                          _pct(_mean(tot)) + " (" + ", ".join(_pct(x) for x in tot) + ")",
                          first_last("kl", _sci), first_last("entropy", _f3), first_last("response_len", _f1),
                          first_last("truncation_rate", _pct),
-                         str(int(_mean([_num(r["steps"][-1].get("anchor_updates")) for r in ok]) or 0))])
+                         anchor_updates_cell(ok)])
         L += [f"### {task}", "", md(["recipe", "clip low %", "clip high %", "clip total % (per seed)",
                                      "token KL to anchor, first -> last", "entropy first -> last",
                                      "response tokens first -> last", "truncated % first -> last",
@@ -768,7 +769,9 @@ def render(res: dict, out: Path, png: Path) -> str:
           "sampling and the two full-vocabulary passes. generated tokens: all tokens sampled during training "
           "(DAPO's refills included); rounds: generation rounds (steps, plus DAPO's refills); reward: mean "
           "training reward of the first and the last step; anchor updates: EMA updates / resets of the KL "
-          "anchor during the run (0 for a fixed anchor, and for an EMA anchor whose period exceeds the steps).", ""]
+          "anchor during the run (0 for a fixed anchor, and for an EMA anchor whose period exceeds the steps; "
+          "0 also for the iterative anchor, which is the sampler itself and so moves with every step without "
+          "an update of its own).", ""]
     rows = []
     for task in st["tasks"]:
         for recipe in st["recipes"]:
@@ -796,6 +799,14 @@ def render(res: dict, out: Path, png: Path) -> str:
         L += [f"Initial-model measurements (evaluation + KL/entropy), once per task: {', '.join(bt)}.", ""]
     L += ["### Reading these numbers", "", PLACEHOLDER, ""]
     return "\n".join(L)
+
+
+def anchor_updates_cell(runs: list[dict]) -> str:
+    """Table 3's 'anchor updates': the EMA updates / resets of the last step (mean over the runs), or
+    'every step (sampler)' for the iterative anchor, which *is* the sampler and has no update count."""
+    if runs and all("anchor=iterative" in (r.get("algo") or "") for r in runs):
+        return "every step (sampler)"
+    return str(int(_mean([_num(r["steps"][-1].get("anchor_updates")) for r in runs]) or 0))
 
 
 def write_report(res: dict, out: Path) -> None:
