@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from tether.config import load_config
@@ -13,6 +12,7 @@ from tether.rollout.hf import HFEngine
 from tether.tasks.base import Example
 from tether.tasks.prompts import encode_prompts
 from tether.train import Trainer
+
 
 def eos_eager(model, tok):
     """Make ``model`` put (almost) all its mass on EOS, so only a ban keeps responses going."""

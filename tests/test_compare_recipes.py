@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+
 @pytest.fixture(scope="module")
 def cr(bench_script):
     return bench_script("compare_recipes")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+
 def test_decode_speed_quick(bench_script, tiny_model_dir, tmp_path, capsys):
     mod = bench_script("decode_speed")
     assert mod.main(["--quick", "--model", str(tiny_model_dir), "--prompts", "2", "--n", "2",

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+
 @pytest.fixture(scope="module")
 def tune(bench_script):
     return bench_script("tune_regime")
