@@ -47,6 +47,7 @@ import gc
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -453,6 +454,7 @@ def one_run(a, task: str, recipe: str, seed: int, base_model, tok, evals: dict) 
         ov["algo.anchor.every"] = a.anchor_every
     cfg = load_config(None, ov, recipe_name=recipe)
     rec["algo"] = describe(cfg.algo)
+    rec["anchor_kind"] = cfg.algo.anchor.kind  # what Tables 3-4 count as "anchor updates" depends on it
     rec["recipe_trainer_settings"] = dict(RECIPE_TRAINER_DEFAULTS.get(recipe, {}))
     fresh_run_dir(run_dir)
     save_config(cfg, run_dir / "config.yaml")
@@ -770,8 +772,8 @@ def render(res: dict, out: Path, png: Path) -> str:
           "(DAPO's refills included); rounds: generation rounds (steps, plus DAPO's refills); reward: mean "
           "training reward of the first and the last step; anchor updates: EMA updates / resets of the KL "
           "anchor during the run (0 for a fixed anchor, and for an EMA anchor whose period exceeds the steps; "
-          "0 also for the iterative anchor, which is the sampler itself and so moves with every step without "
-          "an update of its own).", ""]
+          "'every step (sampler)' for the iterative anchor, which is the sampler itself and so moves with every "
+          "step without an update of its own).", ""]
     rows = []
     for task in st["tasks"]:
         for recipe in st["recipes"]:
@@ -788,10 +790,9 @@ def render(res: dict, out: Path, png: Path) -> str:
                 stp = r.get("steps", [])
                 rew = f"{_f3(_num(stp[0].get('reward_mean')))} -> {_f3(_num(stp[-1].get('reward_mean')))}" if stp \
                     else "-"
-                anc = stp[-1].get("anchor_updates") if stp else None
                 rows.append([task, recipe, str(s), "ok", f"{r['train_wall_s']:.0f}", f"{r['eval_wall_s']:.0f}",
                              f"{r['kl_wall_s']:.0f}", str(r["gen_tokens"]), str(r["gen_rounds"]),
-                             str(r["train_tokens"]), rew, "-" if anc is None else str(int(anc))])
+                             str(r["train_tokens"]), rew, anchor_updates_cell([r]) if stp else "-"])
     L += [md(["task", "recipe", "seed", "status", "train s", "eval s", "KL s", "generated tokens", "rounds",
               "train tokens", "reward first -> last", "anchor updates"], rows), ""]
     bt = [f"{t} {_dur(b.get('wall_s'))}" for t, b in res.get("before", {}).items()]
@@ -801,10 +802,19 @@ def render(res: dict, out: Path, png: Path) -> str:
     return "\n".join(L)
 
 
+def anchor_kind(run: dict) -> str | None:
+    """The run's anchor kind (fixed / ema / reset / iterative): stored since session 8; older records only
+    keep the algorithm description (`tether.algo.describe`), whose ``anchor=<kind>`` field says the same."""
+    if run.get("anchor_kind"):
+        return run["anchor_kind"]
+    m = re.search(r"\banchor=(\w+)", run.get("algo") or "")
+    return m.group(1) if m else None
+
+
 def anchor_updates_cell(runs: list[dict]) -> str:
-    """Table 3's 'anchor updates': the EMA updates / resets of the last step (mean over the runs), or
+    """Tables 3-4's 'anchor updates': the EMA updates / resets of the last step (mean over the runs), or
     'every step (sampler)' for the iterative anchor, which *is* the sampler and has no update count."""
-    if runs and all("anchor=iterative" in (r.get("algo") or "") for r in runs):
+    if runs and all(anchor_kind(r) == "iterative" for r in runs):
         return "every step (sampler)"
     return str(int(_mean([_num(r["steps"][-1].get("anchor_updates")) for r in runs]) or 0))
 

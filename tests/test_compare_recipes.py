@@ -71,6 +71,7 @@ def test_quick_report_tables_plot_and_kl(cr, tiny_model_dir, gsm_dir, tmp_path, 
         assert (Path(r["run_dir"]) / "metrics.jsonl").is_file() and not (Path(r["run_dir"]) / "checkpoints").exists()
         assert 0.0 <= r["eval"]["avg@1"] <= 1.0
         assert r["gen_tokens"] > 0 and r["kl_tokens"] > 0
+        assert r["anchor_kind"] == {"grpo": "fixed", "dapo": "none"}[r["recipe"]]  # dapo has no KL, so no anchor
         assert _finite(r["kl_to_initial"]) and r["kl_to_initial"] >= 0.0
         assert _finite(r["entropy"]) and 0.0 < r["entropy"] <= math.log(vocab) + 1e-6
         # the weights move iff some gradient was non-zero: KL > 0 exactly then, else exactly 0
@@ -213,3 +214,8 @@ def test_anchor_updates_cell(cr):
     assert cr.anchor_updates_cell(ema) == "4"
     assert cr.anchor_updates_cell(fixed) == "0"
     assert cr.anchor_updates_cell(rpg) == "every step (sampler)"
+    # records made since the run stores its anchor kind: the stored kind decides, not the description
+    assert cr.anchor_updates_cell([{"anchor_kind": "iterative", "algo": "x", "steps": [{}]}]) == "every step (sampler)"
+    assert cr.anchor_updates_cell([{"anchor_kind": "ema", "algo": "anchor=iterative",
+                                    "steps": [{"anchor_updates": 3}]}]) == "3"
+    assert cr.anchor_updates_cell(ema + rpg) == "2"  # a mixed set is counted, not called the sampler
