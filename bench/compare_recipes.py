@@ -29,14 +29,19 @@ samples, for reference).
 Outputs: the markdown report ``--out`` (e.g. docs/results.md), ``<out>_rewards.png`` (training
 reward and accuracy per step, one colour per recipe, one column per task), and ``<out>.json``
 with every measured number, rewritten after every run (a crash or kill keeps what finished;
-``--resume`` continues from it, ``--report-only`` re-renders the markdown and plot). Each
-training run writes its normal run directory under ``--work-dir``.
+``--resume`` continues from it, ``--report-only`` re-renders the markdown and plot). A comparison
+can run in parts: each ``--resume`` command may name other recipes or seeds, and the report covers
+every run made so far. ``--variant LABEL RECIPE KEY=VALUE...`` adds a recipe with some settings
+changed (an ablation) under its own label. Each training run writes its normal run directory
+under ``--work-dir``.
 
 Usage (from the repository root)::
 
     .venv/bin/python bench/compare_recipes.py --out docs/results.md              # the full comparison
     .venv/bin/python bench/compare_recipes.py --quick --out /tmp/w/results.md    # CI-size smoke run
     .venv/bin/python bench/compare_recipes.py --quick --model /path/to/tiny --out /tmp/w/r.md  # plumbing
+    .venv/bin/python bench/compare_recipes.py --tasks arithmetic --recipes grpo grpo_tm \
+        --variant grpo_tm grpo algo.aggregation=token-mean --out /tmp/w/r.md   # an ablation beside its recipe
 """
 
 from __future__ import annotations
@@ -115,6 +120,12 @@ def parse_args(argv=None):
                         "a local HF directory or a hub id; loaded once in fp32 on the CPU")
     p.add_argument("--recipes", nargs="+", default=list(RECIPES), metavar="RECIPE",
                    help=f"recipes to compare (default: {' '.join(RECIPES)})")
+    p.add_argument("--variant", nargs="+", action="append", default=[], metavar=("LABEL RECIPE", "KEY=VALUE"),
+                   help="a recipe with some settings changed, compared under its own label: 'LABEL RECIPE "
+                        "KEY=VALUE [KEY=VALUE ...]', e.g. '--variant grpo_token_mean grpo "
+                        "algo.aggregation=token-mean', then name LABEL in --recipes (repeat the flag for more "
+                        "variants). The overrides are tether config keys, applied after the comparison's own "
+                        "settings; they are recorded with each run, and --resume refuses a run made with others")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1], metavar="SEED",
                    help="training seeds; every recipe runs every seed (default: 0 1). Seeds are fixed in advance, "
                         "never chosen after looking at results")
@@ -203,9 +214,14 @@ def parse_args(argv=None):
     if a.eval_batch_size < 1:
         p.error("--eval-batch-size must be >= 1")
     from tether.algo.recipes import RECIPES as ALL
-    bad = [r for r in a.recipes if r not in ALL]
+    a.variants = parse_variants(a.variant, p.error)
+    bad = [r for r in a.recipes if r not in ALL and r not in a.variants]
     if bad:
-        p.error(f"unknown recipe(s) {bad}; tether has {', '.join(sorted(ALL))}")
+        p.error(f"unknown recipe(s) {bad}; tether has {', '.join(sorted(ALL))}"
+                + (f"; --variant defines {', '.join(a.variants)}" if a.variants else ""))
+    unused = [v for v in a.variants if v not in a.recipes]
+    if unused:
+        p.error(f"--variant {unused[0]} is defined but not named in --recipes; add it there or drop the flag")
     if len(set(a.recipes)) != len(a.recipes) or len(set(a.seeds)) != len(a.seeds) or len(set(a.tasks)) != len(a.tasks):
         p.error("--recipes, --seeds and --tasks must not repeat a value")
     from tether.config import TrainConfig
@@ -224,6 +240,37 @@ def parse_args(argv=None):
     return a
 
 
+def parse_variants(items: list[list[str]], error) -> dict:
+    """``[["grpo_tm", "grpo", "algo.aggregation=token-mean"]]`` -> ``{"grpo_tm": {"recipe": "grpo",
+    "overrides": {"algo.aggregation": "token-mean"}}}``; each variant's config is validated here, before any run."""
+    from tether.algo.recipes import RECIPES as ALL
+    from tether.config import ConfigError, load_config, parse_overrides
+    out = {}
+    for item in items:
+        if len(item) < 3:
+            error(f"--variant {' '.join(item)}: give LABEL RECIPE KEY=VALUE [KEY=VALUE ...]")
+        label, base, kvs = item[0], item[1], item[2:]
+        if label in ALL or label in out:
+            error(f"--variant label {label!r} is already a recipe or another variant's label; choose a new one")
+        if not re.fullmatch(r"[A-Za-z0-9_.+-]+", label):
+            error(f"--variant label {label!r}: use letters, digits and _ . + - only (it names a run directory)")
+        if base not in ALL:
+            error(f"--variant {label}: unknown recipe {base!r}; tether has {', '.join(sorted(ALL))}")
+        try:
+            ov = parse_overrides(kvs)
+            load_config(None, ov, recipe_name=base)
+        except ConfigError as e:
+            error(f"--variant {label} ({base} {' '.join(kvs)}): {e}")
+        out[label] = {"recipe": base, "overrides": ov}
+    return out
+
+
+def base_recipe(a, label: str) -> tuple[str, dict]:
+    """The tether recipe behind a --recipes label and the overrides its --variant adds (none for a recipe)."""
+    v = a.variants.get(label)
+    return (v["recipe"], dict(v["overrides"])) if v else (label, {})
+
+
 def settings_of(a) -> dict:
     """The settings that define the comparison (identical for every recipe and seed)."""
     from tether.config import RolloutConfig, TrainConfig
@@ -236,7 +283,7 @@ def settings_of(a) -> dict:
         "eval_max_new_tokens": {t: a.eval_max_new_tokens[t] for t in a.tasks}, "eval_batch_size": a.eval_batch_size,
         "eval_seed": 0, "kl_prompts": a.kl_prompts, "kl_max_new_tokens": {t: a.kl_max_new_tokens[t] for t in a.tasks},
         "rollout_batch_size": RolloutConfig().batch_size, "micro_batch_size": TrainConfig().micro_batch_size,
-        "recipes": list(a.recipes), "seeds": list(a.seeds), "tasks": list(a.tasks), "data_dir": str(a.data_dir),
+        "recipes": list(a.recipes), "variants": dict(a.variants), "seeds": list(a.seeds), "tasks": list(a.tasks), "data_dir": str(a.data_dir),
         "quick": bool(a.quick),
     }
 
@@ -448,14 +495,17 @@ def one_run(a, task: str, recipe: str, seed: int, base_model, tok, evals: dict) 
 
     run_dir = a.work_dir / task / f"{recipe}-seed{seed}"
     rec = {"task": task, "recipe": recipe, "seed": seed, "run_dir": str(run_dir), "status": "running"}
-    ov = overrides_for(a, task, seed, run_dir)
-    from tether.algo.recipes import recipe as named_recipe
-    if named_recipe(recipe).anchor.kind in ("ema", "reset"):
-        ov["algo.anchor.every"] = a.anchor_every
-    cfg = load_config(None, ov, recipe_name=recipe)
+    base, variant_ov = base_recipe(a, recipe)
+    if variant_ov:
+        rec["variant"] = {"recipe": base, "overrides": variant_ov}
+    ov = {**overrides_for(a, task, seed, run_dir), **variant_ov}  # a variant's own settings win
+    cfg = load_config(None, ov, recipe_name=base)
+    if cfg.algo.anchor.kind in ("ema", "reset") and "algo.anchor.every" not in variant_ov:
+        ov["algo.anchor.every"] = a.anchor_every  # the comparison's anchor period (fixed anchors have none)
+        cfg = load_config(None, ov, recipe_name=base)
     rec["algo"] = describe(cfg.algo)
     rec["anchor_kind"] = cfg.algo.anchor.kind  # what Tables 3-4 count as "anchor updates" depends on it
-    rec["recipe_trainer_settings"] = dict(RECIPE_TRAINER_DEFAULTS.get(recipe, {}))
+    rec["recipe_trainer_settings"] = dict(RECIPE_TRAINER_DEFAULTS.get(base, {}))
     fresh_run_dir(run_dir)
     save_config(cfg, run_dir / "config.yaml")
     policy = copy.deepcopy(base_model)  # a fresh copy of the initial weights for every run
@@ -630,6 +680,8 @@ def render(res: dict, out: Path, png: Path) -> str:
             f"(train.mini_batches), gradient clip 1.0, micro-batches of {st['micro_batch_size']}; EMA anchors move "
             f"every {st.get('anchor_every', '-')} steps (algo.anchor.every); otherwise "
             "each recipe's own algorithm settings (`tether.algo.recipes`)",
+          *([f"- variants (`--variant`): " + "; ".join(_variant_text(k, v) for k, v in st["variants"].items())]
+            if st.get("variants") else []),
           "- algorithms (`tether.algo.describe`): " + "; ".join(
               f"`{d}`" for d in dict.fromkeys(r.get("algo") for r in res["runs"].values() if r.get("algo"))),
           "- data order: the seed fixes it (the synthetic stream, or the shuffled GSM8K train order), so every "
@@ -802,6 +854,16 @@ def render(res: dict, out: Path, png: Path) -> str:
     return "\n".join(L)
 
 
+def _union(first: list, then: list) -> list:
+    return list(first) + [x for x in then if x not in first]
+
+
+def _variant_text(label: str, variant: dict | None) -> str:
+    if not variant:
+        return f"recipe {label!r} as it is"
+    return f"{label!r} = {variant['recipe']} with " + " ".join(f"{k}={v}" for k, v in variant["overrides"].items())
+
+
 def anchor_kind(run: dict) -> str | None:
     """The run's anchor kind (fixed / ema / reset / iterative): stored since session 8; older records only
     keep the algorithm description (`tether.algo.describe`), whose ``anchor=<kind>`` field says the same."""
@@ -859,7 +921,8 @@ def main(argv=None) -> int:
     info = bu.machine_info()
     info["torch_threads"] = torch.get_num_threads()
     res = {"settings": settings, "machine": info, "commands": [], "before": {}, "runs": {},
-           "recipe_trainer_settings": {r: dict(RECIPE_TRAINER_DEFAULTS.get(r, {})) for r in a.recipes}}
+           "recipe_trainer_settings": {r: dict(RECIPE_TRAINER_DEFAULTS.get(base_recipe(a, r)[0], {}))
+                                       for r in a.recipes}}
     if a.resume and js.is_file():
         old = json.loads(js.read_text())
         diff = [k for k in BUDGET_KEYS if old.get("settings", {}).get(k) != settings.get(k)]
@@ -867,8 +930,21 @@ def main(argv=None) -> int:
             raise SystemExit(f"[compare] --resume: {js} was made with other settings ({', '.join(diff)}); "
                              f"rerun without --resume or with the same budgets")
         res["commands"] = old.get("commands", [])
-        res["before"] = {t: b for t, b in old.get("before", {}).items() if t in a.tasks}
+        res["before"] = dict(old.get("before", {}))
+        # a comparison run in parts (some recipes or seeds per command) reports everything run so far
+        ost = old.get("settings", {})
+        settings["recipes"] = _union(ost.get("recipes", []), a.recipes)
+        settings["seeds"] = sorted(set(ost.get("seeds", [])) | set(a.seeds))
+        settings["tasks"] = _union(ost.get("tasks", []), a.tasks)
+        settings["variants"] = {**ost.get("variants", {}), **a.variants}
+        res["recipe_trainer_settings"] = {**old.get("recipe_trainer_settings", {}), **res["recipe_trainer_settings"]}
         res["runs"] = {k: r for k, r in old.get("runs", {}).items() if r.get("status") == "ok"}
+        for k, r in res["runs"].items():  # a label must mean the same recipe and overrides as before
+            if r.get("recipe") in a.recipes and r.get("variant") != a.variants.get(r.get("recipe")):
+                raise SystemExit(f"[compare] --resume: run {k} in {js} was made as "
+                                 f"{_variant_text(r.get('recipe'), r.get('variant'))}, but this command defines "
+                                 f"{_variant_text(r.get('recipe'), a.variants.get(r.get('recipe')))}; use another "
+                                 f"label, or the same --variant")
     cmd = {"command": command_of(argv), "started": started, "commit": git_commit(), "wall_s": 0.0, "runs_run": 0,
            "interrupted": True}
     res["commands"].append(cmd)

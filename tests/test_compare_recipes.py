@@ -219,3 +219,53 @@ def test_anchor_updates_cell(cr):
     assert cr.anchor_updates_cell([{"anchor_kind": "ema", "algo": "anchor=iterative",
                                     "steps": [{"anchor_updates": 3}]}]) == "3"
     assert cr.anchor_updates_cell(ema + rpg) == "2"  # a mixed set is counted, not called the sampler
+
+
+def test_variant_runs_under_its_label_and_resume_merges_parts(cr, tiny_model_dir, gsm_dir, tmp_path, capsys):
+    """--variant: a recipe with changed settings runs under its own label (its overrides reach the trainer
+    and are recorded); a later --resume with other recipes and seeds adds to the report instead of
+    replacing it; redefining a label that has runs is refused."""
+    variant = ["--variant", "grpo_tm", "grpo", "algo.aggregation=token-mean"]
+    argv = _argv(tiny_model_dir, gsm_dir, tmp_path, recipes=["grpo_tm"], seeds=[2], tasks=["arithmetic"]) + variant
+    assert cr.main(argv) == 0
+    js, md = tmp_path / "docs" / "results.json", tmp_path / "docs" / "results.md"
+    r = json.loads(js.read_text())["runs"]["arithmetic/grpo_tm/seed2"]
+    assert r["status"] == "ok" and r["variant"] == {"recipe": "grpo", "overrides": {"algo.aggregation": "token-mean"}}
+    assert r["algo"].startswith("grpo") and "aggregation=token-mean" in r["algo"] and r["anchor_kind"] == "fixed"
+    assert Path(r["run_dir"]).name == "grpo_tm-seed2"
+    # the second part: the plain recipe, another seed; the first part's run is reused, not rerun
+    argv2 = _argv(tiny_model_dir, gsm_dir, tmp_path, recipes=["grpo"], seeds=[3], tasks=["arithmetic"])
+    assert cr.main(argv2 + ["--resume"]) == 0
+    res = json.loads(js.read_text())
+    assert sorted(res["runs"]) == ["arithmetic/grpo/seed3", "arithmetic/grpo_tm/seed2"]
+    assert "aggregation=seq-mean-token-mean" in res["runs"]["arithmetic/grpo/seed3"]["algo"]
+    assert res["settings"]["recipes"] == ["grpo_tm", "grpo"] and res["settings"]["seeds"] == [2, 3]
+    assert [c["runs_run"] for c in res["commands"]] == [1, 1]
+    text = md.read_text()
+    assert "variants (`--variant`): 'grpo_tm' = grpo with algo.aggregation=token-mean" in text
+    t1 = text.split("## Table 1")[1].split("## Table 2")[0]
+    assert any(ln.startswith("| grpo_tm |") for ln in t1.splitlines())
+    assert any(ln.startswith("| grpo |") for ln in t1.splitlines())
+    # the label already names runs made with token-mean: another definition is refused before any run
+    argv3 = _argv(tiny_model_dir, gsm_dir, tmp_path, recipes=["grpo_tm"], seeds=[3], tasks=["arithmetic"])
+    with pytest.raises(SystemExit, match="grpo_tm/seed2 .* was made as 'grpo_tm' = grpo with algo.aggregation"):
+        cr.main(argv3 + ["--resume", "--variant", "grpo_tm", "grpo", "algo.aggregation=seq-mean-token-sum"])
+
+
+@pytest.mark.parametrize("variant, message", [
+    (["x", "grpo"], "give LABEL RECIPE KEY=VALUE"),
+    (["dapo", "grpo", "train.lr=1"], "already a recipe"),
+    (["x", "nope", "train.lr=1"], "unknown recipe 'nope'"),
+    (["x", "grpo", "algo.aggregation=nope"], "unknown aggregation 'nope'"),
+    (["x/y", "grpo", "train.lr=1"], "letters, digits"),
+])
+def test_bad_variant_is_a_clear_error(cr, variant, message, capsys):
+    with pytest.raises(SystemExit):
+        cr.parse_args(["--recipes", variant[0], "--variant", *variant])
+    assert message in capsys.readouterr().err
+
+
+def test_variant_must_be_compared(cr, capsys):
+    with pytest.raises(SystemExit):
+        cr.parse_args(["--recipes", "grpo", "--variant", "x", "grpo", "train.lr=1"])
+    assert "--variant x is defined but not named in --recipes" in capsys.readouterr().err
