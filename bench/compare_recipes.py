@@ -855,7 +855,8 @@ def render(res: dict, out: Path, png: Path) -> str:
 
 
 def _union(first: list, then: list) -> list:
-    return list(first) + [x for x in then if x not in first]
+    """The distinct values of ``first`` then ``then``, in order."""
+    return list(dict.fromkeys([*first, *then]))
 
 
 def _variant_text(label: str, variant: dict | None) -> str:
@@ -881,7 +882,19 @@ def anchor_updates_cell(runs: list[dict]) -> str:
     return str(int(_mean([_num(r["steps"][-1].get("anchor_updates")) for r in runs]) or 0))
 
 
+def reported(res: dict) -> dict:
+    """``res`` with the recipes, seeds and tasks of every run it holds in its settings (in the order they ran,
+    then the ones named but not run), so a comparison made in parts -- or by older versions of this script,
+    which kept only the last command's lists -- reports all its runs."""
+    st, runs = dict(res["settings"]), list(res.get("runs", {}).values())
+    st["recipes"] = _union([r["recipe"] for r in runs if "recipe" in r], st.get("recipes", []))
+    st["seeds"] = sorted(set(st.get("seeds", [])) | {r["seed"] for r in runs if "seed" in r})
+    st["tasks"] = _union(st.get("tasks", []), [r["task"] for r in runs if "task" in r])
+    return {**res, "settings": st}
+
+
 def write_report(res: dict, out: Path) -> None:
+    res = reported(res)
     js, png = paths_of(out)
     make_plot(res, png)
     text = render(res, out, png)

@@ -246,6 +246,14 @@ def test_variant_runs_under_its_label_and_resume_merges_parts(cr, tiny_model_dir
     t1 = text.split("## Table 1")[1].split("## Table 2")[0]
     assert any(ln.startswith("| grpo_tm |") for ln in t1.splitlines())
     assert any(ln.startswith("| grpo |") for ln in t1.splitlines())
+    # a JSON whose settings name only its last part (as this script wrote before it merged them) still
+    # reports every run it holds, in the order they ran
+    res["settings"].update(recipes=["grpo"], seeds=[3])
+    js.write_text(json.dumps(res))
+    md.unlink()
+    assert cr.main(argv2 + ["--report-only"]) == 0
+    t1 = md.read_text().split("## Table 1")[1].split("## Table 2")[0]
+    assert [ln.split("|")[1].strip() for ln in t1.splitlines() if ln.startswith("| grpo")] == ["grpo_tm", "grpo"]
     # the label already names runs made with token-mean: another definition is refused before any run
     argv3 = _argv(tiny_model_dir, gsm_dir, tmp_path, recipes=["grpo_tm"], seeds=[3], tasks=["arithmetic"])
     with pytest.raises(SystemExit, match="grpo_tm/seed2 .* was made as 'grpo_tm' = grpo with algo.aggregation"):
