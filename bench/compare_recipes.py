@@ -859,6 +859,13 @@ def _union(first: list, then: list) -> list:
     return list(dict.fromkeys([*first, *then]))
 
 
+def merged_lists(first: dict, then: dict) -> dict:
+    """The recipes, seeds and tasks of ``first`` then ``then`` (distinct, in order; seeds sorted)."""
+    return {"recipes": _union(first.get("recipes", []), then.get("recipes", [])),
+            "seeds": sorted(set(first.get("seeds", [])) | set(then.get("seeds", []))),
+            "tasks": _union(first.get("tasks", []), then.get("tasks", []))}
+
+
 def _variant_text(label: str, variant: dict | None) -> str:
     if not variant:
         return f"recipe {label!r} as it is"
@@ -886,11 +893,10 @@ def reported(res: dict) -> dict:
     """``res`` with the recipes, seeds and tasks of every run it holds in its settings (in the order they ran,
     then the ones named but not run), so a comparison made in parts -- or by older versions of this script,
     which kept only the last command's lists -- reports all its runs."""
-    st, runs = dict(res["settings"]), list(res.get("runs", {}).values())
-    st["recipes"] = _union([r["recipe"] for r in runs if "recipe" in r], st.get("recipes", []))
-    st["seeds"] = sorted(set(st.get("seeds", [])) | {r["seed"] for r in runs if "seed" in r})
-    st["tasks"] = _union(st.get("tasks", []), [r["task"] for r in runs if "task" in r])
-    return {**res, "settings": st}
+    runs = list(res.get("runs", {}).values())
+    ran = {"recipes": [r["recipe"] for r in runs], "seeds": [r["seed"] for r in runs],
+           "tasks": [r["task"] for r in runs]}  # every run record has all three (one_run, and failures)
+    return {**res, "settings": {**res["settings"], **merged_lists(ran, res["settings"])}}
 
 
 def write_report(res: dict, out: Path) -> None:
@@ -946,9 +952,7 @@ def main(argv=None) -> int:
         res["before"] = dict(old.get("before", {}))
         # a comparison run in parts (some recipes or seeds per command) reports everything run so far
         ost = old.get("settings", {})
-        settings["recipes"] = _union(ost.get("recipes", []), a.recipes)
-        settings["seeds"] = sorted(set(ost.get("seeds", [])) | set(a.seeds))
-        settings["tasks"] = _union(ost.get("tasks", []), a.tasks)
+        settings.update(merged_lists(ost, settings))
         settings["variants"] = {**ost.get("variants", {}), **a.variants}
         res["recipe_trainer_settings"] = {**old.get("recipe_trainer_settings", {}), **res["recipe_trainer_settings"]}
         res["runs"] = {k: r for k, r in old.get("runs", {}).items() if r.get("status") == "ok"}
