@@ -647,6 +647,17 @@ def make_plot(res: dict, png: Path) -> Path:
     return png
 
 
+def recipe_trainer_text(settings: dict) -> str:
+    """The trainer settings the compared recipes bring with them ('none' when none does)."""
+    parts = ["{}: {}".format(r, ", ".join(f"`{k}={v}`" for k, v in s.items())) for r, s in settings.items() if s]
+    if not parts:
+        return "none"
+    text = "; ".join(parts)
+    if any(s.get("rollout.dynamic_sampling") for s in settings.values()):
+        text += ". Dynamic sampling generates more than the other recipes; the generated tokens of every run are in Table 4"
+    return text
+
+
 def render(res: dict, out: Path, png: Path) -> str:
     st, info = res["settings"], res["machine"]
     md = bu.md_table
@@ -672,7 +683,8 @@ def render(res: dict, out: Path, png: Path) -> str:
     L += ["## Budgets (identical for every recipe)", "",
           f"- recipes: {', '.join(st['recipes'])}; seeds: {', '.join(map(str, st['seeds']))} (every recipe runs "
           f"every seed; the seeds were fixed before any run); tasks: {', '.join(st['tasks'])}",
-          f"- training per run: trainer steps " + ", ".join(f"{t} {n}" for t, n in _as_per_task(st["steps"]).items())
+          f"- training per run: trainer steps " + ", ".join(f"{t} {n}" for t, n in _as_per_task(st["steps"]).items()
+                                                            if t in st["tasks"])
           + f" x {st['prompts_per_step']} prompts x {st['samples']} "
           f"samples at temperature {st.get('temperature', 1.0):g}; max new tokens "
           + ", ".join(f"{t} {n}" for t, n in st["max_new_tokens"].items())
@@ -688,9 +700,7 @@ def render(res: dict, out: Path, png: Path) -> str:
           "recipe sees the same prompts in the same order, except that DAPO's dynamic sampling draws extra "
           "prompts when it refills",
           "- recipe-specific trainer settings (part of the recipe, `tether.config.RECIPE_TRAINER_DEFAULTS`): "
-          + "; ".join(f"{r}: " + ", ".join(f"`{k}={v}`" for k, v in s.items())
-                      for r, s in res.get("recipe_trainer_settings", {}).items() if s) + ". Dynamic sampling "
-          "generates more than the other recipes; the generated tokens of every run are in Table 4",
+          + recipe_trainer_text(res.get("recipe_trainer_settings", {})),
           "- training reward: correctness (1/0)" + (f" + {st.get('format_weight', 0.2):g} if the answer is in the "
                                                     "requested `####` format" if st.get("format_weight", 0.2) else
                                                     " only (no format bonus)") + "; DAPO's "

@@ -243,6 +243,9 @@ def test_variant_runs_under_its_label_and_resume_merges_parts(cr, tiny_model_dir
     assert [c["runs_run"] for c in res["commands"]] == [1, 1]
     text = md.read_text()
     assert "variants (`--variant`): 'grpo_tm' = grpo with algo.aggregation=token-mean" in text
+    # one task compared: the budget names its steps only; grpo brings no trainer settings of its own
+    assert "trainer steps arithmetic 1 x" in text and "gsm8k 1" not in text
+    assert "`tether.config.RECIPE_TRAINER_DEFAULTS`): none\n" in text
     t1 = text.split("## Table 1")[1].split("## Table 2")[0]
     assert any(ln.startswith("| grpo_tm |") for ln in t1.splitlines())
     assert any(ln.startswith("| grpo |") for ln in t1.splitlines())
@@ -277,3 +280,12 @@ def test_variant_must_be_compared(cr, capsys):
     with pytest.raises(SystemExit):
         cr.parse_args(["--recipes", "grpo", "--variant", "x", "grpo", "train.lr=1"])
     assert "--variant x is defined but not named in --recipes" in capsys.readouterr().err
+
+
+def test_recipe_trainer_text(cr):
+    assert cr.recipe_trainer_text({}) == cr.recipe_trainer_text({"grpo": {}}) == "none"
+    text = cr.recipe_trainer_text({"grpo": {}, "dapo": {"rollout.dynamic_sampling": True},
+                                   "rpg_reinforce_urkl": {"train.mini_batches": 2}})
+    assert text.startswith("dapo: `rollout.dynamic_sampling=True`; rpg_reinforce_urkl: `train.mini_batches=2`. ")
+    assert "Dynamic sampling generates more" in text
+    assert "Dynamic sampling" not in cr.recipe_trainer_text({"rpg_reinforce_urkl": {"train.mini_batches": 2}})
