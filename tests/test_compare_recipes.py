@@ -74,9 +74,11 @@ def test_quick_report_tables_plot_and_kl(cr, tiny_model_dir, gsm_dir, tmp_path, 
         assert r["anchor_kind"] == {"grpo": "fixed", "dapo": "none"}[r["recipe"]]  # dapo has no KL, so no anchor
         assert _finite(r["kl_to_initial"]) and r["kl_to_initial"] >= 0.0
         assert _finite(r["entropy"]) and 0.0 < r["entropy"] <= math.log(vocab) + 1e-6
-        # the weights move iff some gradient was non-zero: KL > 0 exactly then, else exactly 0
+        # the weights move iff some gradient was non-zero: KL > 0 exactly then, else exactly 0 (a step
+        # whose gradient is small moves the policy little: 5e-7 was measured on one CPU, so the bar is
+        # the zero branch's 1e-9, not a size)
         if max(s["grad_norm"] for s in r["steps"]) > 0:
-            assert r["kl_to_initial"] > 1e-6, key
+            assert r["kl_to_initial"] > 1e-9, key
             moved += 1
         else:
             assert r["kl_to_initial"] < 1e-9, key

@@ -26,7 +26,9 @@ from tether import distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = str(ROOT / "tests" / "dist_main.py")
 TIMEOUT = 480  # seconds per launch; a run takes 10-30 s on 2 idle CPU cores, minutes on an overloaded machine
-TOL = 1e-5
+TOL = 1e-5  # most weights of the single-process and the distributed run agree to this
+MAX_TOL = 1e-3  # and every weight to this (see _assert_close)
+FEW = 1e-3  # the fraction of elements allowed between TOL and MAX_TOL
 
 REWARD = '''
 def digits(completion, example):
@@ -123,11 +125,29 @@ def runs(work, tiny_model_dir):
     return work / "one", work / "two"
 
 
-def _max_diff(a: Path, b: Path, name: str, step: int = 2) -> float:
+def _diffs(a: Path, b: Path, name: str, step: int = 2) -> tuple[float, float]:
+    """(max |a - b|, fraction of elements with |a - b| > TOL) over one checkpoint file of two runs."""
     x = load_file(str(a / "checkpoints" / f"step-{step:06d}" / f"{name}.safetensors"))
     y = load_file(str(b / "checkpoints" / f"step-{step:06d}" / f"{name}.safetensors"))
     assert x.keys() == y.keys() and all(x[k].shape == y[k].shape for k in x)
-    return max(float((x[k].double() - y[k].double()).abs().max()) for k in x)
+    d = [(x[k].double() - y[k].double()).abs() for k in x]
+    return max(float(t.max()) for t in d), sum(int((t > TOL).sum()) for t in d) / sum(t.numel() for t in d)
+
+
+def _assert_close(a: Path, b: Path, step: int = 2, names=("policy", "anchor", "optimizer")) -> dict:
+    """Two runs that should be the same computation (up to the order of float sums) agree: every element
+    within MAX_TOL and all but a FEW of them within TOL.
+
+    AdamW divides by sqrt(v) + eps, so a rounding difference in a near-zero gradient (|g| ~ eps) becomes
+    an update difference up to lr (1e-2 here) in that one weight: measured 3e-6 at most on one CPU, and on
+    an AVX-512 one 5.2e-5 in 3 of the tiny model's 43,168 weights (relative norm 4e-5). A real error (a
+    sample or a rank's gradient missed, a wrong average) moves most weights by ~lr instead."""
+    out = {}
+    for n in names:
+        mx, frac = _diffs(a, b, n, step)
+        assert mx <= MAX_TOL and frac <= FEW, (n, f"max |diff| {mx:.2e}", f"fraction > {TOL:g}: {frac:.2e}")
+        out[n] = mx
+    return out
 
 
 def _rows(run: Path) -> list[dict]:
@@ -137,14 +157,14 @@ def _rows(run: Path) -> list[dict]:
 def test_matches_single_process(runs):
     """2 steps on 2 ranks = 2 steps of one process on the same global batch: policy, EMA anchor, AdamW.
 
-    Measured: ~3e-6 for the policy, ~3e-7 for the anchor (fp32, lr 1e-2). With the shared-prompt
+    Measured: ~3e-6 for the policy, ~3e-7 for the anchor (fp32, lr 1e-2; 5e-5 in 3 weights on an AVX-512
+    CPU, see _assert_close). With the shared-prompt
     forward on in the single process (its default; ranks never use it with gradients) the op order
     differs and AdamW's eps amplifies rounding in near-zero gradients: ~2e-4.
     """
     one, two = runs
-    diffs = {n: _max_diff(one, two, n) for n in ("policy", "anchor", "optimizer")}
+    diffs = _assert_close(one, two)
     print(f"max |single - distributed| after 2 steps: {diffs}")
-    assert all(v <= TOL for v in diffs.values()), diffs
     # the logged metrics are the whole batch's, logged once (rank 0 only)
     r1, r2 = _rows(one), _rows(two)
     assert [r["step"] for r in r2] == [1, 2]
@@ -168,8 +188,7 @@ def test_resume_same_world_size(runs, work):
     one, two = runs
     resumed = _truncate_to_step_1(two, work / "two_resumed")
     _run(_torchrun(2, "train", "--resume", str(resumed)), work)
-    for n in ("policy", "anchor", "optimizer"):
-        assert _max_diff(two, resumed, n) <= TOL, n
+    _assert_close(two, resumed)
     assert [r["step"] for r in _rows(resumed)] == [1, 2]
 
 
@@ -178,8 +197,7 @@ def test_resume_other_world_size_reshards(runs, work):
     one, two = runs
     resumed = _truncate_to_step_1(two, work / "two_resumed_on_1")
     _run([sys.executable, MAIN, "train", "--resume", str(resumed)], work)
-    for n in ("policy", "anchor", "optimizer"):
-        assert _max_diff(one, resumed, n) <= TOL, n
+    _assert_close(one, resumed)
 
 
 def test_pitfalls_generation_anchor_head(work, tiny_model_dir):
@@ -200,8 +218,7 @@ def test_two_node_rendezvous_with_lora(work, tiny_model_dir):
     procs.append(_start([sys.executable, MAIN, *_train_args(work, tiny_model_dir, "lora_one", steps=1, **lora)], work))
     _wait(procs)
     assert [r["step"] for r in _rows(work / "two_nodes")] == [1]
-    for n in ("policy", "anchor", "optimizer"):
-        assert _max_diff(work / "lora_one", work / "two_nodes", n, step=1) <= TOL, n
+    _assert_close(work / "lora_one", work / "two_nodes", step=1)
     assert all("lora_" in k for k in load_file(str(work / "two_nodes/checkpoints/step-000001/policy.safetensors")))
 
 
