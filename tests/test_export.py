@@ -167,7 +167,8 @@ def test_policy_export_loads_without_tether_and_matches(exports, ema_run, tiny_m
     assert "config.json" in names and "generation_config.json" in names and "README.md" in names
     assert "tokenizer.json" in names and "model.safetensors.index.json" in names
     assert sum(n.startswith("model-") and n.endswith(".safetensors") for n in names) > 1
-    assert not any(n.startswith((".", "policy", "anchor", "optimizer", "state")) for n in names)
+    assert ".tether.json" in names  # the marker of tether.owned: what --overwrite may replace
+    assert not any(n.startswith((".", "policy", "anchor", "optimizer", "state")) for n in names if n != ".tether.json")
     cfg = json.loads((d / "config.json").read_text())
     # the pre-transformers-5 spellings too (older transformers / vLLM would read fp32 and a default rope_theta)
     assert cfg["torch_dtype"] == cfg["dtype"] == "float32"
@@ -318,12 +319,15 @@ def test_nonempty_target_refused_by_cli(ema_run, tmp_path):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "not empty" in lines[0] and "--overwrite" in lines[0], p.stderr
     assert sorted(x.name for x in out.iterdir()) == ["keep.txt"]
-    # --overwrite replaces it; an empty directory is fine without
-    assert main(["export", str(ema_run), str(out), "--overwrite"]) == 0
-    assert (out / "config.json").is_file() and not (out / "keep.txt").exists()
+    # --overwrite does not delete a directory tether did not write (tests/test_faults_overwrite.py)
+    assert main(["export", str(ema_run), str(out), "--overwrite"]) == 2
+    assert sorted(x.name for x in out.iterdir()) == ["keep.txt"]
+    # an empty directory is fine without; an earlier export is replaced with --overwrite
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["export", str(ema_run), str(empty)]) == 0 and (empty / "model.safetensors").is_file()
+    assert main(["export", str(ema_run), str(empty), "--overwrite", "--anchor"]) == 0
+    assert "anchor" in (empty / "README.md").read_text()
 
 
 def test_failed_export_leaves_nothing(ema_run, tmp_path, monkeypatch):

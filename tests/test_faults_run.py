@@ -222,19 +222,19 @@ def test_fresh_run_refuses_a_non_empty_run_dir(work, tiny_model_dir, base_run, t
 
 def test_overwrite_replaces_the_old_run(work, tiny_model_dir, base_run, tmp_path, capsys):
     run = copy_run(base_run, tmp_path / "run")
-    (run / "notes.txt").write_text("old")
     assert main(cli_args(work, tiny_model_dir, run, 1) + ["--overwrite"]) == 0
     assert [r["step"] for r in rows(run)] == [1]
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl", "samples.jsonl"]
+    assert sorted(p.name for p in run.iterdir()) == [".tether.json", "checkpoints", "config.yaml", "metrics.jsonl",
+                                                     "samples.jsonl"]
     assert [p.name for p in (run / "checkpoints").iterdir() if p.is_dir()] == ["step-000001"]
     assert load_config(str(run / "config.yaml")).run.overwrite is False  # a rerun of it does not delete again
-    # never a directory that is not a run
+    # never a directory that is not a run (tests/test_faults_overwrite.py has the other cases)
     other = tmp_path / "other"
     other.mkdir()
     (other / "thesis.tex").write_text("keep me")
     capsys.readouterr()
     assert main(cli_args(work, tiny_model_dir, other, 1) + ["--overwrite"]) == 2
-    assert "does not look like a tether run" in capsys.readouterr().err
+    assert "not written by tether" in capsys.readouterr().err
     assert (other / "thesis.tex").read_text() == "keep me"
 
 
@@ -593,7 +593,7 @@ def test_disk_full_for_real_in_a_subprocess(work, tiny_model_dir, tmp_path):
                        text=True, env=env(), timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     err = error_line(r.stderr)
-    assert "File too large" in err and "policy.safetensors" in err and f"--resume {run}" in err, err
+    assert "File too large" in err and "policy.safetensors" in err and f"--output-dir {run} --overwrite" in err, err
     assert not any((run / "checkpoints").iterdir()) and [r["step"] for r in rows(run)] == [1]
 
 

@@ -53,7 +53,7 @@ def _interrupted(e: KeyboardInterrupt) -> int:
     (while loading, evaluating, exporting): one line, and the signal's exit status instead of a traceback."""
     from . import stop
 
-    if isinstance(e, stop.Aborted):
+    if isinstance(e, stop.Interrupted):
         if e.announce:  # rank 0 under torchrun
             print(f"tether: {e}", file=sys.stderr)
         return stop.exit_code(e.signal_name)

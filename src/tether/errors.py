@@ -21,6 +21,11 @@ class RunError(RuntimeError):
     writable, has no loadable checkpoint, or its checkpoint does not fit the model."""
 
 
+class OutputError(RuntimeError):
+    """An output path cannot be used as asked: it is a file or a symlink, not writable, or not empty
+    and not something tether wrote (``--overwrite`` deletes only what tether wrote: `tether.owned`)."""
+
+
 class ModelLoadError(RuntimeError):
     """A model or tokenizer cannot be loaded (a missing path, an unknown hub id offline, a bad file)."""
 
@@ -47,6 +52,6 @@ def read_utf8(path, label: str, error: type[Exception]) -> str:
         raise error(f"{label} line {line}: not valid UTF-8 (byte {e.start}: {e.reason})") from None
 
 
-USER_ERRORS = (EvalError, RunError, ModelLoadError, RewardError, GenerationError)
+USER_ERRORS = (EvalError, RunError, OutputError, ModelLoadError, RewardError, GenerationError)
 
-__all__ = ["EvalError", "GenerationError", "ModelLoadError", "RewardError", "RunError", "USER_ERRORS", "read_utf8"]
+__all__ = ["EvalError", "GenerationError", "ModelLoadError", "OutputError", "RewardError", "RunError", "USER_ERRORS", "read_utf8"]

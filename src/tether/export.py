@@ -24,7 +24,9 @@ Nothing of tether's internal layout leaks into the files: CPU linear weights tha
 
 The directory is written into a temporary sibling ``.OUT.tmp-export-<pid>-<random>`` and
 renamed into place at the end, so a failed or killed export never leaves a half directory
-under the target name. A non-empty target is refused unless ``overwrite=True``.
+under the target name. A non-empty target is refused; ``overwrite=True`` replaces it only if it
+is an earlier export that tether wrote and nothing else was put into (`tether.owned`: the
+``.tether.json`` marker, which lists the export's files, is written into every export).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from .owned import write_marker
 
 #: ``--dtype`` names -> torch dtypes (long forms accepted too).
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -123,7 +127,8 @@ def resolve_run_checkpoint(run_dir: str | os.PathLike, step: Optional[int] = Non
         ExportError: no run directory / ``config.yaml``, no checkpoint, or no checkpoint at ``step``
             (the message lists the available steps).
     """
-    from .checkpoint import latest_checkpoint
+    from .checkpoint import latest_checkpoint, verify_checkpoint
+    from .metrics import warn
 
     run_dir = Path(run_dir).expanduser()
     if not run_dir.is_dir():
@@ -142,6 +147,12 @@ def resolve_run_checkpoint(run_dir: str | os.PathLike, step: Optional[int] = Non
             have = ", ".join(map(str, steps)) if steps else "none"
             raise ExportError(f"run {run_dir} has no checkpoint at step {step}; available steps: {have}")
         ckpt = found[0]
+        ok, note = verify_checkpoint(ckpt)  # the newest is verified by latest_checkpoint; a named one here
+        if not ok:
+            raise ExportError(f"checkpoint {ckpt} is damaged: {note}; export another step (available: "
+                              f"{', '.join(map(str, steps))})")
+        if note:
+            warn(f"checkpoint {ckpt} {note}")
     try:
         n = int(json.loads((ckpt / "state.json").read_text())["step"])
     except Exception:
@@ -346,20 +357,43 @@ def _clean_stale_temps(out: Path, tag: str = _TMP_TAG) -> None:
 def check_target(out_dir: str | os.PathLike, overwrite: bool = False, run_dir: Optional[Path] = None) -> Path:
     """Validate the target directory before anything is loaded; returns it as a Path.
 
+    The target must be absent or empty; with ``overwrite`` it may also be an earlier export, and
+    only one that tether wrote and nothing was added to (`tether.owned.check_replaceable`: a
+    directory of yours is never deleted). Its parent must be writable: a temporary directory is
+    made and removed there now, so a read-only or missing place fails before the model loads.
+
     Raises:
-        ExportError: it is a file, or a non-empty directory and not ``overwrite``, or it is (or
-            contains) the run directory.
+        ExportError: it is a file or a symlink, a non-empty directory and not ``overwrite``, not an
+            export tether wrote, it is (or contains) the run directory, or its parent cannot be written.
     """
+    from .errors import OutputError
+    from .owned import check_replaceable
+
     out = Path(out_dir).expanduser()
     if run_dir is not None:
         o, r = out.resolve(), Path(run_dir).resolve()
         if o == r or o in r.parents:
             raise ExportError(f"output directory {out} is or contains the run directory {run_dir}; pick another")
-    if out.exists() or out.is_symlink():
+    if out.is_symlink():
+        raise ExportError(f"output path {out} is a symbolic link (to {os.path.realpath(out)}); an export is "
+                          f"renamed into place and would replace the link: name the real directory")
+    if out.exists():
         if not out.is_dir():
             raise ExportError(f"output path {out} exists and is not a directory")
-        if any(out.iterdir()) and not overwrite:
-            raise ExportError(f"output directory {out} exists and is not empty; pass --overwrite to replace it")
+        if any(out.iterdir()):
+            if not overwrite:
+                raise ExportError(f"output directory {out} exists and is not empty; pass --overwrite to replace "
+                                  f"an earlier export")
+            try:
+                check_replaceable(out, "export")
+            except OutputError as e:
+                raise ExportError(str(e)) from None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}{_TMP_TAG}{os.getpid()}-", dir=out.parent))
+    except OSError as e:
+        raise ExportError(f"cannot write the export to {out}: {e.strerror or e} ({e.filename or out.parent}); "
+                          f"choose a writable place") from None
     return out
 
 
@@ -504,14 +538,33 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
             base.generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         (tmp / "README.md").write_text(card)
+        write_marker(tmp, "export", [p.name for p in tmp.iterdir()])  # what --overwrite may replace later
         _fsync_tree(tmp)
         _publish(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _is_write_failure(e):  # disk full, quota, read-only, file too large: the user's to fix
+            raise ExportError(f"cannot write the export to {out}: {_write_failure_text(e)}; nothing was written "
+                              f"under {out.name} (free space or choose another place)") from None
         raise
     _clean_stale_temps(out, _OLD_TAG)  # an --overwrite killed between its two renames
     log(f"[tether] exported to {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
     return out
+
+
+def _is_write_failure(e: BaseException) -> bool:
+    """A write that failed for lack of space or rights (OSError, or safetensors' own error for the same)."""
+    from .rundir import WRITE_ERRNOS
+
+    if isinstance(e, OSError):
+        return e.errno in WRITE_ERRNOS
+    return type(e).__name__ == "SafetensorError"
+
+
+def _write_failure_text(e: BaseException) -> str:
+    if isinstance(e, OSError):
+        return f"{e.strerror or os.strerror(e.errno)} ({e.filename})" if e.filename else (e.strerror or str(e))
+    return f"{type(e).__name__}: {e}"
 
 
 def _add_legacy_config_keys(config_json: Path) -> None:

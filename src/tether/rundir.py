@@ -12,10 +12,12 @@ What ``tether.train.train`` / ``resume`` do with a run directory ``RUN`` (throug
   at once with a `RunError` naming the directory and the holder's pid. Released when the run
   ends, also by an exception. Under torchrun only rank 0 takes it.
 * **Fresh runs** refuse a directory that holds anything (but a lock file) unless
-  ``run.overwrite`` (``tether train --overwrite``), which deletes the old contents first, and
-  only those of a directory that looks like a run (``config.yaml``, ``metrics.jsonl`` or
-  ``checkpoints/``): a mistyped ``--output-dir $HOME`` is never emptied. ``config.yaml`` is
-  written as the directory is opened.
+  ``run.overwrite`` (``tether train --overwrite``), which replaces only a run tether wrote, and
+  only when nothing else is in it (the rule of `tether.owned`: the ``.tether.json`` marker, and
+  every entry one a run writes): a mistyped ``--output-dir $HOME``, or a directory of yours that
+  holds a ``config.yaml``, is never emptied. The old run is moved aside and deleted only once the
+  new trainer is built (the model loaded); if that fails it is put back. ``config.yaml`` and the
+  marker are written as the directory is opened.
 * **Resume** (`resume_config`, `resume_checkpoint`): a missing directory, config.yaml or checkpoint is
   a `RunError` before the model loads; the checkpoint is the newest that passes its manifest
   (``tether.checkpoint.latest_checkpoint``). ``config.yaml`` is rewritten with the overrides only
@@ -41,10 +43,12 @@ from typing import Any, Callable, Optional
 
 from . import distributed as dist
 from .checkpoint import checkpoints, latest_checkpoint, pid_alive
-from .errors import RunError
+from .errors import OutputError, RunError
 from .metrics import warn
+from .owned import MARKER, check_replaceable, write_marker
 
 LOCK_NAME = ".lock"
+ASIDE_PREFIX = ".tether-replaced-"  # tether.owned.RUN_NAMES lists it: a killed --overwrite's leftover is tether's
 
 #: OSError codes that mean "this directory cannot be written" rather than a bug.
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
@@ -172,7 +176,8 @@ class RunDirectory:
         self.fresh, self.overwrite, self.log = fresh, overwrite, log
         self.lock = RunLock(self.path)
         self._created = False  # this process made the directory
-        self._wrote_config = False
+        self._wrote_config = self._wrote_marker = False
+        self._aside: Optional[Path] = None  # the previous run, moved aside by run.overwrite until commit()
 
     def open(self, cfg) -> None:
         """Create (fresh run), lock and check the directory; a fresh run writes config.yaml."""
@@ -211,27 +216,39 @@ class RunDirectory:
                             f"run directory {p} is not empty ({shown}); a fresh run would mix with what is "
                             f"there. To continue that run: tether train --resume {p}; to start a new one: "
                             f"another --output-dir; to replace it: --overwrite (run.overwrite=true)")
-                    self._clear(old)
+                    self._set_aside(old)
+                write_marker(p, "run")
+                self._wrote_marker = True
                 self.save_config(cfg)
                 self.log(f"[tether] run directory: {p}")
         except OSError as e:
             raise RunError(f"cannot use run directory {p}: {e.strerror or e} ({e.filename or p}); make it "
                            f"writable or choose another --output-dir") from None
 
-    def _clear(self, names: list[str]) -> None:
-        """run.overwrite: delete the previous contents, if they are a run's."""
-        p = self.path
-        if not any(n in names for n in ("config.yaml", "metrics.jsonl", "checkpoints")):
-            raise RunError(f"run directory {p} is not empty and does not look like a tether run (no config.yaml, "
-                           f"metrics.jsonl or checkpoints/): --overwrite only replaces a run; "
-                           f"choose another --output-dir")
+    def _set_aside(self, names: list[str]) -> None:
+        """run.overwrite: move the previous run's entries into ``RUN/.tether-replaced-<pid>/``, after
+        `tether.owned.check_replaceable` has found that every one of them is tether's. They are deleted
+        by :meth:`commit` once the new trainer is built, and put back by :meth:`abandon` if it cannot be
+        (e.g. the model does not load): a failed ``--overwrite`` loses nothing."""
+        try:
+            check_replaceable(self.path, "run")
+        except OutputError as e:
+            raise RunError(str(e)) from None
+        aside = self.path / f"{ASIDE_PREFIX}{os.getpid()}"
+        aside.mkdir()
+        self._aside = aside
         for name in names:
-            e = p / name
-            if e.is_dir() and not e.is_symlink():
-                shutil.rmtree(e)
-            else:
-                e.unlink()
-        self.log(f"[tether] run.overwrite: deleted the previous contents of {p} ({len(names)} entries)")
+            if name != aside.name:
+                os.rename(self.path / name, aside / name)
+
+    def commit(self) -> None:
+        """The new trainer is built: delete the previous run set aside by ``run.overwrite`` (rank 0)."""
+        if self._aside is None:
+            return
+        n = sum(1 for _ in self._aside.iterdir())
+        shutil.rmtree(self._aside)
+        self._aside = None
+        self.log(f"[tether] run.overwrite: deleted the previous run in {self.path} ({n} entries)")
 
     def save_config(self, cfg) -> None:
         """Write ``RUN/config.yaml`` atomically (rank 0). ``run.overwrite`` is saved false: it was an
@@ -247,9 +264,16 @@ class RunDirectory:
     def abandon(self) -> None:
         """The trainer could not be built: a fresh run removes what :meth:`open` made; then release."""
         held = self.lock.held
-        if self.fresh and held and self._wrote_config:
-            with contextlib.suppress(OSError):
-                (self.path / "config.yaml").unlink()
+        if self.fresh and held:
+            for name in (("config.yaml",) if self._wrote_config else ()) + ((MARKER,) if self._wrote_marker else ()):
+                with contextlib.suppress(OSError):
+                    (self.path / name).unlink()
+        if self._aside is not None:  # a failed --overwrite: the previous run goes back where it was
+            for e in self._aside.iterdir():
+                os.rename(e, self.path / e.name)
+            self._aside.rmdir()
+            self._aside = None
+            self.log(f"[tether] run.overwrite failed: the previous run in {self.path} is left as it was")
         self.release()
         if self.fresh and held and self._created:
             with contextlib.suppress(OSError):
@@ -266,9 +290,13 @@ class RunDirectory:
         except OSError as e:
             if e.errno not in WRITE_ERRNOS or not self._inside(e.filename):
                 raise
+            if checkpoints(self.path):
+                then = f"continue from its last checkpoint: tether train --resume {self.path}"
+            else:  # nothing to resume from: --resume would refuse
+                then = (f"start it again (it has no checkpoint to resume from yet): tether train ... "
+                        f"--output-dir {self.path} --overwrite")
             raise RunError(f"cannot write {e.filename or self.path}: {e.strerror or os.strerror(e.errno)}; the run "
-                           f"stopped. Free space (or fix permissions), then continue from its last checkpoint: "
-                           f"tether train --resume {self.path}") from e
+                           f"stopped. Free space (or fix permissions), then {then}") from e
 
     def _inside(self, filename) -> bool:
         if not filename:
@@ -307,6 +335,14 @@ def resume_config(run_dir: Path, overrides: Optional[dict] = None):
     if not checkpoints(run_dir):
         raise RunError(_no_checkpoint(run_dir))
     name = saved.pop("recipe", DEFAULT_RECIPE)
+    if "recipe" in overrides and str(overrides["recipe"]) != str(name):
+        raise ConfigError(f"recipe={overrides['recipe']} cannot apply to --resume {run_dir}: the run continues "
+                          f"with its own recipe ({name}) and its checkpointed state; start a new run for another "
+                          f"recipe (tether train --recipe {overrides['recipe']} ...), or change single algo.* keys")
+    given = overrides.get("run.output_dir")
+    if given not in (None, "") and Path(str(given)).resolve() != run_dir.resolve():
+        raise ConfigError(f"run.output_dir={given} cannot apply to --resume {run_dir}: a resumed run stays in its "
+                          f"own directory; drop the override")
     vals = _flatten(saved)
     vals.pop("run.overwrite", None)
     vals.update(overrides)

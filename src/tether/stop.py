@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from . import distributed as dist
 from .checkpoint import checkpoints
@@ -52,25 +52,38 @@ def resume_hint(run_dir: Path) -> str:
     return f"tether train --resume {Path(run_dir).absolute()}"
 
 
-class Aborted(KeyboardInterrupt):
+class Interrupted(KeyboardInterrupt):
+    """Work ended at once by a stop signal; the CLI prints the message as one line and exits 128 + signal."""
+
+    def __init__(self, signal_name: str, message: str, announce: bool = True):
+        super().__init__(message)
+        self.signal_name = signal_name
+        self.announce = announce  # rank 0 (or the only process) reports it
+
+
+class Aborted(Interrupted):
     """A second stop signal: the run ended at once, without writing a checkpoint for the step in progress."""
 
     def __init__(self, signal_name: str, run_dir: Path, announce: bool = True):
-        self.signal_name, self.run_dir = signal_name, Path(run_dir)
-        self.announce = announce  # rank 0 (or the only process) reports it
+        self.run_dir = Path(run_dir)
         # the newest checkpoint directory, not verified: an abort must not read gigabytes back to hash them
         ckpt = next(iter(checkpoints(self.run_dir)), None)
         where = (f"the latest checkpoint is {ckpt}; resume with: {resume_hint(self.run_dir)}" if ckpt is not None
                  else f"{self.run_dir} has no checkpoint yet, so the run cannot be resumed")
-        super().__init__(f"aborted by a second stop signal ({signal_name}) without a new checkpoint; {where}")
+        super().__init__(signal_name, f"aborted by a second stop signal ({signal_name}) without a new checkpoint; "
+                         f"{where}", announce)
 
 
 class GracefulStop:
     """Context manager that turns SIGINT / SIGTERM into a stop request polled by the training loop."""
 
-    def __init__(self, run_dir: Path, announce: bool = True):
+    def __init__(self, run_dir: Path, announce: bool = True,
+                 doing: str = "stopping after the step in progress and writing a checkpoint",
+                 abort: Optional[Callable[[str], KeyboardInterrupt]] = None):
         self.run_dir = Path(run_dir)
         self.announce = announce  # rank 0 says what it does; the other ranks stay quiet
+        self.doing = doing  # what the first signal does, as announced (tether eval: "saving the finished problems")
+        self._abort = abort or (lambda name: Aborted(name, self.run_dir, self.announce))  # the second signal's
         self.signum = 0  # the first signal received by this process (0: none)
         self._first_at = 0.0  # when it came (time.monotonic)
         self._previous: dict = {}
@@ -96,11 +109,11 @@ class GracefulStop:
         if self.signum:
             if time.monotonic() - self._first_at < REPEAT_S:
                 return  # the first stop, delivered twice
-            raise Aborted(name, self.run_dir, self.announce)
+            raise self._abort(name)
         self.signum, self._first_at = signum, time.monotonic()
         if self.announce:  # os.write, not print: the signal may have interrupted a print to the same stream
-            os.write(2, f"\n[tether] {name} received: stopping after the step in progress and writing a "
-                        f"checkpoint (send it again to abort at once)\n".encode())
+            os.write(2, f"\n[tether] {name} received: {self.doing} (send it again to abort at "
+                        f"once)\n".encode())
 
     def requested(self) -> Optional[str]:
         """The stop signal's name if any rank received one, else None. Collective under torchrun:

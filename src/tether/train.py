@@ -649,6 +649,7 @@ def _run_guarded(guard: RunDirectory, make_trainer, resume: bool) -> Path:
     except BaseException:
         guard.abandon()
         raise
+    guard.commit()  # an --overwrite's previous run is deleted only now that the new trainer is built
     try:
         with guard.write_errors():
             return trainer.run(resume=resume)

@@ -10,10 +10,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import signal
 import sys
 from dataclasses import dataclass
 from datetime import datetime
@@ -115,7 +117,8 @@ def resolve_eval_spec(spec: str | os.PathLike) -> EvalModelSpec:
     Raises:
         EvalError: a run directory without checkpoint, or a checkpoint outside a run.
     """
-    from ..checkpoint import latest_checkpoint
+    from ..checkpoint import latest_checkpoint, verify_checkpoint
+    from ..metrics import warn
 
     s = os.fspath(spec)
     p = Path(s).expanduser()
@@ -125,6 +128,12 @@ def resolve_eval_spec(spec: str | os.PathLike) -> EvalModelSpec:
         if run_dir is None or not (run_dir / "config.yaml").is_file():
             raise EvalError(f"checkpoint {p} is not inside a run directory (RUN/checkpoints/step-N with "
                             f"RUN/config.yaml), so its base model is unknown")
+        ok, note = verify_checkpoint(ckpt)  # a run directory's newest is verified by latest_checkpoint
+        if not ok:
+            raise EvalError(f"checkpoint {ckpt} is damaged: {note}; evaluate another checkpoint, or the run "
+                            f"directory (its newest valid checkpoint)")
+        if note:
+            warn(f"checkpoint {ckpt} {note}")
     elif _is_run_dir(p):
         run_dir = p
         ckpt = latest_checkpoint(run_dir)
@@ -293,7 +302,11 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--answer-key", dest="answer_key", default=None, help="field holding the answer (files)")
     e.add_argument("--reward", default=None, help="math | gsm8k | arithmetic | module:function | file.py:function "
                    "(default: gsm8k for GSM8K, math otherwise)")
-    e.add_argument("--out", default=None, help="output directory (default evals/<model>-<timestamp>)")
+    e.add_argument("--out", default=None, help="output directory, absent or empty (default "
+                   "evals/<model>-<timestamp>); checked and created before the model loads")
+    e.add_argument("--overwrite", action="store_true", help="--out may be an earlier evaluation's output: its "
+                   "files are replaced. Only an evaluation tether wrote, with nothing else added, is replaced "
+                   "(never a run directory, an export or a directory of yours)")
     e.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     e.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default cpu)")
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -349,6 +362,79 @@ def _search_setup(args):
     return benches, {k: v for k, v in options(cfg).items() if k != "system_prompt"} | tools(cfg)
 
 
+def _open_out(out: Path, files: Sequence[str], overwrite: bool) -> bool:
+    """Check and create ``--out`` before the model loads; True if this call created the directory.
+
+    It must be absent or empty; ``--overwrite`` also takes an earlier evaluation's output, and only
+    one tether wrote with nothing added (`tether.owned.check_replaceable`: a run directory, an
+    export or a directory of yours is never written into). The marker lists ``files``.
+    """
+    from ..errors import OutputError
+    from ..owned import check_replaceable, write_marker
+
+    old = check_replaceable(out, "eval")
+    if old and old != [".lock"] and not overwrite:
+        shown = ", ".join(old[:5]) + (", ..." if len(old) > 5 else "")
+        raise OutputError(f"--out {out} is not empty ({shown}); pass --overwrite to replace an earlier evaluation "
+                          f"there, or choose another --out")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in old:  # an earlier evaluation's files (check_replaceable found them all to be tether's)
+            (out / name).unlink()
+        write_marker(out, "eval", files)
+    except OSError as e:
+        raise OutputError(f"cannot write to --out {out}: {e.strerror or e} ({e.filename or out}); choose a "
+                          f"writable directory") from None
+    return created
+
+
+def _drop_out(out: Path, created: bool, files: Sequence[str]) -> None:
+    """Nothing finished: remove ``--out`` again (its marker and empty ``files``) if this run created it."""
+    from ..owned import MARKER
+
+    if created:
+        with contextlib.suppress(OSError):
+            for name in [*files, MARKER]:
+                (out / name).unlink(missing_ok=True)
+            out.rmdir()
+
+
+def _evaluate_bench(this, b, model, tok, out: Path, report: dict, table: dict, stopper, *, search: bool,
+                    agent_options: dict, n: int, temperature: float, greedy: bool, system_prompt: str, ks, args) -> bool:
+    """Evaluate one benchmark; rows go to ``OUT/<bench>.jsonl`` as each batch finishes (a kill keeps them),
+    then in problem order with ``results.json``. Returns True if a stop signal ended it early."""
+    from ..metrics import json_safe, write_json_atomic, write_text_atomic
+
+    path = out / f"{b.name}.jsonl"
+    path.write_text("")
+
+    def append(rows: list[dict]) -> None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(json_safe(r), ensure_ascii=False) + "\n" for r in rows)
+
+    res = this.evaluate(model, tok, b.examples, b.reward_fn, n=n, temperature=temperature, top_p=args.top_p,
+                        max_new_tokens=args.max_new_tokens, greedy=greedy, batch_size=args.batch_size,
+                        system_prompt=system_prompt, seed=args.seed, show_progress=args.progress, ks=ks,
+                        desc=f"eval {b.name}", agent="search" if search else "single_turn",
+                        agent_options=agent_options, should_stop=lambda: bool(stopper.signum), on_rows=append)
+    if search:
+        from .search import search_metrics
+        res.metrics.update({f"search/{k}": v for k, v in search_metrics(res.per_problem, b.examples).items()})
+    write_text_atomic(path, "".join(json.dumps(json_safe(r), ensure_ascii=False) + "\n" for r in res.per_problem))
+    if res.first_reward_error:
+        print(f"[tether] {b.name}: the reward raised {int(res.metrics['reward_errors'])} time(s) "
+              f"(scored 0); first traceback:\n{res.first_reward_error}", file=sys.stderr)
+    entry = {"source": b.source, "split": b.split, "reward": b.reward, "file": path.name, "metrics": res.metrics}
+    if res.stopped:
+        entry.update(complete=False, n_problems_total=res.n_total)
+        report["stopped"] = signal.Signals(stopper.signum).name
+    report["benchmarks"][b.name] = entry
+    table[b.name] = res.metrics
+    write_json_atomic(out / "results.json", report)
+    return res.stopped
+
+
 def run_eval_cli(args) -> int:
     """``tether eval``: load and validate every benchmark, then the model, then evaluate each
     benchmark, writing ``OUT/<bench>.jsonl`` and (after every benchmark) ``OUT/results.json``,
@@ -401,14 +487,52 @@ def run_eval_cli(args) -> int:
     else:
         name = info.name + ("-anchor" if args.anchor else "")
         out = Path("evals") / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    files = [f"{b.name}.jsonl" for b in benches] + ["results.json"]
+    created = _open_out(out, files, overwrite=bool(getattr(args, "overwrite", False)))  # before the model loads
+    from ..stop import GracefulStop, Interrupted, exit_code  # imports torch: not at parser-building time
+
+    # SIGINT / SIGTERM from here on: the batch in progress finishes, the finished problems are kept
+    stopper = GracefulStop(out, doing="stopping after the batch in progress and saving the finished problems",
+                           abort=lambda name: Interrupted(name, f"aborted by a second stop signal ({name}); the "
+                                                          f"problems finished so far are in {out}"))
+    try:
+        with stopper:
+            table = _run_benches(this, args, benches, info, out, stopper, search=search, agent_options=agent_options,
+                                 n=n, temperature=temperature, greedy=greedy, system_prompt=system_prompt, ks=ks)
+    except BaseException:
+        if not any((out / f).is_file() and (out / f).stat().st_size for f in files):
+            _drop_out(out, created, files)  # nothing finished: leave no empty --out behind
+        raise
+    desc = table.pop("_desc")
+    if stopper.signum:
+        name = signal.Signals(stopper.signum).name
+        done = sum(int(m.get("n_problems", 0)) for m in table.values())
+        if done == 0:
+            _drop_out(out, created, files)
+            print(f"tether: stopped by {name} before any problem finished; nothing was written", file=sys.stderr)
+        else:
+            print(format_table(table, n, ks))
+            print(f"tether: stopped by {name}: {done} finished problem(s) kept in {out / 'results.json'} "
+                  f"(marked incomplete)", file=sys.stderr)
+        return exit_code(name)
+    print(f"{desc}\n{'greedy' if greedy else f'n={n} T={temperature:g} top_p={args.top_p:g}'}, "
+          f"max_new_tokens={args.max_new_tokens}; accuracies in %, len in tokens")
+    print(format_table(table, n, ks))
+    if search:
+        print(format_search_table(table))
+    print(f"results: {out / 'results.json'}")
+    return 0
+
+
+def _run_benches(this, args, benches, info, out: Path, stopper, *, search: bool, agent_options: dict, n: int,
+                 temperature: float, greedy: bool, system_prompt: str, ks) -> dict:
+    """Load the model, then evaluate every benchmark until the end or a stop signal. Returns the table
+    (benchmark -> metrics) with the model's description under ``"_desc"``."""
+    from .. import __version__
+
     print(f"[tether] loading {args.model!r}{' (anchor)' if args.anchor else ''}", file=sys.stderr)
     model, tok, desc = this.load_eval_model(info, anchor=args.anchor, dtype=args.dtype, device=args.device)
-    out.mkdir(parents=True, exist_ok=True)
     print(f"[tether] evaluating {desc}\n[tether] writing to {out}", file=sys.stderr)
-
-    from .. import __version__
-    from ..metrics import json_safe, write_json_atomic  # imports torch: not at parser-building time
-
     if search:
         print(f"[tether] search agent: {args.retriever} retriever, top-{args.topk}, up to {args.max_searches} "
               f"searches", file=sys.stderr)
@@ -429,30 +553,10 @@ def run_eval_cli(args) -> int:
         "created": datetime.now().isoformat(timespec="seconds"),
         "tether_version": __version__,
     }
-    table: dict[str, dict] = {}
+    table: dict[str, Any] = {"_desc": desc}
     for b in benches:
-        res = this.evaluate(model, tok, b.examples, b.reward_fn, n=n, temperature=temperature, top_p=args.top_p,
-                            max_new_tokens=args.max_new_tokens, greedy=greedy, batch_size=args.batch_size,
-                            system_prompt=system_prompt, seed=args.seed, show_progress=args.progress, ks=ks,
-                            desc=f"eval {b.name}", agent="search" if search else "single_turn",
-                            agent_options=agent_options)
-        if search:
-            from .search import search_metrics
-            res.metrics.update({f"search/{k}": v for k, v in search_metrics(res.per_problem, b.examples).items()})
-        with open(out / f"{b.name}.jsonl", "w", encoding="utf-8") as f:
-            for row in res.per_problem:
-                f.write(json.dumps(json_safe(row), ensure_ascii=False) + "\n")
-        if res.first_reward_error:
-            print(f"[tether] {b.name}: the reward raised {int(res.metrics['reward_errors'])} time(s) "
-                  f"(scored 0); first traceback:\n{res.first_reward_error}", file=sys.stderr)
-        report["benchmarks"][b.name] = {"source": b.source, "split": b.split, "reward": b.reward,
-                                        "file": f"{b.name}.jsonl", "metrics": res.metrics}
-        table[b.name] = res.metrics
-        write_json_atomic(out / "results.json", report)
-    print(f"{desc}\n{'greedy' if greedy else f'n={n} T={temperature:g} top_p={args.top_p:g}'}, "
-          f"max_new_tokens={args.max_new_tokens}; accuracies in %, len in tokens")
-    print(format_table(table, n, ks))
-    if search:
-        print(format_search_table(table))
-    print(f"results: {out / 'results.json'}")
-    return 0
+        if _evaluate_bench(this, b, model, tok, out, report, table, stopper, search=search,
+                           agent_options=agent_options, n=n, temperature=temperature, greedy=greedy,
+                           system_prompt=system_prompt, ks=ks, args=args):
+            break
+    return table

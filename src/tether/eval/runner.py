@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from ..errors import EvalError
 from ..tasks.base import Example, RewardFn
@@ -43,6 +43,8 @@ class EvalResult:
     per_problem: list[dict]
     settings: dict = field(default_factory=dict)
     first_reward_error: Optional[str] = None
+    stopped: bool = False  # should_stop() ended it early: per_problem and metrics cover the finished problems only
+    n_total: int = 0  # problems asked for (len(examples))
 
 
 def _check_sampling(n: int, temperature: float, top_p: float, greedy: bool) -> tuple[int, float]:
@@ -85,6 +87,8 @@ def evaluate(
     agent: str = "single_turn",
     agent_options: Optional[Mapping[str, Any]] = None,
     engine: str = "hf",
+    should_stop: Optional[Callable[[], bool]] = None,
+    on_rows: Optional[Callable[[list[dict]], None]] = None,
 ) -> EvalResult:
     """Sample ``n`` responses per example, score them, and compute avg@n, pass@k and maj@n.
 
@@ -119,6 +123,11 @@ def evaluate(
         agent, agent_options: the agent that runs an episode (a name in
             ``tether.agents.AGENTS``) and extra options for its constructor.
         engine: the rollout engine (a name in ``tether.rollout.ENGINES``).
+        should_stop: polled before every chunk; when it returns true the evaluation ends there
+            (a graceful stop: ``tether eval`` passes its SIGINT / SIGTERM flag), and the result
+            covers the finished problems only (``stopped=True``).
+        on_rows: called after every chunk with that chunk's finished rows (``tether eval``
+            appends them to its output file, so a killed evaluation keeps them).
 
     Returns:
         :class:`EvalResult`; the model's train/eval mode is restored. The agent's own
@@ -167,8 +176,12 @@ def evaluate(
     gen_time, gen_tokens, errors, first_error = 0.0, 0, 0, None
     n_done_correct, n_done = 0, 0
     bar = tqdm(total=len(examples), desc=desc, unit="problem", disable=not show_progress, dynamic_ncols=True)
+    stopped = False
     try:
         for j, chunk in enumerate(chunks):
+            if should_stop is not None and should_stop():
+                stopped = True
+                break
             params = SamplingParams(n=n, temperature=temperature, top_p=float(top_p), top_k=int(top_k),
                                     max_new_tokens=int(max_new_tokens), stop=list(stop or []),
                                     seed=(int(seed) * 1_000_003 + j) % (2**31), greedy=bool(greedy))
@@ -200,11 +213,15 @@ def evaluate(
                     rows[i]["info"] = list(rb.info[lo:hi])
                 n_done_correct += sum(correct)
                 n_done += n
+            if on_rows is not None:
+                on_rows([rows[i] for i in chunk])
             bar.update(len(chunk))
             bar.set_postfix({f"avg@{n}": f"{n_done_correct / max(n_done, 1):.3f}"})
     finally:
         bar.close()
 
+    if stopped:
+        rows = [r for r in rows if r is not None]
     metrics = summarize(rows, n, ks)
     metrics["reward_errors"] = errors
     metrics["gen_tokens"] = gen_tokens
@@ -213,7 +230,8 @@ def evaluate(
     metrics["tokens_per_s"] = gen_tokens / max(gen_time, 1e-9)
     for k, v in runner.metrics().items():
         metrics[f"agent/{k}"] = float(v)
-    return EvalResult(metrics=metrics, per_problem=rows, settings=settings, first_reward_error=first_error)
+    return EvalResult(metrics=metrics, per_problem=rows, settings=settings, first_reward_error=first_error,
+                      stopped=stopped, n_total=len(examples))
 
 
 @dataclass
