@@ -1,0 +1,103 @@
+"""Check that a refactor changed no training number: every recipe x 3 steps on the tiny random model.
+
+    .venv/bin/python scripts/same_metrics.py --save before.json       # on the old code
+    .venv/bin/python scripts/same_metrics.py --compare before.json    # on the new code: exit 1 on a difference
+
+Each recipe trains 3 steps (2 prompts x 4 samples, 8 new tokens, seed 0, one thread) on a tiny
+random Llama (`tether.testing.make_tiny_model_dir`) with a synthetic digit reward; the rows of
+``metrics.jsonl`` without their timing keys are kept. ``--compare`` reports every value that
+differs by more than ``--rtol`` (default 1e-6, relative) and every key present on one side only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+TIMING = ("time", "tokens_per_s", "peak_", "_s")
+REWARD = "def digits(completion, example):\n    return sum(c.isdigit() for c in completion) / max(len(completion), 1)\n"
+
+
+def run_all(recipes: list[str]) -> dict:
+    from tether.config import load_config
+    from tether.testing import make_tiny_model_dir
+    from tether.train import train
+
+    torch.set_num_threads(1)
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        d = Path(d)
+        model = make_tiny_model_dir(d / "model")
+        (d / "rew.py").write_text(REWARD)
+        with open(d / "prompts.jsonl", "w") as f:
+            for i in range(40):
+                f.write(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)}) + "\n")
+        for name in recipes:
+            cfg = load_config(None, {
+                "model.name": str(model), "data.task": str(d / "prompts.jsonl"),
+                "data.reward": f"{d / 'rew.py'}:digits", "train.steps": 3, "train.lr": 1e-2,
+                "rollout.max_new_tokens": 8, "rollout.prompts_per_step": 2, "rollout.n": 4,
+                "run.progress": False, "run.plot": False, "run.exact_kl_samples": 0, "run.save_every": 0,
+                "eval.before": False, "eval.after": False}, recipe_name=name)
+            run = train(cfg, d / f"run-{name}", log=lambda *a, **k: None)
+            rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+            out[name] = [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows]
+            print(f"{name}: {len(rows)} rows", file=sys.stderr)
+    return out
+
+
+def compare(old: dict, new: dict, rtol: float) -> list[str]:
+    problems = []
+    for name in sorted(set(old) | set(new)):
+        if name not in old or name not in new:
+            problems.append(f"{name}: only in {'old' if name in old else 'new'}")
+            continue
+        for i, (a, b) in enumerate(zip(old[name], new[name])):
+            for k in sorted(set(a) | set(b)):
+                if k not in a or k not in b:
+                    problems.append(f"{name} row {i}: key {k} only in {'old' if k in a else 'new'}")
+                    continue
+                x, y = a[k], b[k]
+                if isinstance(x, (int, float)) and isinstance(y, (int, float)):
+                    if math.isnan(x) and math.isnan(y):
+                        continue
+                    if abs(x - y) > rtol * max(abs(x), abs(y), 1e-12):
+                        problems.append(f"{name} row {i}: {k} {x!r} -> {y!r}")
+                elif x != y:
+                    problems.append(f"{name} row {i}: {k} {x!r} -> {y!r}")
+        if len(old[name]) != len(new[name]):
+            problems.append(f"{name}: {len(old[name])} rows -> {len(new[name])}")
+    return problems
+
+
+def main() -> int:
+    from tether.algo import RECIPES
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--save", help="write the metrics of every recipe to this JSON file")
+    ap.add_argument("--compare", help="compare with a file written by --save")
+    ap.add_argument("--rtol", type=float, default=1e-6, help="relative tolerance (default 1e-6)")
+    ap.add_argument("--recipes", nargs="*", default=list(RECIPES), help="default: every named recipe")
+    args = ap.parse_args()
+    got = run_all(args.recipes)
+    if args.save:
+        Path(args.save).write_text(json.dumps(got, indent=1))
+        print(f"saved {sum(len(v) for v in got.values())} rows of {len(got)} recipes to {args.save}")
+    if args.compare:
+        problems = compare(json.loads(Path(args.compare).read_text()), got, args.rtol)
+        for p in problems:
+            print(p)
+        n = sum(len(r) for rows in got.values() for r in rows)
+        print(f"{len(got)} recipes, {n} values: {len(problems)} difference(s) beyond rtol {args.rtol:g}")
+        return 1 if problems else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
