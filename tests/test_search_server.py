@@ -172,3 +172,67 @@ def test_in_process_server_health_and_bad_corpus(tmp_path):
         srv.shutdown()
     # a missing corpus is a clean CLI error, not a traceback
     assert main(["retrieve", "serve", "--corpus", str(tmp_path / "missing.jsonl"), "--port", "0"]) == 2
+
+
+def _raw_post(body: bytes) -> bytes:
+    return (b"POST /retrieve HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+def _read_answers(sock: socket.socket, n: int) -> list[dict]:
+    """n HTTP answers read off a raw socket (Content-Length framed)."""
+    f = sock.makefile("rb")
+    out = []
+    for _ in range(n):
+        assert f.readline().startswith(b"HTTP/1.1 200"), "not a 200 answer"
+        length = None
+        while (line := f.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":", 1)[1])
+        out.append(json.loads(f.read(length)))
+    return out
+
+
+def test_idle_keep_alive_client_does_not_hold_the_only_worker(tmp_path):
+    """With one worker, a client idling on a kept-alive connection gives the worker up as soon as
+    another connection waits (client_timeout is 300 s, so only that can answer the second client)."""
+    r = BM25Retriever(synthetic_corpus(tmp_path / "c.jsonl", 5), cache_dir=tmp_path / "cache")
+    srv = RetrievalServer(r, port=0, workers=1, client_timeout=300).start()
+    host, port = srv.url[len("http://"):].rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=60) as idle:
+            idle.sendall(_raw_post(json.dumps({"queries": ["item1"], "topk": 1}).encode()))
+            assert _read_answers(idle, 1)[0]["result"][0][0]["id"] == "p1"
+            # the idle connection is still open; a second client must be answered anyway
+            status, body = _post(srv.url, json.dumps({"queries": ["item2"], "topk": 1}).encode())
+            assert status == 200 and body["result"][0][0]["id"] == "p2"
+            assert idle.recv(1) == b""  # the server closed the idle one
+    finally:
+        srv.shutdown()
+
+
+def test_pipelined_requests_on_one_connection_are_all_answered(tmp_path):
+    r = BM25Retriever(synthetic_corpus(tmp_path / "c.jsonl", 5), cache_dir=tmp_path / "cache")
+    srv = RetrievalServer(r, port=0, workers=1, client_timeout=300).start()
+    host, port = srv.url[len("http://"):].rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            s.sendall(b"".join(_raw_post(json.dumps({"queries": [f"item{i}"], "topk": 1}).encode()) for i in range(3)))
+            answers = _read_answers(s, 3)
+        assert [a["result"][0][0]["id"] for a in answers] == ["p0", "p1", "p2"]
+    finally:
+        srv.shutdown()
+
+
+def test_in_process_server_bind_problems_raise_retrieval_error(tmp_path):
+    r = BM25Retriever(synthetic_corpus(tmp_path / "c.jsonl", 5), cache_dir=tmp_path / "cache")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        with pytest.raises(RetrievalError, match="already in use"):
+            RetrievalServer(r, port=busy.getsockname()[1])
+    for port in (-1, 65536):
+        with pytest.raises(RetrievalError, match="0-65535"):
+            RetrievalServer(r, port=port)
+    with pytest.raises(RetrievalError, match="does not resolve"):
+        RetrievalServer(r, host="no.such.host.invalid", port=0)
