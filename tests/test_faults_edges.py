@@ -73,3 +73,56 @@ def test_duplicate_key_in_a_run_config_blocks_resume_with_its_line(tmp_path):
     r = run_module("train", "--resume", run)
     assert_clean_error(r.returncode, r.stderr, f"cannot resume {run}", f"{run / 'config.yaml'} line 4",
                        "duplicate key 'train.steps'")
+
+
+# ---------------------------------------------------------------- tether plot --out
+
+
+def _metrics_run(d: Path) -> Path:
+    """A run directory with two metrics rows: all `tether plot` needs."""
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": 0.1 * s, "kl": 0.01 * s}) + "\n"
+                                             for s in (1, 2, 3)))
+    return d
+
+
+def _unwritable_outs(t: Path) -> list[Path]:
+    """Paths that cannot be written even by root (tests may run as root, which chmod does not stop):
+    under a regular file, and under /proc."""
+    (t / "a_file").write_text("not a directory")
+    outs = [t / "a_file" / "curves.png", t / "a_file" / "sub" / "curves.png"]
+    if Path("/proc/self").is_dir():
+        outs += [Path("/proc/tether-test-curves.png"), Path("/proc/self/no_such_dir/curves.png")]
+    return outs
+
+
+def test_plot_to_an_unwritable_path_is_one_error_line(tmp_path):
+    run = _metrics_run(tmp_path / "run")
+    for out in _unwritable_outs(tmp_path):
+        r = run_module("plot", run, "--out", out)
+        assert_clean_error(r.returncode, r.stderr, f"cannot write the plot to {out}")
+        assert r.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "run"]  # no temporary file left
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+
+
+def test_plot_prints_the_path_it_wrote(tmp_path):
+    """`--out DIR` wrote DIR.png (matplotlib adds the suffix) but printed DIR; an existing directory
+    gets curves.png inside it; the printed path is always the file written, and it is an image."""
+    run = _metrics_run(tmp_path / "run")
+    (tmp_path / "existing").mkdir()
+    cases = [(tmp_path / "cmp", tmp_path / "cmp.png"),
+             (tmp_path / "existing", tmp_path / "existing" / "curves.png"),
+             (f"{tmp_path / 'new_dir'}/", tmp_path / "new_dir" / "curves.png"),
+             (tmp_path / "sub" / "cmp.png", tmp_path / "sub" / "cmp.png"),
+             (tmp_path / "cmp.svg", tmp_path / "cmp.svg")]
+    for out, written in cases:
+        r = run_module("plot", run, "--out", out)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        assert r.stdout.strip() == str(written), (out, r.stdout)
+        head = written.read_bytes()[:256]
+        assert head.startswith(b"\x89PNG") if written.suffix == ".png" else b"<svg" in head
+    assert not (tmp_path / "existing.png").exists()
+    r = run_module("plot", run)  # the default: RUN/curves.png
+    assert r.returncode == 0 and r.stdout.strip() == str(run / "curves.png")
+    assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"

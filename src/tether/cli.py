@@ -62,9 +62,12 @@ def _interrupted(e: KeyboardInterrupt) -> int:
 
 
 def _plot(args) -> int:
+    """Write the plot and print the path of the file written: ``--out`` as `tether.plot.plot_path`
+    resolves it (an existing directory gets curves.png inside it, a name without an image suffix
+    gets .png); a path that cannot be written is an OutputError naming it (exit 2)."""
     from .plot import plot_runs
 
-    out = Path(args.out) if args.out else Path(args.runs[0]) / "curves.png"
+    out = args.out if args.out else Path(args.runs[0]) / "curves.png"  # a string: a trailing slash means a directory
     print(plot_runs([Path(r) for r in args.runs], out, smooth=args.smooth))
     return 0
 

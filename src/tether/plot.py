@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, Union
 
-from .errors import RunError
+from .errors import OutputError, RunError
 from .metrics import read_metrics
 
 PANELS = [  # (title, metric keys tried in order)
@@ -30,13 +31,58 @@ def _metrics(run_dir: Path) -> list[dict]:
         raise RunError(f"{run_dir / 'metrics.jsonl'}: cannot read the metrics: {e}") from None
 
 
-def plot_runs(run_dirs: Sequence[Path], out: Path, smooth: int = 1) -> Path:
-    """Write a PNG with one panel per curve and one line per run (``smooth`` = moving-average window)."""
+def plot_path(out: Union[str, Path], formats) -> Path:
+    """The file ``tether plot --out OUT`` writes: ``OUT/curves.png`` when OUT is an existing directory
+    (or is written with a trailing slash: a directory to create); OUT itself when its suffix is an
+    image format matplotlib writes (``formats``: .png, .pdf, .svg, ...); otherwise OUT with ``.png``
+    appended (``cmp`` -> ``cmp.png``, as matplotlib would name it, and ``run.v2`` -> ``run.v2.png``)."""
+    text = os.fspath(out)
+    p = Path(text)
+    if p.is_dir() or text.endswith(("/", os.sep)):
+        return p / "curves.png"
+    if p.suffix[1:].lower() in formats:
+        return p
+    return p.with_name(p.name + ".png")
+
+
+def _save(fig, path: Path) -> None:
+    """Write the figure to ``path`` through a temporary file and a rename (never half an image);
+    an OSError (a parent that is a file, a read-only or full filesystem) is an `OutputError` naming ``path``."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")  # as tether.metrics.write_text_atomic names it
+    try:
+        for parent in reversed(path.parents):
+            if parent.exists() and not parent.is_dir():
+                raise NotADirectoryError(f"{parent} is a file, not a directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            raise IsADirectoryError(f"{path} is a directory")
+        fig.savefig(tmp, dpi=100, format=path.suffix[1:].lower())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        why = (e.strerror or str(e)) if e.errno else str(e)
+        where = f" ({e.filename})" if e.filename and os.fspath(e.filename) not in (str(path), str(tmp)) else ""
+        raise OutputError(f"cannot write the plot to {path}: {why}{where}") from None
+
+
+def plot_runs(run_dirs: Sequence[Path], out: Union[str, Path], smooth: int = 1) -> Path:
+    """Write an image with one panel per curve and one line per run (``smooth`` = moving-average
+    window); returns the path written, which `plot_path` derives from ``out``.
+
+    Raises:
+        RunError: a run directory or its metrics.jsonl cannot be read.
+        OutputError: the image cannot be written there (the path is named).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+    out = plot_path(out, FigureCanvasAgg.get_supported_filetypes())
     runs = [(Path(d), _metrics(Path(d))) for d in run_dirs]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (title, keys) in zip(axes.flat, PANELS):
@@ -58,8 +104,8 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, smooth: int = 1) -> Path:
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        _save(fig, out)
+    finally:
+        plt.close(fig)
     return out
