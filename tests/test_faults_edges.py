@@ -126,3 +126,65 @@ def test_plot_prints_the_path_it_wrote(tmp_path):
     r = run_module("plot", run)  # the default: RUN/curves.png
     assert r.returncode == 0 and r.stdout.strip() == str(run / "curves.png")
     assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------- a tiny run through the CLI
+
+
+REWARDS = '''
+import os
+
+def digits(completion, example):
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+
+def kill_own_worker(completion, example):
+    """Dies as a segfault would: SIGKILL to its own process (the reward worker)."""
+    os.kill(os.getpid(), 9)
+
+def exit_worker(completion, example):
+    os._exit(1)
+'''
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    d = tmp_path_factory.mktemp("faults_edges")
+    (d / "rew.py").write_text(REWARDS)
+    (d / "prompts.jsonl").write_text("".join(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)})
+                                             + "\n" for i in range(40)))
+    return d
+
+
+def train_argv(work, model_dir, out, steps, reward="digits", **over) -> list:
+    """`tether train` on the tiny random model: 2 prompts x 2 samples of 6 tokens a step, a checkpoint
+    every step, no evaluation (a file task has no held-out set), no progress bar or plot."""
+    vals = {"model.name": model_dir, "data.task": work / "prompts.jsonl", "data.reward": f"{work / 'rew.py'}:{reward}",
+            "train.lr": 1e-2, "rollout.max_new_tokens": 6, "rollout.prompts_per_step": 2, "rollout.n": 2,
+            "algo.anchor.every": 1, "run.progress": "false", "run.plot": "false", "run.exact_kl_samples": 0,
+            "run.save_every": 1, **over}
+    return ["train", "--recipe", "ema_pg", "--output-dir", out, "--steps", steps, *[f"{k}={v}" for k, v in vals.items()]]
+
+
+def metric_rows(run: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_when_metrics_jsonl_is_a_directory(work, tiny_model_dir, tmp_path):
+    """`--resume` trims metrics.jsonl to the checkpoint's step; a directory there was an
+    IsADirectoryError traceback. Now: one error naming the path, exit 2; the checkpoints are
+    untouched, and once the directory is moved away the resume completes."""
+    run = tmp_path / "run"
+    r = run_module(*train_argv(work, tiny_model_dir, run, 2))
+    assert r.returncode == 0, r.stderr
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").mkdir()
+    r = run_module("train", "--resume", run, "train.steps=3")
+    assert_clean_error(r.returncode, r.stderr, f"{run / 'metrics.jsonl'} is a directory")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.is_dir()) == ["step-000001", "step-000002"]
+    assert not (run / ".lock").exists()
+    r = run_module("plot", run)
+    assert_clean_error(r.returncode, r.stderr, f"{run / 'metrics.jsonl'} is a directory")
+    (run / "metrics.jsonl").rename(tmp_path / "moved_away")
+    r = run_module("train", "--resume", run, "train.steps=3")
+    assert r.returncode == 0, r.stderr
+    assert [row["step"] for row in metric_rows(run)] == [3]

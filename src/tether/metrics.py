@@ -111,14 +111,28 @@ class JsonlWriter:
 
     ``truncate_after_step`` (on resume): rows of later steps are dropped, since they will be redone,
     as is a torn last line (see `read_jsonl`); the file is replaced atomically, and only if needed.
+
+    Raises:
+        RunError: ``path`` exists but is not a regular file (a directory, a FIFO: appending would fail
+            or block), or, on resume, the old log cannot be read; the message names ``path``.
+            Write failures (disk full, read-only) stay ``OSError``s naming the path, for the
+            trainer to report (`tether.rundir.RunDirectory.write_errors`).
     """
 
     def __init__(self, path: Path, truncate_after_step: Optional[int] = None, warn: Callable[[str], None] = warn):
         self.path = Path(path)
+        if (self.path.exists() or self.path.is_symlink()) and not self.path.is_file():
+            what = "a directory" if self.path.is_dir() else "not a regular file"
+            raise RunError(f"{self.path} is {what}, not a JSONL log: move it out of the way (tether then starts "
+                           f"a new log there) and run again")
         if truncate_after_step is not None and self.path.exists():
             for old in self.path.parent.glob(f"{self.path.name}.tmp-*"):  # a rewrite that was killed
                 old.unlink(missing_ok=True)
-            rows, dirty = read_jsonl(self.path, warn)
+            try:
+                rows, dirty = read_jsonl(self.path, warn)
+            except OSError as e:  # permissions, an I/O error: a write error would name the file on its own
+                raise RunError(f"cannot read {self.path} to trim it to step {truncate_after_step} on resume: "
+                               f"{e.strerror or e}") from None
             keep = [r for r in rows if r.get("step", 0) <= truncate_after_step]
             if dirty or len(keep) < len(rows):
                 write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in keep))
@@ -153,7 +167,11 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, *, resume_step: Optional[int] = None, tensorboard: bool = False,
                  wandb: bool = False, wandb_project: str = "tether", config: Optional[dict] = None):
         self.metrics = JsonlWriter(Path(run_dir) / "metrics.jsonl", resume_step)
-        self.samples = JsonlWriter(Path(run_dir) / "samples.jsonl", resume_step)
+        try:
+            self.samples = JsonlWriter(Path(run_dir) / "samples.jsonl", resume_step)
+        except BaseException:
+            self.metrics.close()
+            raise
         self.tb = self.wb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -187,8 +205,12 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """All rows of a run's metrics.jsonl (a torn last line is skipped with a warning, see `read_jsonl`)."""
+    """All rows of a run's metrics.jsonl (a torn last line is skipped with a warning, see `read_jsonl`).
+
+    Raises FileNotFoundError when there is none, RunError when it is a directory (or another non-file)."""
     path = Path(run_dir) / "metrics.jsonl"
+    if path.exists() and not path.is_file():
+        raise RunError(f"{path} is {'a directory' if path.is_dir() else 'not a regular file'}, not a JSONL log")
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl (is it a tether run directory?)")
     return read_jsonl(path)[0]
