@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from . import distributed as dist
-from .checkpoint import checkpoints, latest_checkpoint, pid_alive
+from .checkpoint import checkpoints, pid_alive
 from .errors import OutputError, RunError
 from .metrics import warn
 from .owned import MARKER, check_replaceable, write_marker
@@ -313,27 +313,20 @@ def resume_config(run_dir: Path, overrides: Optional[dict] = None):
 
     Raises `RunError` (no directory, no or unreadable config.yaml, no checkpoint at all: the run
     stopped before its first save) before any model is loaded, `ConfigError` for a bad override.
+    The directory is read by `tether.runs.RunDir`, as ``tether eval`` and ``tether export`` read it.
     """
     from .algo.recipes import ConfigError
-    from .config import DEFAULT_RECIPE, _flatten, load_config, read_yaml_mapping
+    from .config import DEFAULT_RECIPE, _flatten, load_config
 
-    run_dir = Path(run_dir)
-    path = run_dir / "config.yaml"
-    if not run_dir.is_dir():
-        raise RunError(f"cannot resume {run_dir}: no such directory")
-    if not path.is_file():
-        raise RunError(f"cannot resume {run_dir}: it has no config.yaml (not a tether run directory, or its "
-                       f"run never started)")
-    try:
-        saved = read_yaml_mapping(path)  # unreadable, not UTF-8, not YAML, not a mapping: named with the line
-    except ConfigError as e:
-        raise RunError(f"cannot resume {run_dir}: {e}") from None
+    run = _reader(run_dir).open()
+    run_dir = run.path
+    saved = run.raw_config()  # unreadable, not UTF-8, not YAML, not a mapping: named with the line
     overrides = dict(overrides or {})
     if "run.overwrite" in overrides:
         raise ConfigError("run.overwrite (--overwrite) starts a fresh run in a used directory; --resume continues "
                           "the run in place: drop one of them")
-    if not checkpoints(run_dir):
-        raise RunError(_no_checkpoint(run_dir))
+    if not run.has_checkpoint():
+        raise RunError(run.no_checkpoint())
     name = saved.pop("recipe", DEFAULT_RECIPE)
     if "recipe" in overrides and str(overrides["recipe"]) != str(name):
         raise ConfigError(f"recipe={overrides['recipe']} cannot apply to --resume {run_dir}: the run continues "
@@ -349,23 +342,22 @@ def resume_config(run_dir: Path, overrides: Optional[dict] = None):
     return load_config(None, vals, recipe_name=name)
 
 
-def _no_checkpoint(run_dir: Path) -> str:
-    return (f"cannot resume {run_dir}: it has no checkpoint ({run_dir / 'checkpoints'}/step-N); the run stopped "
-            f"before its first save (run.save_every). Start it again: tether train --output-dir {run_dir} "
-            f"--overwrite ...")
+def _reader(run_dir: Path):
+    from .runs import RunDir
+
+    return RunDir(run_dir, verb="resume", error=RunError)
 
 
 def resume_checkpoint(run_dir: Path) -> Path:
     """The checkpoint to resume from: the newest that passes its manifest (older ones if it is damaged).
 
-    Rank 0 verifies (it reads every file once) and the other ranks get its choice. Raises
-    `RunError` if there is none or none is valid.
+    Rank 0 verifies (it reads every file once; `tether.runs.RunDir.checkpoint`) and the other ranks
+    get its choice. Raises `RunError` if there is none or none is valid.
     """
     found, err = None, None
     if dist.is_main():
         try:
-            ckpt = latest_checkpoint(run_dir)
-            found, err = (str(ckpt), None) if ckpt is not None else (None, _no_checkpoint(Path(run_dir)))
+            found = str(_reader(run_dir).checkpoint())
         except RunError as e:
             err = str(e)
     if dist.enabled():
