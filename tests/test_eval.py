@@ -362,7 +362,7 @@ def test_eval_run_errors(ema_run, dapo_run, tiny_model_dir, tmp_path, work, caps
     empty.mkdir()
     shutil.copy(ema_run / "config.yaml", empty / "config.yaml")
     (empty / "checkpoints").mkdir()
-    with pytest.raises(EvalError, match="no complete checkpoint"):
+    with pytest.raises(EvalError, match="cannot evaluate .* has no checkpoint"):
         load_eval_model(empty)
     rc = main(["eval", "--model", str(dapo_run), "--anchor", "--benchmarks", str(work / "custom.json"),
                "--prompt-key", "q", "--answer-key", "gold", "--out", str(tmp_path / "o"), "--no-progress"])

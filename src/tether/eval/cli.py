@@ -11,10 +11,8 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
-import re
 import signal
 import sys
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..errors import EvalError
+from ..runs import RunCheckpoint, RunDir, check_anchor, is_checkpoint_dir, is_run_dir, load_run_model
 from ..tasks.benchmarks import load_benchmarks, slug
 from .metrics import default_ks
 from .runner import _check_sampling, evaluate
@@ -37,31 +36,32 @@ class EvalModelSpec:
 
     Attributes:
         spec: The argument as given.
-        kind: ``"model"`` (hub id / local dir / GGUF / smollm2) or ``"run"`` (a run directory
-            or one of its checkpoint directories).
-        run_dir, checkpoint, step: For runs: the run directory, the checkpoint used
-            (the latest unless a checkpoint directory was given) and its step.
-        model_config: For runs: the run's saved ``model`` section (base model and LoRA).
-        anchor_kind, recipe, system_prompt: For runs: ``algo.anchor.kind``, the recipe name
-            and ``data.system_prompt`` of the run's config.
+        run: For a training run directory or one of its checkpoint directories: the run at the
+            checkpoint used (the newest valid one unless a checkpoint directory was given), a
+            `tether.runs.RunCheckpoint`; None for a model (hub id / local dir / GGUF / smollm2).
+
+    ``kind`` (``"run"`` or ``"model"``) and, for runs, ``run_dir``, ``checkpoint``, ``step``,
+    ``model_config``, ``anchor_kind``, ``recipe`` and ``system_prompt`` read through to ``run``.
     """
 
     spec: str
-    kind: str
-    run_dir: Optional[Path] = None
-    checkpoint: Optional[Path] = None
-    step: Optional[int] = None
-    model_config: Any = None
-    anchor_kind: Optional[str] = None
-    recipe: Optional[str] = None
-    system_prompt: str = ""
+    run: Optional[RunCheckpoint] = None
+
+    kind = property(lambda self: "model" if self.run is None else "run")
+    run_dir = property(lambda self: self.run and self.run.run_dir)
+    checkpoint = property(lambda self: self.run and self.run.checkpoint)
+    step = property(lambda self: self.run and self.run.step)
+    model_config = property(lambda self: self.run and self.run.model_config)
+    anchor_kind = property(lambda self: self.run and self.run.anchor_kind)
+    recipe = property(lambda self: self.run and self.run.recipe)
+    system_prompt = property(lambda self: self.run.system_prompt if self.run else "")
 
     @property
     def name(self) -> str:
         """A short name for output directories: the run's directory name (with the step), or
         the model's last path component."""
-        if self.kind == "run":
-            return slug(f"{self.run_dir.resolve().name}-step{self.step}")
+        if self.run is not None:
+            return slug(f"{self.run.run_dir.resolve().name}-step{self.run.step}")
         s = str(self.spec).rstrip("/\\")
         base = Path(s).name or s
         for suf in (".gguf", ".GGUF"):
@@ -70,100 +70,37 @@ class EvalModelSpec:
         return slug(base)
 
 
-def _is_checkpoint_dir(p: Path) -> bool:
-    return p.is_dir() and (p / "state.json").is_file() and (p / "policy.safetensors").is_file()
-
-
-def _is_run_dir(p: Path) -> bool:
-    return p.is_dir() and (p / "config.yaml").is_file() and not (p / "config.json").is_file()
-
-
-def _run_settings(run_dir: Path) -> tuple[Any, str, str, str]:
-    """(ModelConfig, anchor kind, recipe, system prompt) from a run's config.yaml.
-
-    Uses :func:`tether.config.load_config`; if the saved config no longer validates here
-    (e.g. it asked for wandb, which this environment lacks), the raw YAML's sections are read.
-    """
-    from ..algo.recipes import ConfigError
-    from ..config import load_config, read_yaml_mapping
-    from ..models import ModelConfig
-
-    path = run_dir / "config.yaml"
-    try:
-        cfg = load_config(str(path))
-        return cfg.model, cfg.algo.anchor.kind, cfg.recipe, cfg.data.system_prompt
-    except ConfigError:
-        pass
-    try:
-        raw = read_yaml_mapping(path)
-    except ConfigError as e:
-        raise EvalError(str(e)) from None
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    mc = ModelConfig(**{k: v for k, v in (raw.get("model") or {}).items() if k in known})
-    anchor = ((raw.get("algo") or {}).get("anchor") or {}).get("kind", "none")
-    return mc, anchor, str(raw.get("recipe", "?")), str((raw.get("data") or {}).get("system_prompt") or "")
-
-
 def resolve_eval_spec(spec: str | os.PathLike) -> EvalModelSpec:
     """Classify a ``--model`` argument without loading any weights.
 
     * a checkpoint directory (``RUN/checkpoints/step-000010``: ``state.json`` and
-      ``policy.safetensors``) -> that checkpoint of its run;
-    * a run directory (``config.yaml`` and no ``config.json``) -> its latest complete
-      checkpoint (:func:`tether.checkpoint.latest_checkpoint`);
+      ``policy.safetensors``) -> that checkpoint of its run, verified against its manifest;
+    * a run directory (``config.yaml`` and no ``config.json``) -> its newest valid checkpoint;
     * anything else -> a model for :func:`tether.models.load_model` (hub id, local HF
       directory, ``.gguf`` file, ``smollm2``).
 
-    Raises:
-        EvalError: a run directory without checkpoint, or a checkpoint outside a run.
-    """
-    from ..checkpoint import latest_checkpoint, verify_checkpoint
-    from ..metrics import warn
+    Runs are read by `tether.runs.RunDir` (as ``tether train --resume`` and ``tether export`` read them).
 
+    Raises:
+        EvalError: a run directory without (valid) checkpoint, a damaged checkpoint directory, or a
+            checkpoint outside a run.
+    """
     s = os.fspath(spec)
     p = Path(s).expanduser()
-    if _is_checkpoint_dir(p):
-        ckpt = p
-        run_dir = p.parent.parent if p.parent.name == "checkpoints" else None
-        if run_dir is None or not (run_dir / "config.yaml").is_file():
-            raise EvalError(f"checkpoint {p} is not inside a run directory (RUN/checkpoints/step-N with "
-                            f"RUN/config.yaml), so its base model is unknown")
-        ok, note = verify_checkpoint(ckpt)  # a run directory's newest is verified by latest_checkpoint
-        if not ok:
-            raise EvalError(f"checkpoint {ckpt} is damaged: {note}; evaluate another checkpoint, or the run "
-                            f"directory (its newest valid checkpoint)")
-        if note:
-            warn(f"checkpoint {ckpt} {note}")
-    elif _is_run_dir(p):
-        run_dir = p
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
-            raise EvalError(f"run {run_dir} has no complete checkpoint to evaluate (no "
-                            f"{run_dir / 'checkpoints'}/step-N with state.json); train longer or set "
-                            f"run.save_every")
+    if is_checkpoint_dir(p):
+        run = RunDir.of_checkpoint(p, verb="evaluate", error=EvalError).at(p)
+    elif is_run_dir(p):
+        run = RunDir(p, verb="evaluate", error=EvalError).at()
     else:
-        return EvalModelSpec(spec=s, kind="model")
-    try:
-        step = int(json.loads((ckpt / "state.json").read_text())["step"])
-    except Exception:
-        m = re.search(r"(\d+)$", ckpt.name)
-        step = int(m.group(1)) if m else -1
-    mc, anchor_kind, recipe_name, system_prompt = _run_settings(run_dir)
-    return EvalModelSpec(spec=s, kind="run", run_dir=run_dir, checkpoint=ckpt, step=step, model_config=mc,
-                         anchor_kind=anchor_kind, recipe=recipe_name, system_prompt=system_prompt)
+        return EvalModelSpec(spec=s)
+    return EvalModelSpec(spec=s, run=run)
 
 
 def _check_anchor(info: EvalModelSpec) -> None:
-    if info.kind != "run":
+    if info.run is None:
         raise EvalError(f"--anchor needs a training run directory (or one of its checkpoints); "
                         f"{info.spec!r} is a plain model")
-    if info.anchor_kind in ("none", "iterative"):
-        why = ("it has no KL term (algo.anchor.kind = none)" if info.anchor_kind == "none" else
-               "its anchor is iterative (the sampler itself), so it keeps no anchor weights")
-        raise EvalError(f"run {info.run_dir} ({info.recipe}) has no anchor to evaluate: {why}")
-    if not (info.checkpoint / "anchor.safetensors").is_file():
-        raise EvalError(f"checkpoint {info.checkpoint} holds no anchor tensors (anchor.safetensors); "
-                        f"the run's anchor kind is {info.anchor_kind!r}")
+    check_anchor(info.run, verb="evaluate", error=EvalError)
 
 
 def load_eval_model(
@@ -178,63 +115,34 @@ def load_eval_model(
 
     * A model spec (hub id, local directory, ``.gguf`` file, ``"smollm2"``) is loaded by
       :func:`tether.models.load_model` in ``dtype`` on ``device``.
-    * A run directory (``config.yaml`` + ``checkpoints/``) or a checkpoint directory: the
-      run's base model is built from its saved ``model`` section (LoRA included; gradient
-      checkpointing off; ``dtype``/``device`` from the arguments), then the checkpoint's
-      policy tensors are loaded (:func:`tether.checkpoint.load_policy_weights`).
-      With ``anchor=True`` the checkpoint's anchor tensors theta_a (the EMA / fixed / reset
-      anchor pi_a, fp32 on disk) are then copied into the same named parameters, so the
-      model computes pi_a: with LoRA the policy tensors are loaded first for the structure
-      and the anchor replaces the adapters.
+    * A run directory (``config.yaml`` + ``checkpoints/``) or a checkpoint directory: the run's
+      policy at the checkpoint, or with ``anchor=True`` its anchor, by
+      :func:`tether.runs.load_run_model` (the loader ``tether export`` uses too), in ``dtype`` on
+      ``device``; with LoRA and ``merge_lora`` the adapters are merged into the base weights
+      (faster generation; parameter names then lose the peft prefixes).
 
-    With LoRA and ``merge_lora`` the adapters are merged into the base weights afterwards
-    (faster generation; parameter names then lose the peft prefixes). The model is returned
-    in eval mode with gradients off.
+    The model is returned in eval mode with gradients off.
 
     Raises:
         EvalError: a run without a checkpoint, ``anchor=True`` for a plain model or for a run
             without anchor tensors (no KL term, or the iterative anchor), anchor tensors that
             do not match the model, or a base model that cannot be loaded.
     """
-    from ..checkpoint import copy_named_tensors, load_anchor_tensors, load_policy_weights
-    from ..models import ModelLoadError, load_model
+    from ..models import ModelConfig, ModelLoadError, load_model
 
     info = spec if isinstance(spec, EvalModelSpec) else resolve_eval_spec(spec)
     if anchor:
         _check_anchor(info)
-    if info.kind == "model":
-        from ..models import ModelConfig
-
-        try:
-            model, tok = load_model(ModelConfig(name=info.spec, dtype=dtype, device=device))
-        except ModelLoadError as e:
-            raise EvalError(str(e)) from None
-        desc = f"model {info.spec}"
-    else:
-        mc = dataclasses.replace(info.model_config, dtype=dtype, device=device, gradient_checkpointing=False)
-        try:
-            model, tok = load_model(mc)
-        except ModelLoadError as e:
-            raise EvalError(f"run {info.run_dir}: cannot load its base model {mc.name!r} "
-                            f"(from {info.run_dir / 'config.yaml'}): {e}") from None
-        try:
-            load_policy_weights(info.checkpoint, model)
-        except ValueError as e:
-            raise EvalError(f"{e} (base model {mc.name!r}, lora_r={mc.lora_r})") from None
-        what = "policy"
-        if anchor:
-            try:
-                copy_named_tensors(load_anchor_tensors(info.checkpoint), model, f"{info.checkpoint} anchor")
-            except ValueError as e:
-                raise EvalError(str(e)) from None
-            what = f"anchor ({info.anchor_kind})"
-        lora = f", LoRA r={mc.lora_r}" if mc.lora_r else ""
-        desc = f"run {info.run_dir} [{info.recipe}] step {info.step} {what}; base {mc.name}{lora}"
-        if merge_lora and callable(getattr(model, "merge_and_unload", None)):
-            model = model.merge_and_unload()
+    if info.run is not None:
+        return load_run_model(info.run, anchor=anchor, dtype=dtype, device=device, merge_lora=merge_lora,
+                              verb="evaluate", error=EvalError)
+    try:
+        model, tok = load_model(ModelConfig(name=info.spec, dtype=dtype, device=device))
+    except ModelLoadError as e:
+        raise EvalError(str(e)) from None
     model.requires_grad_(False)
     model.eval()
-    return model, tok, desc
+    return model, tok, f"model {info.spec}"
 
 
 def _table_columns(n: int, ks: Sequence[int]) -> list[tuple[str, str, Callable[[dict], str]]]:
