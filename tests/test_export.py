@@ -23,8 +23,9 @@ from tether.anchor import make_anchor
 from tether.checkpoint import load_anchor_tensors, load_policy_weights
 from tether.cli import main
 from tether.config import load_config
-from tether.export import ExportError, export_run, load_run_model, plain_contiguous, resolve_run_checkpoint
+from tether.export import ExportError, export_run, plain_contiguous, resolve_run_checkpoint
 from tether.models import ModelConfig, load_model
+from tether.runs import load_run_model
 from tether.testing import TINY_CHAT_TEMPLATE, make_tiny_model_dir
 from tether.train import train
 
@@ -282,7 +283,7 @@ def test_plain_contiguous_undoes_column_major():
 
 def test_column_major_weights_exported_contiguous_and_right(ema_run, tmp_path):
     rc = resolve_run_checkpoint(ema_run)
-    model, _ = load_run_model(rc)
+    model, _, _ = load_run_model(rc)  # the loader export and eval share
     strided = [n for n, p in model.named_parameters() if not p.is_contiguous()]
     assert strided, "load_model should store CPU linear weights column-major (the case under test)"
     out = export_run(ema_run, tmp_path / "e")
@@ -389,12 +390,12 @@ def test_step_and_errors(work, ema_run, tiny_model_dir, tmp_path, capsys):
 
     o = str(tmp_path / "o")
     err(["export", str(ema_run), o, "--step", "7"], "no checkpoint at step 7", "available steps: 1, 2")
-    err(["export", str(tmp_path / "nope"), o], "does not exist")
+    err(["export", str(tmp_path / "nope"), o], "cannot export", "no such directory")
     err(["export", str(tiny_model_dir), o], "not a tether run directory")
     empty = tmp_path / "empty_run"
     empty.mkdir()
     (empty / "config.yaml").write_text((ema_run / "config.yaml").read_text())
-    err(["export", str(empty), o], "no complete checkpoint")
+    err(["export", str(empty), o], "cannot export", "has no checkpoint")
     err(["export", str(ema_run), o, "--adapter-only"], "needs a LoRA run")
     err(["export", str(ema_run), o, "--merge-lora"], "needs a LoRA run")
     err(["export", str(ema_run), o, "--max-shard-size", "lots"], "not a size")

@@ -31,7 +31,6 @@ is an earlier export that tether wrote and nothing else was put into (`tether.ow
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -39,13 +38,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from .owned import write_marker
+from .runs import RunCheckpoint, RunDir, check_anchor, load_run_model
 
 #: ``--dtype`` names -> torch dtypes (long forms accepted too).
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -60,141 +59,18 @@ class ExportError(ValueError):
     """A bad export request (missing run / checkpoint / step, no anchor, no LoRA, target in the way)."""
 
 
-@dataclass
-class RunCheckpoint:
-    """A run directory's checkpoint, resolved without loading weights (see `resolve_run_checkpoint`)."""
-
-    run_dir: Path
-    checkpoint: Path
-    step: int
-    config: Any  # tether.config.Config, or the raw YAML dict if it no longer validates here
-    model_config: Any  # tether.models.ModelConfig
-
-    @property
-    def lora(self) -> bool:
-        return int(getattr(self.model_config, "lora_r", 0) or 0) > 0
-
-    @property
-    def anchor_kind(self) -> str:
-        if isinstance(self.config, dict):
-            return str(((self.config.get("algo") or {}).get("anchor") or {}).get("kind", "none"))
-        return self.config.algo.anchor.kind
-
-    @property
-    def recipe(self) -> str:
-        return str(self.config.get("recipe", "?")) if isinstance(self.config, dict) else self.config.recipe
-
-
-# --------------------------------------------------------------------------- which checkpoint
-
-
-def _step_of(p: Path) -> Optional[int]:
-    m = re.fullmatch(r"step-(\d+)", p.name)
-    return int(m.group(1)) if m else None
-
-
-def available_steps(run_dir: Path) -> list[int]:
-    """Steps of the run's complete checkpoints (``checkpoints/step-N`` with ``state.json``), ascending."""
-    root = Path(run_dir) / "checkpoints"
-    steps = [_step_of(p) for p in root.glob("step-*") if p.is_dir() and (p / "state.json").is_file()]
-    return sorted(s for s in steps if s is not None)
-
-
-def _load_run_config(run_dir: Path) -> tuple[Any, Any]:
-    """(Config or raw dict, ModelConfig) from ``RUN/config.yaml``."""
-    from .algo.recipes import ConfigError
-    from .config import load_config, read_yaml_mapping
-    from .models import ModelConfig
-
-    path = run_dir / "config.yaml"
-    try:
-        cfg = load_config(str(path))
-        return cfg, cfg.model
-    except ConfigError:
-        pass  # e.g. the run asked for wandb, absent here: read the raw sections
-    try:
-        raw = read_yaml_mapping(path)
-    except ConfigError as e:  # not UTF-8, not YAML, not a mapping
-        raise ExportError(str(e)) from None
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return raw, ModelConfig(**{k: v for k, v in (raw.get("model") or {}).items() if k in known})
+# --------------------------------------------------------------------------- which checkpoint, the model
 
 
 def resolve_run_checkpoint(run_dir: str | os.PathLike, step: Optional[int] = None) -> RunCheckpoint:
-    """The run's checkpoint at ``step`` (default: the latest complete one) and its config.
+    """The run's checkpoint at ``step`` (default: the newest valid one) and its config, read by
+    `tether.runs.RunDir` (as ``tether eval`` and ``tether train --resume`` read a run).
 
     Raises:
-        ExportError: no run directory / ``config.yaml``, no checkpoint, or no checkpoint at ``step``
-            (the message lists the available steps).
+        ExportError: no run directory / ``config.yaml``, no (valid) checkpoint, no checkpoint at ``step``
+            (the message lists the available steps), or a damaged checkpoint at ``step``.
     """
-    from .checkpoint import latest_checkpoint, verify_checkpoint
-    from .metrics import warn
-
-    run_dir = Path(run_dir).expanduser()
-    if not run_dir.is_dir():
-        raise ExportError(f"run directory {run_dir} does not exist")
-    if not (run_dir / "config.yaml").is_file():
-        raise ExportError(f"{run_dir} is not a tether run directory (no config.yaml)")
-    steps = available_steps(run_dir)
-    if step is None:
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is None:
-            raise ExportError(f"run {run_dir} has no complete checkpoint (no checkpoints/step-N with state.json)")
-    else:
-        found = [p for p in (run_dir / "checkpoints").glob("step-*")
-                 if _step_of(p) == step and (p / "state.json").is_file()]
-        if not found:
-            have = ", ".join(map(str, steps)) if steps else "none"
-            raise ExportError(f"run {run_dir} has no checkpoint at step {step}; available steps: {have}")
-        ckpt = found[0]
-        ok, note = verify_checkpoint(ckpt)  # the newest is verified by latest_checkpoint; a named one here
-        if not ok:
-            raise ExportError(f"checkpoint {ckpt} is damaged: {note}; export another step (available: "
-                              f"{', '.join(map(str, steps))})")
-        if note:
-            warn(f"checkpoint {ckpt} {note}")
-    try:
-        n = int(json.loads((ckpt / "state.json").read_text())["step"])
-    except Exception:
-        n = _step_of(ckpt) if _step_of(ckpt) is not None else -1
-    cfg, mc = _load_run_config(run_dir)
-    return RunCheckpoint(run_dir=run_dir, checkpoint=ckpt, step=n, config=cfg, model_config=mc)
-
-
-def check_anchor(rc: RunCheckpoint) -> None:
-    """Raise `ExportError` unless the checkpoint holds anchor tensors (EMA / fixed / reset / kl_reset)."""
-    kind = rc.anchor_kind
-    if kind in ("none", "iterative"):
-        why = ("it has no KL term (algo.anchor.kind = none)" if kind == "none" else
-               "its anchor is iterative (the sampler itself), so it keeps no anchor weights")
-        raise ExportError(f"run {rc.run_dir} ({rc.recipe}) has no anchor to export: {why}")
-    if not (rc.checkpoint / "anchor.safetensors").is_file():
-        raise ExportError(f"checkpoint {rc.checkpoint} holds no anchor tensors (anchor.safetensors); "
-                          f"the run's anchor kind is {kind!r}")
-
-
-# --------------------------------------------------------------------------- rebuilding the model
-
-
-def load_run_model(rc: RunCheckpoint, *, anchor: bool = False, merge_lora: bool = True) -> tuple[Any, Any]:
-    """The run's model at ``rc`` in fp32 on CPU, policy or anchor; returns ``(model, tokenizer)``.
-
-    Delegates to `tether.eval.cli.load_eval_model` (the same loader ``tether eval`` uses: base
-    model from the run's ``model`` section, the checkpoint's policy tensors, the anchor tensors
-    in their place for ``anchor=True``; with LoRA the adapters are merged when ``merge_lora``).
-    fp32 keeps the EMA anchor's fp32 master exact; the export casts afterwards.
-    """
-    from .errors import EvalError
-    from .eval.cli import load_eval_model
-
-    if anchor:
-        check_anchor(rc)
-    try:
-        model, tok, _ = load_eval_model(rc.checkpoint, anchor=anchor, dtype="float32", device="cpu",
-                                        merge_lora=merge_lora)
-    except EvalError as e:
-        raise ExportError(str(e)) from None
-    return model, tok
+    return RunDir(run_dir, verb="export", error=ExportError).at(step)
 
 
 def plain_contiguous(model: torch.nn.Module) -> int:
@@ -485,7 +361,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
         ``out_dir``.
 
     Raises:
-        ExportError: see `resolve_run_checkpoint`, `check_anchor`, `check_target`; ``lora="adapter"``
+        ExportError: see `resolve_run_checkpoint`, `tether.runs.check_anchor`, `check_target`; ``lora="adapter"``
             without LoRA; an unknown ``lora`` or dtype.
     """
     log = log or (lambda *a: None)
@@ -500,7 +376,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
         raise ExportError(f"--adapter-only needs a LoRA run; run {rc.run_dir} fine-tuned all weights "
                           f"(model.lora_r = 0)")
     if anchor:
-        check_anchor(rc)
+        check_anchor(rc, verb="export", error=ExportError)
     fmt = "adapter" if lora == "adapter" else "full"
     if isinstance(max_shard_size, str) and max_shard_size.strip().isdigit():
         max_shard_size = int(max_shard_size)  # bytes
@@ -509,7 +385,9 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
 
     log(f"[tether] rebuilding {rc.run_dir} step {rc.step} {'anchor' if anchor else 'policy'} "
         f"(base {rc.model_config.name})")
-    model, _ = load_run_model(rc, anchor=anchor, merge_lora=fmt == "full")
+    # fp32 on the CPU keeps the EMA anchor's fp32 master exact; the export casts afterwards
+    model, _, _ = load_run_model(rc, anchor=anchor, dtype="float32", device="cpu", merge_lora=fmt == "full",
+                                 verb="export", error=ExportError)
     base = model.get_base_model() if _is_peft(model) else model
     plain_contiguous(model)
     model.to(torch_dtype)
