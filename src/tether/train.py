@@ -38,54 +38,7 @@ from .rollout import RolloutBatch, SamplingParams, make_engine
 from .rundir import RunDirectory, resume_checkpoint, resume_config
 from .stop import GracefulStop, resume_hint
 from .tasks import Example
-
-
-# ---------------------------------------------------------------- prompts
-
-
-class PromptSource:
-    """A deterministic stream of training examples; ``position`` (an int) is checkpointed."""
-
-    def __init__(self, cfg: Config):
-        d = cfg.data
-        self.seed = cfg.train.seed
-        self.position = 0
-        if d.task == "arithmetic":
-            from .tasks.arithmetic import ArithmeticTask
-            self.task = ArithmeticTask(seed=self.seed, difficulty=d.difficulty, split="train")
-            self.examples = None
-            self.reward_name = "arithmetic"
-        elif cfg.rollout.agent == "search":  # QA for the search agent: the prompt carries the protocol's instruction
-            from .search.data import load_search_examples
-            self.task = None
-            self.examples = load_search_examples(d.task, data_dir=cfg.search.data_dir or None,
-                                                 question_key=d.prompt_key or "question", answers_key=d.answer_key,
-                                                 max_searches=cfg.search.max_searches, limit=d.limit or None)
-            self.reward_name = "search"
-        else:
-            from .tasks.data import default_reward_name, load_examples
-            self.task = None
-            self.examples = load_examples(d.task, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                                          data_dir=d.data_dir, limit=d.limit or None)
-            self.reward_name = default_reward_name(d.task)
-        self.shuffle = d.shuffle
-
-    def _index(self, pos: int) -> int:
-        n = len(self.examples)
-        epoch, i = divmod(pos, n)
-        if not self.shuffle:
-            return i
-        g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-        return int(torch.randperm(n, generator=g)[i])
-
-    def take(self, n: int) -> list[Example]:
-        """The next ``n`` examples (datasets wrap around, reshuffled each pass)."""
-        if self.examples is None:
-            out = [self.task.example(self.position + i) for i in range(n)]
-        else:
-            out = [self.examples[self._index(self.position + i)] for i in range(n)]
-        self.position += n
-        return out
+from .tasks.stream import held_out_sets, prompt_stream
 
 
 class Trainer:
@@ -117,7 +70,7 @@ class Trainer:
                                  f"({dist.world_size()} ranks); set rollout.dynamic_sampling=false")
         random.seed(t.seed)
         torch.manual_seed(t.seed)
-        self.data = PromptSource(cfg)  # validates every row before the (slow) model load
+        self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row before the (slow) model load
         from .tasks.reward_worker import reward_scorer
         reward_spec = self.data.reward_name if cfg.data.reward == "auto" else cfg.data.reward
         # a user reward runs in a worker process with data.reward_timeout per call; a bad spec is a RewardError here
@@ -157,7 +110,7 @@ class Trainer:
         self.passes = Passes(model, self.anchor, self.needs, on_policy=t.epochs == 1 and t.mini_batches == 1,
                              temperature=cfg.rollout.temperature, micro_batch_size=t.micro_batch_size,
                              chunk_size=t.logprob_chunk, share_prompt=t.share_prompt)
-        self.eval_sets = self._load_eval_sets() if evaluating(cfg) else {}
+        self.eval_sets = held_out_sets(cfg, eval_benchmarks(cfg)) if evaluating(cfg) else {}
         if (cfg.eval.before or cfg.eval.after) and not self.eval_sets and dist.is_main():
             self.log(f"[tether] no held-out evaluation: data.task={cfg.data.task!r} has no held-out set for "
                      f"eval.benchmarks=auto (name one, e.g. eval.benchmarks=[gsm8k], or set eval.before=false "
@@ -166,22 +119,6 @@ class Trainer:
         # ranks must make the same calls: one forward per micro-batch (the shared-prompt forward makes
         # two when a micro-batch repeats a prompt, and that depends on the data). No-grad passes share.
         self._share_grad = t.share_prompt and not dist.enabled()
-
-    def _load_eval_sets(self) -> dict:
-        """Held-out benchmarks for evaluation during training: name -> (examples, reward function)."""
-        from .tasks.benchmarks import load_benchmark
-        from .tasks.arithmetic import ArithmeticTask
-        from .tasks.rewards import load_reward
-        e, d = self.cfg.eval, self.cfg.data
-        out = {}
-        for src in eval_benchmarks(self.cfg):
-            if src == "arithmetic":  # the synthetic task's test split: never trained on
-                task = ArithmeticTask(seed=self.cfg.train.seed, difficulty=d.difficulty, split="test")
-                out["arithmetic"] = (task.examples(e.limit), load_reward("arithmetic"))
-            else:
-                b = load_benchmark(src, limit=e.limit, data_dir=d.data_dir)
-                out[b.name] = (b.examples, b.reward_fn)
-        return out
 
     def evaluate(self) -> dict:
         """eval/<bench>/<metric> for the policy (and eval_anchor/... for the anchor when asked)."""

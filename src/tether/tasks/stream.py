@@ -1,0 +1,93 @@
+"""Where a run's examples come from: the training prompt stream and the held-out evaluation sets.
+
+* `PromptStream` -- what the trainer reads: ``take(n)`` gives the next ``n`` examples of a
+  deterministic stream, ``position`` (an int) is checkpointed, ``reward_name`` is the reward that
+  fits the task (``data.reward=auto``), and ``examples`` holds a finite dataset's rows (None for a
+  generated task) so that they can be checked before the first step.
+* `prompt_stream(cfg)` / `held_out_sets(cfg, names)` -- build them from a config. These are the
+  only places that know task names (the synthetic ``arithmetic`` task, the search agent's QA
+  data); the trainer never branches on one.
+
+The stream is name-agnostic: a generated task gives it ``generate(i) -> Example``, a dataset its
+rows (wrapped around, reshuffled each pass with a seed of ``train.seed`` and the pass).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .base import Example
+
+
+class PromptStream:
+    """A deterministic stream of training examples; ``position`` (an int) is checkpointed.
+
+    Exactly one of ``examples`` (a dataset's rows, taken in order or reshuffled each pass) and
+    ``generate`` (example ``i`` of a generated task) is given.
+    """
+
+    def __init__(self, *, reward_name: str, seed: int, shuffle: bool = True,
+                 examples: Optional[list[Example]] = None, generate: Optional[Callable[[int], Example]] = None):
+        if (examples is None) == (generate is None):
+            raise ValueError("PromptStream takes exactly one of examples= and generate=")
+        self.examples, self.generate = examples, generate
+        self.reward_name, self.seed, self.shuffle = reward_name, seed, shuffle
+        self.position = 0
+
+    def _index(self, pos: int) -> int:
+        n = len(self.examples)
+        epoch, i = divmod(pos, n)
+        if not self.shuffle:
+            return i
+        g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+        return int(torch.randperm(n, generator=g)[i])
+
+    def take(self, n: int) -> list[Example]:
+        """The next ``n`` examples (datasets wrap around, reshuffled each pass)."""
+        if self.examples is None:
+            out = [self.generate(self.position + i) for i in range(n)]
+        else:
+            out = [self.examples[self._index(self.position + i)] for i in range(n)]
+        self.position += n
+        return out
+
+
+def prompt_stream(cfg) -> PromptStream:
+    """The training stream of ``cfg.data`` (a `tether.config.Config`); every row is validated here,
+    before the (slow) model load."""
+    d, seed = cfg.data, cfg.train.seed
+    if d.task == "arithmetic":
+        from .arithmetic import ArithmeticTask
+        task = ArithmeticTask(seed=seed, difficulty=d.difficulty, split="train")
+        return PromptStream(generate=task.example, reward_name="arithmetic", seed=seed, shuffle=d.shuffle)
+    if cfg.rollout.agent == "search":  # QA for the search agent: the prompt carries the protocol's instruction
+        from ..search.data import load_search_examples
+        examples = load_search_examples(d.task, data_dir=cfg.search.data_dir or None,
+                                        question_key=d.prompt_key or "question", answers_key=d.answer_key,
+                                        max_searches=cfg.search.max_searches, limit=d.limit or None)
+        return PromptStream(examples=examples, reward_name="search", seed=seed, shuffle=d.shuffle)
+    from .data import default_reward_name, load_examples
+    examples = load_examples(d.task, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                             data_dir=d.data_dir, limit=d.limit or None)
+    return PromptStream(examples=examples, reward_name=default_reward_name(d.task), seed=seed, shuffle=d.shuffle)
+
+
+def held_out_sets(cfg, names: list[str]) -> dict:
+    """The held-out benchmarks ``names`` (``tether.config.eval_benchmarks(cfg)``) for evaluation during
+    training: name -> (examples, reward function). ``arithmetic`` is the synthetic task's test split
+    (never trained on); any other name is a `tether.tasks.benchmarks` benchmark."""
+    from .arithmetic import ArithmeticTask
+    from .benchmarks import load_benchmark
+    from .rewards import load_reward
+    e, d = cfg.eval, cfg.data
+    out = {}
+    for src in names:
+        if src == "arithmetic":
+            task = ArithmeticTask(seed=cfg.train.seed, difficulty=d.difficulty, split="test")
+            out["arithmetic"] = (task.examples(e.limit), load_reward("arithmetic"))
+        else:
+            b = load_benchmark(src, limit=e.limit, data_dir=d.data_dir)
+            out[b.name] = (b.examples, b.reward_fn)
+    return out
