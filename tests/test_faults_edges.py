@@ -137,12 +137,21 @@ import os
 def digits(completion, example):
     return sum(c.isdigit() for c in completion) / max(len(completion), 1)
 
+def _called():
+    with open(os.environ["TETHER_TEST_CALLS"], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+
 def kill_own_worker(completion, example):
     """Dies as a segfault would: SIGKILL to its own process (the reward worker)."""
+    _called()
     os.kill(os.getpid(), 9)
 
-def exit_worker(completion, example):
-    os._exit(1)
+def exit_on_x(completion, example):
+    """os._exit(1) when the response says "x", else 1.0."""
+    _called()
+    if completion == "x":
+        os._exit(1)
+    return 1.0
 '''
 
 
@@ -188,3 +197,56 @@ def test_resume_when_metrics_jsonl_is_a_directory(work, tiny_model_dir, tmp_path
     r = run_module("train", "--resume", run, "train.steps=3")
     assert r.returncode == 0, r.stderr
     assert [row["step"] for row in metric_rows(run)] == [3]
+
+
+# ---------------------------------------------------------------- a reward that kills its worker
+
+
+CRASH_WARNING = "the reward worker process died during a call"
+GAVE_UP_WARNING = "it is not restarted again"
+
+
+def test_reward_that_kills_its_worker_stops_being_restarted(work, tiny_model_dir, tmp_path):
+    """Every call SIGKILLs the reward worker: it was restarted for each of the run's 8 calls. Now one
+    warning at the first crash, one when it gives up after 3 in a row (2 restarts); the other calls
+    score 0 unmade and count in reward_errors, and the run finishes."""
+    run, calls = tmp_path / "run", tmp_path / "calls.txt"
+    r = run_module(*train_argv(work, tiny_model_dir, run, 2, reward="kill_own_worker", **{"run.save_every": 0}),
+                   env={"TETHER_TEST_CALLS": str(calls)})
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    warnings = [ln for ln in r.stderr.splitlines() if ln.startswith("tether: warning:")]
+    assert sum(CRASH_WARNING in w for w in warnings) == 1, r.stderr
+    assert sum(GAVE_UP_WARNING in w for w in warnings) == 1, r.stderr
+    pids = calls.read_text().split()
+    assert len(pids) == 3 and len(set(pids)) == 3  # three calls made, each in its own worker: 2 restarts
+    assert [(row["step"], row["reward_errors"]) for row in metric_rows(run)] == [(1, 4), (2, 8)]
+    assert all(row["reward_mean"] == 0 for row in metric_rows(run))
+    log = (run / "reward_errors.log").read_text()
+    assert "the reward worker process died" in log
+
+
+def test_reward_worker_counts_crashes_in_a_row(work, tmp_path, monkeypatch):
+    """The API under the trainer: a call that returns ends a row of crashes; 3 in a row end the restarts
+    for good; a warning at the first crash and one at giving up, never one per call."""
+    from tether.tasks.base import Example
+    from tether.tasks.reward_worker import RewardWorker
+
+    calls = tmp_path / "calls.txt"
+    monkeypatch.setenv("TETHER_TEST_CALLS", str(calls))
+    said = []
+    w = RewardWorker(f"{work / 'rew.py'}:exit_on_x", timeout=60, warn=said.append)
+    try:
+        ex = [Example(prompt="p", answer="1", id=str(i)) for i in range(8)]
+        rewards, _, failures = w.score(["x", "ok", "x", "x", "ok", "x", "x", "ok"], ex)
+        assert rewards == [0, 1, 0, 0, 1, 0, 0, 1] and [f.example_id for f in failures] == ["0", "2", "3", "5", "6"]
+        assert w.crashes == 5 and w.restarts == 5 and not w.gave_up and len(said) == 1 and "exit code 1" in said[0]
+        rewards, _, failures = w.score(["x", "x", "x", "ok", "ok"], ex[:5])
+        assert w.gave_up and w.crashes == 8 and w.restarts == 7 and len(said) == 2 and "3 calls in a row" in said[1]
+        assert rewards == [0] * 5 and all(f.kind == "crashed" for f in failures) and len(failures) == 5
+        assert "not scored" in failures[-1].detail
+        n_calls = len(calls.read_text().split())
+        assert w.score(["ok"] * 4, ex[:4])[0] == [0] * 4 and len(said) == 2
+        assert len(calls.read_text().split()) == n_calls == 11  # no call was made after giving up
+    finally:
+        w.close()

@@ -15,8 +15,14 @@ cannot in general be stopped from inside its own process:
   killed, that call scores 0 (a ``RewardFailure`` of kind ``"timeout"``), and a new worker
   scores the rest of the batch.
 
+A reward that kills its worker (a segfault in a C extension, ``os._exit``, the OOM killer) costs
+a restart per call. The first such crash is said once, as a warning; after ``MAX_CRASHES_IN_A_ROW``
+calls in a row that crashed, the worker is not restarted again: every later call scores 0 without
+being made and is a ``"crashed"`` failure too (the trainer counts them in ``reward_errors``), so a
+broken reward costs a few restarts, not one per response for the rest of the run.
+
 Costs: starting the worker (a fresh interpreter importing ``tether.tasks`` and the user's
-module, about 0.3 s; again after each timeout) and, per call, two pickles and two pipe hops
+module, about 0.3 s; again after each timeout or crash) and, per call, two pickles and two pipe hops
 (tens of microseconds). The built-in rewards (arithmetic, gsm8k, math, search) do not use it:
 they are tether's own bounded code and run in the trainer's process at no cost.
 
@@ -48,7 +54,10 @@ from ..errors import RewardError
 from .base import Example
 from .rewards import RewardFailure, is_builtin_reward, load_reward, score_one, score_responses
 
-__all__ = ["RewardWorker", "reward_scorer"]
+__all__ = ["MAX_CRASHES_IN_A_ROW", "RewardWorker", "reward_scorer"]
+
+#: calls in a row that kill the worker after which it is not restarted again (see `RewardWorker`)
+MAX_CRASHES_IN_A_ROW = 3
 
 #: (texts, examples) -> (rewards, correct, failures), as ``tether.tasks.rewards.score_responses``
 Scorer = Callable[[Sequence[str], Sequence[Example]], "tuple[list[float], list[bool], list[RewardFailure]]"]
@@ -76,18 +85,30 @@ class RewardWorker:
             with this process's ``sys.path`` and working directory).
         format_weight: as for ``load_reward``.
         timeout: seconds per call (> 0).
+        max_crashes: calls in a row that kill the worker after which it is not restarted again;
+            every later call then scores 0, unmade, with a ``"crashed"`` failure (``gave_up``).
+        warn: where the two warnings go (the first crash, and giving up; each said once);
+            default ``tether.metrics.warn`` (one ``tether: warning:`` line on stderr).
 
     Raises:
         RewardError: the spec does not load (the message ``load_reward`` gives in the worker).
 
-    ``restarts`` counts the workers started after a timeout or a crash.
+    ``restarts`` counts the workers started after a timeout or a crash; ``crashes`` the calls
+    during which the worker died; ``gave_up`` is True once ``max_crashes`` came in a row (a call
+    that returns, or times out, ends a row).
     """
 
-    def __init__(self, spec: str, format_weight: float = 0.0, timeout: float = 10.0):
+    def __init__(self, spec: str, format_weight: float = 0.0, timeout: float = 10.0,
+                 max_crashes: int = MAX_CRASHES_IN_A_ROW, warn: Callable[[str], None] | None = None):
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0, got {timeout!r}")
+        if max_crashes < 1:
+            raise ValueError(f"max_crashes must be >= 1, got {max_crashes!r}")
         self.spec, self.format_weight, self.timeout = spec, float(format_weight), float(timeout)
-        self.restarts = 0
+        self.max_crashes, self._warn = int(max_crashes), warn
+        self.restarts = self.crashes = self._crashes_in_row = 0
+        self.gave_up = False
+        self._start_s = 0.0  # how long the last worker took to start and load the reward
         self._live: list = [None]  # the running worker (a Popen), shared with the finalizer
         self._replies: queue.Queue = queue.Queue()
         weakref.finalize(self, _stop, self._live)  # the worker ends with this object (or at exit)
@@ -97,6 +118,7 @@ class RewardWorker:
 
     def _start(self) -> None:
         """Start a worker and wait until it has loaded the reward (no limit: imports may be slow)."""
+        t0 = time.perf_counter()
         env = dict(os.environ)
         src = str(Path(__file__).resolve().parents[2])  # where the tether package lives
         env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -113,6 +135,7 @@ class RewardWorker:
                 raise RewardError(f"reward {self.spec!r}: the reward worker process exited while loading it "
                                   f"(exit code {proc.returncode})")
             raise RewardError(reply[1])
+        self._start_s = time.perf_counter() - t0
 
     def _send(self, msg) -> bool:
         """Send one request; False if the worker is gone."""
@@ -128,6 +151,27 @@ class RewardWorker:
         """Stop the worker (it is also stopped when this object is collected, or at exit)."""
         _stop(self._live)
 
+    def _say(self, msg: str) -> None:
+        if self._warn is not None:
+            self._warn(msg)
+        else:
+            from ..metrics import warn  # not at the top: the worker process imports this module too
+            warn(msg)
+
+    def _crashed(self, code, example_id: str) -> None:
+        """Count a call during which the worker died; warn on the first; give up after ``max_crashes`` in a row."""
+        self.crashes += 1
+        self._crashes_in_row += 1
+        if self._crashes_in_row >= self.max_crashes:
+            self.gave_up = True
+            self._say(f"reward {self.spec!r}: the reward worker process died during {self._crashes_in_row} calls in "
+                      f"a row (last exit code {code}); it is not restarted again: every later call scores 0 "
+                      f"and counts in reward_errors. Fix the reward, then resume the run from a checkpoint")
+        elif self.crashes == 1:
+            self._say(f"reward {self.spec!r}: the reward worker process died during a call (exit code {code}, "
+                      f"example {example_id}); it is restarted for the next call ({self._start_s:.2f} s a start), "
+                      f"and after {self.max_crashes} crashes in a row no more: later calls then score 0")
+
     # ------------------------------------------------------------ scoring
 
     def score(self, texts: Sequence[str], examples: Sequence[Example]
@@ -136,12 +180,18 @@ class RewardWorker:
 
         A call with no result after ``timeout`` seconds scores 0 with a ``"timeout"`` failure
         and one that kills the worker (a segfault, ``sys.exit``) a ``"crashed"`` one; in both
-        cases a new worker scores the rest.
+        cases a new worker scores the rest, except after ``max_crashes`` crashes in a row: then
+        this and every later call scores 0 unmade, with a ``"crashed"`` failure each.
         """
         n = len(texts)
         rewards, correct, failures = [0.0] * n, [False] * n, []
         i = 0
         while i < n:
+            if self.gave_up:
+                failures += [RewardFailure(str(ex.id), "crashed", f"not scored: the reward worker process died during "
+                                           f"{self.max_crashes} calls in a row and is not restarted")
+                             for ex in examples[i:]]
+                break
             proc = self._live[0]
             if proc is None or proc.poll() is not None:  # stopped after a timeout, or died while idle
                 _stop(self._live)
@@ -156,6 +206,7 @@ class RewardWorker:
                                                   f"no result after {self.timeout:g} s (data.reward_timeout); "
                                                   f"the call was stopped"))
                     _stop(self._live)
+                    self._crashes_in_row = 0  # it hung, it did not die
                     i += 1
                     break
                 if reply is None:  # the worker died during the call
@@ -163,8 +214,10 @@ class RewardWorker:
                     failures.append(RewardFailure(str(examples[i].id), "crashed",
                                                   f"the worker process exited (code {code}) during the call"))
                     _stop(self._live)
+                    self._crashed(code, str(examples[i].id))
                     i += 1
                     break
+                self._crashes_in_row = 0
                 rewards[i], correct[i], failure = reply
                 if failure is not None:
                     failures.append(failure)

@@ -359,7 +359,8 @@ class RewardFailure:
     """Why one reward call scored 0: ``kind`` is ``"raised"`` (``detail``: the traceback),
     ``"invalid"`` (the return value was not a finite number; ``detail`` says what it was, its
     repr cut to about 80 characters), ``"timeout"`` (``detail``: the limit) or ``"crashed"``
-    (the worker process died during the call)."""
+    (the worker process died during the call; or, once it died during several calls in a row,
+    the call was not made: ``tether.tasks.reward_worker.MAX_CRASHES_IN_A_ROW``)."""
 
     example_id: str
     kind: str
