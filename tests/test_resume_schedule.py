@@ -1,13 +1,16 @@
-"""The LR schedule when ``--resume`` extends a run: the LR never jumps (tether.train._continue_schedule).
+"""The LR schedule when ``--resume`` extends a run: the LR never jumps (tether.schedule.LRSchedule.continue_from).
 
 Recorded per optimizer step: the learning rate each ``optimizer.step()`` actually used.
 """
 
 import pytest
+import torch
 
 from test_train import cfg_for, one_thread, rows, workdir  # noqa: F401  (one_thread, workdir: fixtures)
 from tether.algo.recipes import ConfigError
 from tether.checkpoint import latest_checkpoint
+from tether.config import TrainConfig
+from tether.schedule import LRSchedule
 from tether.train import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fast on a shared machine (no thread oversubscription)
@@ -97,3 +100,28 @@ def test_train_lr_given_on_resume_applies(workdir, tiny_model_dir, tmp_path):
     recording(Trainer(cfg_for(workdir, tiny_model_dir, "grpo", 4, **{**over, "train.lr": 1e-3}),
                       tmp_path / "run", **QUIET), lrs).run(resume=True)
     assert lrs == [1e-2, 1e-2, 1e-3, 1e-3]
+
+
+def test_schedule_state_is_a_plain_lambdalr_and_continues_exactly(tmp_path):
+    """LRSchedule's scheduler checkpoints exactly what torch's LambdaLR does (old checkpoints load), and
+    continuing from an unchanged plan gives the LRs of a run that never stopped (no model needed)."""
+    train = TrainConfig(schedule="cosine", warmup_steps=2, steps=5, lr=0.1)
+    opt = lambda: torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=train.lr)  # noqa: E731
+    a = LRSchedule(opt(), train)
+    plain = torch.optim.lr_scheduler.LambdaLR(opt(), lambda s: 1.0)
+    assert set(a.scheduler.state_dict()) == set(plain.state_dict())
+    lrs = []
+    for _ in range(3):
+        lrs.append(a.scheduler.get_last_lr()[0])
+        a.scheduler.optimizer.step()
+        a.scheduler.step()
+    saved, state = dict(a.plan), a.scheduler.state_dict()
+    b = LRSchedule(opt(), train)
+    b.scheduler.load_state_dict(state)
+    b.continue_from(saved, 3, tmp_path)
+    for s in (a, b):
+        s.scheduler.optimizer.step()
+        s.scheduler.step()
+    assert b.plan == a.plan and b.scheduler.get_last_lr() == a.scheduler.get_last_lr()
+    assert b.scheduler.optimizer.param_groups[0]["lr"] == a.scheduler.optimizer.param_groups[0]["lr"]
+    assert lrs[:2] == [0.05, 0.1]  # warm-up

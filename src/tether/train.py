@@ -36,6 +36,7 @@ from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
 from .passes import Passes, StepBatch, exact_kl_sample, micro_batches
 from .rollout import RolloutBatch, SamplingParams, make_engine
 from .rundir import RunDirectory, resume_checkpoint, resume_config
+from .schedule import LRSchedule
 from .stop import GracefulStop, resume_hint
 from .tasks import Example
 from .tasks.stream import held_out_sets, prompt_stream
@@ -92,10 +93,8 @@ class Trainer:
         # Not fused=True: torch's fused CPU AdamW assumes contiguous tensors and silently mis-updates
         # the column-major weights that models.column_major_linear_weights gives CPU models.
         self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
-        # The LR schedule as laid for this config; a resume that extends the run re-lays it (_continue_schedule)
-        self.schedule = dict(kind=t.schedule, warmup=t.warmup_steps, total=t.steps * t.epochs * t.mini_batches,
-                             start=t.warmup_steps, mult=1.0, steps=t.steps, per_step=t.epochs * t.mini_batches)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(**self.schedule))
+        self.schedule = LRSchedule(self.optimizer, t)  # a resume that extends the run re-lays it (continue_from)
+        self.scheduler = self.schedule.scheduler
         self.anchor = make_anchor(cfg.algo.anchor, model)
         self.engine = make_engine(cfg.rollout, model, tokenizer)
         self.agent = agent_from_config(cfg, self.engine, tokenizer, tools)
@@ -364,7 +363,7 @@ class Trainer:
 
     def state(self) -> dict:
         return {"data_position": self.data.position, "skipped_updates": self.skipped_updates,
-                "reward_errors": self.reward_errors, "schedule": self.schedule}
+                "reward_errors": self.reward_errors, "schedule": self.schedule.plan}
 
     def save(self) -> Path:
         return save_checkpoint(self.run_dir, self.step, self.model, self.anchor, self.optimizer, self.scheduler,
@@ -377,38 +376,8 @@ class Trainer:
         self.skipped_updates = st["skipped_updates"]
         self.reward_errors = st["reward_errors"]
         if "schedule" in st:  # absent in checkpoints written before it was saved: those keep the config's schedule
-            self._continue_schedule(st["schedule"])
+            self.schedule.continue_from(st["schedule"], self.step, self.run_dir)
         self.engine.sync_weights(self.model)
-
-    def _continue_schedule(self, saved: dict) -> None:
-        """Go on with the checkpoint's LR schedule; when the resume changed it (train.steps raised to extend
-        the run, or the schedule's settings), re-lay the decay so that the LR never jumps: from the multiplier
-        reached, to 0 at the new last optimizer step. Warm-up already done stays done. A run whose decay had
-        already reached 0 cannot be extended (it would train at lr 0): a ConfigError says what to do."""
-        t = self.cfg.train
-        done = self.scheduler.last_epoch  # optimizer steps taken (skipped updates do not count)
-        if all(saved[k] == self.schedule[k] for k in ("kind", "warmup", "steps", "per_step")):
-            self.schedule = saved  # the same run: the same schedule, so the resume is exact
-        else:
-            remaining = (t.steps - self.step) * self.schedule["per_step"]
-            if t.schedule != "constant" and done > t.warmup_steps:  # the decay runs: go on from where it was
-                mult = _schedule(**saved)(done)
-                if mult <= 0 and remaining > 0:
-                    from .algo.recipes import ConfigError
-                    raise ConfigError(
-                        f"train.steps={t.steps}: the run's {saved['kind']} LR schedule had already decayed to 0 at "
-                        f"step {self.step} (optimizer step {done}), so extending it would train at lr 0. Resume with "
-                        f"train.schedule=constant to train on at train.lr ({t.lr}), or start a new run from the "
-                        f"exported model (tether export {self.run_dir} OUT_DIR, then tether train model.name=OUT_DIR)")
-                self.schedule = dict(self.schedule, start=done, mult=mult, total=done + remaining)
-            else:  # constant, or warm-up not finished: the decay (if any) starts after warm-up
-                self.schedule = dict(self.schedule, total=done + remaining)
-        f = _schedule(**self.schedule)
-        self.scheduler.lr_lambdas = [f] * len(self.optimizer.param_groups)
-        self.scheduler.base_lrs = [t.lr] * len(self.optimizer.param_groups)  # train.lr given on resume applies
-        for g in self.optimizer.param_groups:
-            g["initial_lr"], g["lr"] = t.lr, t.lr * f(done)
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
     def run(self, resume: bool = False) -> Path:
         """Train until ``train.steps``; checkpoints every ``run.save_every`` steps and at the end.
@@ -520,26 +489,6 @@ def _accuracy_line(m: dict) -> str:
         if len(parts) == 3 and parts[0] == "eval" and parts[2].startswith("avg@"):
             out.append(f"{parts[1]} {_pct(v)} ({int(m.get(f'eval/{parts[1]}/n_problems', 0))} problems)")
     return ", ".join(out)
-
-
-def _schedule(kind: str, warmup: int, total: int, start: Optional[int] = None, mult: float = 1.0, **_):
-    """LR multiplier per optimizer step: linear warm-up, then constant, or a cosine / linear decay from
-    ``mult`` at optimizer step ``start`` (default: the end of warm-up, at 1) to 0 at ``total``.
-
-    A fresh run decays from 1 after warm-up; a resume that extends it starts a new decay from the
-    multiplier reached (``Trainer._continue_schedule``). Other keys (the saved ``steps``...) are ignored.
-    """
-    start = warmup if start is None else start
-
-    def f(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if kind == "constant":
-            return 1.0
-        frac = min(1.0, (step - start) / max(1, total - start))
-        return mult * (0.5 * (1 + math.cos(math.pi * frac)) if kind == "cosine" else 1.0 - frac)
-
-    return f
 
 
 def default_run_dir(cfg: Config) -> Path:
