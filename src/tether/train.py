@@ -35,6 +35,7 @@ from .logprobs import response_stats
 from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
 from .passes import Passes, StepBatch, exact_kl_sample, micro_batches
 from .rollout import RolloutBatch, SamplingParams, make_engine
+from .report import Progress, RewardErrorLog, accuracy_line, before_after, sample_rows
 from .rundir import RunDirectory, resume_checkpoint, resume_config
 from .schedule import LRSchedule
 from .stop import GracefulStop, resume_hint
@@ -103,8 +104,7 @@ class Trainer:
             prompts.check(self.data.examples, cfg.rollout.max_new_tokens)
         self.step = 0
         self.skipped_updates = 0
-        self.reward_errors = 0
-        self._reward_errors_logged: set[str] = set()  # the kinds of reward failure already logged
+        self.reward_errors = RewardErrorLog(self.run_dir, self.log)  # counted; the first of each kind logged
         self.needs = loss_needs(cfg.algo, model.get_output_embeddings().weight.shape[0])
         self.passes = Passes(model, self.anchor, self.needs, on_policy=t.epochs == 1 and t.mini_batches == 1,
                              temperature=cfg.rollout.temperature, micro_batch_size=t.micro_batch_size,
@@ -149,15 +149,7 @@ class Trainer:
         """Rewards [B] (with DAPO's overlong shaping when on) and correctness [B] of one rollout."""
         r = self.cfg.rollout
         rewards, correct, errors = self.score_rewards(rb.texts, examples)
-        self.reward_errors += len(errors)
-        for err in errors:  # the first failure of each kind (raised, invalid, timeout, crashed) is logged
-            if err.kind not in self._reward_errors_logged:
-                self._reward_errors_logged.add(err.kind)
-                with open(self.run_dir / "reward_errors.log", "a") as f:
-                    f.write(f"step {self.step + 1}: {err}\n")
-                self.log(f"[tether] step {self.step + 1}: {err.WHAT[err.kind]}; such calls score 0, count in "
-                         f"reward_errors, and training goes on. The first (also in "
-                         f"{self.run_dir / 'reward_errors.log'}):\n{err}")
+        self.reward_errors.add(errors, self.step + 1)
         rew = torch.tensor(rewards, dtype=torch.float32)
         if r.overlong_buffer_frac > 0:
             rew = rew - overlong_penalty(rb.response_lengths, r.max_new_tokens, r.overlong_buffer_frac,
@@ -339,7 +331,7 @@ class Trainer:
             m["exact_kl_sample"] = exact
         m.update(time_rollout_s=t1 - t0, time_sampler_pass_s=t2 - t1, time_anchor_pass_s=t3 - t2,
                  time_update_s=t4 - t3, time_step_s=time.perf_counter() - t0,
-                 train_tokens_per_s=upd["train_tokens"] / max(t4 - t3, 1e-9), reward_errors=self.reward_errors,
+                 train_tokens_per_s=upd["train_tokens"] / max(t4 - t3, 1e-9), reward_errors=self.reward_errors.count,
                  anchor_updates=self.anchor.num_updates if self.anchor is not None else 0, anchor_moved=moved,
                  **peak_memory_mb())
         self._last_batch = b
@@ -352,18 +344,9 @@ class Trainer:
                              share_prompt=self.cfg.train.share_prompt)
         return kl if kl is None else dist.all_reduce(kl) / dist.world_size()  # the mean of the ranks' samples
 
-    def samples(self, b: StepBatch, n: int) -> list[dict]:
-        """A few prompts, responses and rewards of the step, for samples.jsonl."""
-        rows = []
-        for i in range(min(n, len(b.rb))):
-            rows.append({"id": b.examples[i].id, "prompt": b.examples[i].prompt, "answer": b.examples[i].answer,
-                         "response": b.rb.texts[i], "reward": float(b.rewards[i]), "correct": bool(b.correct[i]),
-                         "finish_reason": b.rb.finish_reason[i]})
-        return rows
-
     def state(self) -> dict:
         return {"data_position": self.data.position, "skipped_updates": self.skipped_updates,
-                "reward_errors": self.reward_errors, "schedule": self.schedule.plan}
+                "reward_errors": self.reward_errors.count, "schedule": self.schedule.plan}
 
     def save(self) -> Path:
         return save_checkpoint(self.run_dir, self.step, self.model, self.anchor, self.optimizer, self.scheduler,
@@ -374,7 +357,7 @@ class Trainer:
         self.step = st["step"]
         self.data.position = st["data_position"]
         self.skipped_updates = st["skipped_updates"]
-        self.reward_errors = st["reward_errors"]
+        self.reward_errors.count = st["reward_errors"]
         if "schedule" in st:  # absent in checkpoints written before it was saved: those keep the config's schedule
             self.schedule.continue_from(st["schedule"], self.step, self.run_dir)
         self.engine.sync_weights(self.model)
@@ -403,11 +386,7 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, resume_step=self.step if resume else None,
                                tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
                                wandb_project=cfg.run.wandb_project, config=to_dict(cfg)) if main else None
-        bar = None
-        if cfg.run.progress and main:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=cfg.train.steps, initial=self.step, desc=f"tether {cfg.recipe}", unit="step",
-                       dynamic_ncols=True)
+        bar = Progress(cfg.train.steps, self.step, f"tether {cfg.recipe}", enabled=cfg.run.progress and main)
         try:
             if cfg.eval.before and self.eval_sets and self.step == 0:  # the initial policy, logged at step 0
                 self.log(f"[tether] evaluating the initial policy on the held-out set: "
@@ -417,7 +396,7 @@ class Trainer:
                 m["time_eval_s"] = time.perf_counter() - t0
                 if logger is not None:
                     logger.log(0, m)
-                self.log(f"[tether] held-out before training: {_accuracy_line(m)}")
+                self.log(f"[tether] held-out before training: {accuracy_line(m)}")
             while self.step < cfg.train.steps:
                 m = self.train_step()
                 last = self.step == cfg.train.steps
@@ -428,14 +407,8 @@ class Trainer:
                         m["time_eval_s"] = time.perf_counter() - t0
                 if logger is not None:
                     logger.log(self.step, m)
-                    logger.log_samples(self.step, self.samples(self._last_batch, cfg.run.log_samples))
-                if bar is not None:
-                    post = {"reward": f"{m['reward_mean']:.3f}", "acc": f"{m['accuracy']:.2f}"}
-                    if "kl" in m:
-                        post["kl"] = f"{m['kl']:.2e}"
-                    post["s/step"] = f"{m['time_step_s']:.1f}"
-                    bar.set_postfix(post)
-                    bar.update(1)
+                    logger.log_samples(self.step, sample_rows(self._last_batch, cfg.run.log_samples))
+                bar.update(m)
                 saved = None
                 if (cfg.run.save_every and self.step % cfg.run.save_every == 0) or self.step == cfg.train.steps:
                     saved = self.save()
@@ -449,46 +422,15 @@ class Trainer:
                              f"checkpoint {saved}. Resume with: {resume_hint(self.run_dir)}")
                     break
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
             if logger is not None:
                 logger.close()
         if cfg.run.plot and main:
             from .plot import plot_runs
             plot_runs([self.run_dir], self.run_dir / "curves.png")
         if main and self.eval_sets and self.step == cfg.train.steps and (cfg.eval.after or cfg.eval.every):
-            self.log(f"[tether] held-out accuracy, before -> after training: {self.before_after()}")
-
-    def before_after(self) -> str:
-        """'arithmetic (100 problems, greedy, 256 tokens): 22.0 % -> 51.0 %' from the step-0 and the last
-        eval rows of metrics.jsonl (a resumed run finds its 'before' there too); '?' where one is missing."""
-        from .metrics import read_metrics
-        rows = read_metrics(self.run_dir)
-        first = next((r for r in rows if r.get("step") == 0), {})
-        last = next((r for r in reversed(rows) if any(k.startswith("eval/") for k in r)), {})
-        e = self.cfg.eval
-        how = (f"greedy" if e.greedy else f"{e.n} samples at T={e.temperature:g}") + f", {e.max_new_tokens} tokens"
-        parts = []
-        for name in self.eval_sets:
-            key = f"eval/{name}/avg@{e.n}"
-            n = int(last.get(f"eval/{name}/n_problems", 0) or first.get(f"eval/{name}/n_problems", 0) or 0)
-            parts.append(f"{name} ({n} problems, {how}): {_pct(first.get(key))} -> {_pct(last.get(key))} "
-                         f"(step {last.get('step', '?')})")
-        return "; ".join(parts)
-
-
-def _pct(x) -> str:
-    return f"{100 * x:.1f} %" if isinstance(x, (int, float)) else "?"
-
-
-def _accuracy_line(m: dict) -> str:
-    """'arithmetic 22.0 % (100 problems)' for each eval/<name>/avg@n of a metrics row."""
-    out = []
-    for k, v in m.items():
-        parts = k.split("/")
-        if len(parts) == 3 and parts[0] == "eval" and parts[2].startswith("avg@"):
-            out.append(f"{parts[1]} {_pct(v)} ({int(m.get(f'eval/{parts[1]}/n_problems', 0))} problems)")
-    return ", ".join(out)
+            self.log("[tether] held-out accuracy, before -> after training: "
+                     + before_after(self.run_dir, cfg.eval, self.eval_sets))
 
 
 def default_run_dir(cfg: Config) -> Path:
