@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="plot the curves of one or more runs, overlaid")
     pl.add_argument("runs", nargs="+", help="run directories")
-    pl.add_argument("--out", help="PNG path (default RUN/curves.png)")
+    pl.add_argument("--out", help="image path (default RUN/curves.png); an existing directory or a trailing / gets "
+                    "curves.png inside it, a name without an image suffix gets .png; the path written is printed")
     pl.add_argument("--smooth", type=int, default=1, help="moving-average window")
     pl.set_defaults(fn=_plot)
 
