@@ -22,8 +22,8 @@ argmax when greedy). The draw itself is `_InverseCDFSampler`, a logits processor
 ``do_sample=False``: it applies transformers' own temperature / top-k / top-p warpers, draws
 one token per row by inverse-CDF search, and leaves a one-hot score that ``generate``'s argmax
 picks. The law is the same as ``do_sample=True``, but ``torch.multinomial`` draws one
-exponential per vocabulary entry (about 100 ms per decode step at 64 rows and 49k tokens on
-2 CPU cores) where this draws one uniform per row (about 8 ms). Knobs that a checkpoint's ``generation_config.json`` may set and that
+exponential per vocabulary entry where this draws one uniform per row (the cost of each is
+measured by ``bench/decode_speed.py``, docs/benchmarks.md). Knobs that a checkpoint's ``generation_config.json`` may set and that
 would change the distribution the policy-gradient assumes (repetition penalty, n-gram
 blocking, min-p, typical-p, epsilon/eta cutoffs, a default top-k of 50) are explicitly
 neutralized, because transformers 5.x fills every generate argument left unset from the

@@ -2,13 +2,12 @@
 
 transformers' ``DynamicLayer.update`` is ``keys = torch.cat([keys, new], dim=-2)``: every decode
 step copies the whole cache of every layer. On CPU that is memory traffic proportional to
-``rows x cache length`` per token; at 64 rows and 600 cached positions of SmolLM2-135M it costs
-about 200 ms per decode step (30 layers), more than the attention itself (about 155 ms).
+``rows x cache length`` per token, which at a few hundred cached positions costs more than the
+attention itself (``bench/decode_speed.py`` measures both paths; docs/benchmarks.md has the figures).
 
 `GrowingLayer` keeps each layer's keys and values in a buffer with spare capacity along the
 sequence axis, writes new positions into it, and hands attention a view of the filled part.
-Attention kernels read the strided view as fast as a contiguous tensor (measured: 5.2 ms
-either way per layer at 64 x 3 x 600 x 64). When the buffer is full it is reallocated once to
+Attention kernels read the strided view as fast as a contiguous tensor. When the buffer is full it is reallocated once to
 ``reserve`` positions (the caller's known final length) or, without one, to twice its size, so
 copying is amortized O(1) per token.
 
