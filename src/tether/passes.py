@@ -9,7 +9,8 @@ estimator names: on-policy with no sampler head the sampler pass is skipped (pi_
 unless rollout correction (``algo.tis_cap``) needs pi_old to compare with the engine's log-probs;
 with no KL term the anchor pass is skipped; under the iterative anchor the sampler pass *is*
 the anchor pass. Micro-batching (length-sorted, groups kept together for the shared-prompt
-forward) is shared with the update in ``micro_batches``.
+forward) is shared with the update in ``micro_batches``, and ``head_inputs`` turns what the passes
+filled into the KL head's fields of the update's ``LossInputs``, again as ``loss_needs`` says.
 """
 
 from __future__ import annotations
@@ -58,6 +59,26 @@ def micro_batches(rb: RolloutBatch, idx: list[int], size: int, by_group: bool = 
     else:
         order = sorted(idx, key=lambda i: tot[i])
     return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def head_inputs(needs: LossNeeds, st, head_ids: Optional[torch.Tensor], head_ref_logp: Optional[torch.Tensor],
+                response_ids: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The KL head's fields of `tether.algo.LossInputs` for one micro-batch, as ``needs`` asks for them.
+
+    ``st`` is the update's forward (``response_stats`` with ``gather_ids=head_ids`` when ``needs.k``);
+    ``head_ids`` / ``head_ref_logp`` [B, T, k] are the micro-batch's slices of what the passes filled.
+    No head: nothing. The full vocabulary: ``full_logp`` / ``full_ref_logp``. A top-k head: ``head_logp``,
+    ``head_ref_logp`` and ``in_head`` (the sampled token is one of the head ids); an empty head (k = 0)
+    puts every sampled token in the tail.
+    """
+    if needs.head is None:
+        return {}
+    head_logp = st.ids_logp if needs.k else st.logp.new_zeros(*st.logp.shape, 0)
+    head_ref = head_ref_logp if needs.k else head_logp.detach()
+    if needs.head == "all":
+        return {"full_logp": head_logp, "full_ref_logp": head_ref}
+    in_head = (head_ids == response_ids[..., None]).any(-1) if needs.k else torch.zeros_like(mask)
+    return {"head_logp": head_logp, "head_ref_logp": head_ref, "in_head": in_head}
 
 
 def vocab_ids(vocab: int, B: int, T: int, device) -> torch.Tensor:

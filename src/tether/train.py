@@ -33,7 +33,7 @@ from .config import Config, eval_benchmarks, evaluating, to_dict
 from .errors import GenerationError
 from .logprobs import response_stats
 from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
-from .passes import Passes, StepBatch, exact_kl_sample, micro_batches
+from .passes import Passes, StepBatch, exact_kl_sample, head_inputs, micro_batches
 from .rollout import RolloutBatch, SamplingParams, make_engine
 from .report import Progress, RewardErrorLog, accuracy_line, before_after, sample_rows
 from .rundir import RunDirectory, resume_checkpoint, resume_config
@@ -227,15 +227,7 @@ class Trainer:
                             entropy=True, chunk_size=self.cfg.train.logprob_chunk,
                             share_prompt=self._share_grad)
         mask = b.loss_mask[idx, :T]
-        kw = {}
-        if n.head is not None:
-            head_logp = st.ids_logp if n.k else st.logp.new_zeros(*st.logp.shape, 0)
-            head_ref = sl(b.head_ref_logp) if n.k else head_logp.detach()
-            if n.head == "all":
-                kw = dict(full_logp=head_logp, full_ref_logp=head_ref)
-            else:
-                in_head = (head_ids == mb.response_ids[..., None]).any(-1) if n.k else torch.zeros_like(mask)
-                kw = dict(head_logp=head_logp, head_ref_logp=head_ref, in_head=in_head)
+        kw = head_inputs(n, st, head_ids, sl(b.head_ref_logp), mb.response_ids, mask)  # as loss_needs says
         samp = mb.sampler_logp if n.sampler_logp else None  # the engine's log-probs (rollout correction)
         inputs = LossInputs(logp=st.logp, mask=mask, adv=b.adv[idx], old_logp=sl(b.old_logp), ref_logp=sl(b.ref_logp),
                             sampler_logp=samp,
