@@ -22,11 +22,11 @@ from tether.eval import (
     evaluate,
     evaluate_during_training,
     load_benchmark,
-    load_eval_model,
     majority_vote,
     pass_at_k,
     summarize,
 )
+from tether.eval.cli import load_eval_model
 from tether.tasks.base import DataError
 from tether.train import train
 

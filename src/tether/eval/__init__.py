@@ -5,8 +5,8 @@
 * :mod:`tether.eval.runner` -- :func:`evaluate` (one benchmark, one model: generation through
   ``tether.rollout.make_engine`` + ``tether.agents.make_agent``, then scoring) and
   :func:`evaluate_during_training` (flat ``eval/<bench>/<metric>`` numbers for a trainer);
-* :mod:`tether.eval.cli` -- :func:`load_eval_model` (a model, a run's policy or anchor, a
-  checkpoint) and ``tether eval`` (:func:`run_eval_cli`).
+* :mod:`tether.eval.cli` -- the ``tether eval`` command (:func:`run_eval_cli`, :func:`load_eval_model`);
+  not re-exported here: the library never imports its command-line layer.
 
 Benchmarks themselves (:func:`load_benchmark`) are data: :mod:`tether.tasks.benchmarks`,
 re-exported here for convenience.
@@ -14,29 +14,22 @@ re-exported here for convenience.
 
 from ..errors import EvalError
 from ..tasks.benchmarks import Benchmark, load_benchmark, load_benchmarks
-from .cli import EvalModelSpec, add_eval_parser, format_table, load_eval_model, resolve_eval_spec, run_eval_cli
 from .metrics import MajorityVote, default_ks, majority_vote, normalize_answer, pass_at_k, summarize
 from .runner import EvalResult, EvalSettings, evaluate, evaluate_during_training
 
 __all__ = [
     "Benchmark",
     "EvalError",
-    "EvalModelSpec",
     "EvalResult",
     "EvalSettings",
     "MajorityVote",
-    "add_eval_parser",
     "default_ks",
     "evaluate",
     "evaluate_during_training",
-    "format_table",
     "load_benchmark",
     "load_benchmarks",
-    "load_eval_model",
     "majority_vote",
     "normalize_answer",
     "pass_at_k",
-    "resolve_eval_spec",
-    "run_eval_cli",
     "summarize",
 ]
