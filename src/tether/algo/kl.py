@@ -75,12 +75,12 @@ class KLOptions:
 
 
 # An estimator maps (inputs, options) -> per-token loss term [B, T]. Each registers the inputs it
-# needs beyond the sampled token's log-probs, so the trainer knows which passes to run:
+# needs beyond the sampled token's log-probs (one of these names), so the trainer knows which
+# passes to run:
 #   sampled       logp / ref_logp (/ old_logp) at the sampled token only
 #   sampler_topk  + a head q = the sampler's top-k ids at each position, with pi and pi_a there
 #   anchor_topk   + a head q = the anchor's top-k ids at each position, with pi and pi_a there
 #   full_vocab    + pi and pi_a over the whole vocabulary (full_logp, full_ref_logp)
-KL_INPUTS = ("sampled", "sampler_topk", "anchor_topk", "full_vocab")
 KLFn = Callable[[KLInputs, KLOptions], Tensor]
 KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator", required=("inputs",))
 

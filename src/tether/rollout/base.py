@@ -138,11 +138,6 @@ class RolloutBatch:
         return self.response_mask.sum(dim=1)
 
     @property
-    def prompt_lengths(self) -> torch.Tensor:
-        """[B] long: number of real prompt tokens per row."""
-        return self.prompt_mask.sum(dim=1)
-
-    @property
     def num_response_tokens(self) -> int:
         """Total response tokens in this batch (unlike `gen_tokens`, always recomputed from the mask)."""
         return int(self.response_mask.sum())
