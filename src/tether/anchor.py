@@ -193,13 +193,10 @@ class Anchor:
 
     # ------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> dict:
-        """Everything needed to resume: the tensors and the counters."""
-        return {"kind": self.kind, "num_updates": self.num_updates, "kl_ma": self.kl_ma, "tensors": self.tensors()}
-
     def load_state_dict(self, state: dict, model: Optional[nn.Module] = None) -> None:
-        """Restore from ``state_dict``; ``model`` (the policy) sets the forward dtype, else the copies
-        made at construction are refreshed (they are never left stale)."""
+        """Restore from ``{"kind", "num_updates", "kl_ma", "tensors"}`` (as ``tether.checkpoint`` saves
+        them: the counters and ``tensors()``); ``model`` (the policy) sets the forward dtype, else the
+        copies made at construction are refreshed (they are never left stale)."""
         if state["kind"] != self.kind:
             raise ValueError(f"checkpoint holds a {state['kind']!r} anchor, the config asks for {self.kind!r}")
         self.num_updates = int(state["num_updates"])
