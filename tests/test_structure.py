@@ -212,3 +212,81 @@ def test_lazy_and_relative_imports_are_read(name):
         assert "tether.models" in graph[name]  # 'from .models import load_model' inside Trainer.__init__
     else:
         assert {"tether.algo.kl", "tether.algo.trust_region", "tether.algo.aggregation"} <= graph[name]
+
+
+# ---------------------------------------------------------------- layers, sizes
+
+
+#: tether's layers, lowest first: a module may import its own layer and the ones below. A module
+#: belongs to the layer of its longest matching prefix. ``python tests/test_structure.py`` prints
+#: the graph's size and every edge that runs upward (the test below keeps that list empty).
+LAYERS = [
+    ("core", ["tether", "tether.errors", "tether.algo", "tether.owned"]),
+    ("infrastructure", ["tether.distributed", "tether.metrics", "tether.checkpoint", "tether.stop", "tether.plot",
+                        "tether.logprobs", "tether.models", "tether.anchor", "tether.schedule"]),
+    ("pieces", ["tether.rollout", "tether.tasks", "tether.search", "tether.agents", "tether.envs", "tether.passes",
+                "tether.config", "tether.testing"]),
+    ("loop", ["tether.train", "tether.rundir", "tether.runs", "tether.report", "tether.eval", "tether.export"]),
+    ("command line", ["tether.cli", "tether.__main__", "tether.eval.cli", "tether.search.server"]),
+]
+
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+#: modules allowed over MAX_MODULE_LINES, each with the reason
+LARGE_MODULES: dict[str, str] = {}
+#: functions (module:qualname) allowed over MAX_FUNCTION_LINES, each with the reason
+LONG_FUNCTIONS: dict[str, str] = {}
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    if best is None:
+        raise KeyError(f"{module} is in no layer of tests/test_structure.py LAYERS: add it")
+    return best[0]
+
+
+def graph_report(root: Path = SRC) -> tuple[int, int, list[tuple[str, str]]]:
+    """(modules, import edges between them, the edges from a lower layer up to a higher one)."""
+    graph = import_graph(root)
+    edges = [(a, b) for a, targets in graph.items() for b in targets]
+    return len(graph), len(edges), sorted((a, b) for a, b in edges if layer_of(b) > layer_of(a))
+
+
+def test_no_import_runs_from_a_lower_layer_up():
+    _, _, up = graph_report()
+    assert not up, "imports from a lower layer up to a higher one:\n  " + "\n  ".join(f"{a} -> {b}" for a, b in up)
+
+
+def _functions(tree: ast.AST, prefix: str = ""):
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{prefix}{node.name}"
+            if not isinstance(node, ast.ClassDef):
+                yield name, node.end_lineno - node.lineno + 1
+            yield from _functions(node, name + ".")
+
+
+def test_no_module_or_function_is_too_long():
+    """No module over 500 lines and no function over 80 (docstring included), unless named above with a reason."""
+    big, long_ = [], []
+    for m, f in module_files().items():
+        text = f.read_text()
+        n = len(text.splitlines())
+        if n > MAX_MODULE_LINES and m not in LARGE_MODULES:
+            big.append(f"{m}: {n} lines")
+        for name, lines in _functions(ast.parse(text)):
+            if lines > MAX_FUNCTION_LINES and f"{m}:{name}" not in LONG_FUNCTIONS:
+                long_.append(f"{m}:{name}: {lines} lines")
+    assert not big and not long_, ("split these along their concerns (or name them in LARGE_MODULES / "
+                                   "LONG_FUNCTIONS with the reason):\n  " + "\n  ".join(big + long_))
+
+
+if __name__ == "__main__":
+    n_mod, n_edges, up = graph_report(Path(sys.argv[1]) if len(sys.argv) > 1 else SRC)
+    print(f"{n_mod} modules, {n_edges} import edges between them, {len(up)} from a lower layer up")
+    for a, b in up:
+        print(f"  {a} -> {b}")
