@@ -423,6 +423,16 @@ def test_config_reference_is_complete_and_current():
     assert doc.read_text().strip() == reference().strip(), "regenerate with: tether config --reference > docs/config.md"
 
 
+def test_lockstep_helpers_are_the_identity_in_one_process():
+    """The update's distributed helpers (tether.distributed.rank_share, lockstep) leave one process's
+    update as it reads: all the mini-batch's rows, its own token count, no idle backward."""
+    from tether import distributed as dist
+    mask = torch.tensor([[True, False], [True, True], [False, False]])
+    assert dist.rank_share([2, 0], 0, mask) == ([2, 0], 1.0)
+    idle = []
+    assert list(dist.lockstep([[0], [1, 2]], idle=lambda: idle.append(1))) == [[0], [1, 2]] and idle == []
+
+
 def test_exact_kl_sample_matches_full_logits(workdir, tiny_model_dir, tmp_path):
     cfg = cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"run.exact_kl_samples": 2})
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)

@@ -24,6 +24,9 @@ Layout of one trainer step on W ranks (see docs/scaling.md):
   shards in place, never by swapping ``p.data`` (FSDP2 ignores that). After any edit of the
   shards every FSDP module is resharded (:func:`reshard`), else a module that still holds
   gathered weights (the root does after a forward) would compute with the old ones.
+* **The update in lockstep.** :func:`rank_share` gives a rank its rows of a global mini-batch and
+  the global loss-token count; :func:`lockstep` pads its micro-batches with zero-loss backward
+  calls up to the busiest rank's count. :func:`check_supported` says what a config must satisfy.
 * **Generation and no-grad passes** run inside :func:`gathered`: every FSDP module is unsharded
   once and does not reshard after forward, so the ranks may run different numbers of forward
   calls (different response lengths, pruned rows) without a collective in between.
@@ -34,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -42,6 +45,7 @@ from torch import nn
 __all__ = [
     "init", "teardown", "enabled", "rank", "world_size", "is_main", "barrier",
     "all_reduce", "all_gather_cat", "mean_over_ranks", "all_gather_objects", "rank_slice", "rank_seed",
+    "check_supported", "rank_share", "lockstep",
     "shard_model", "is_sharded", "fsdp_modules", "reshard", "gathered",
     "local", "full_tensor", "full_like", "shard_like", "as_param_layout", "clip_grad_norm_",
 ]
@@ -166,6 +170,47 @@ def rank_slice(n: int, what: str = "rollout.prompts_per_step") -> slice:
 def rank_seed(seed: int) -> int:
     """A per-rank sampling seed: ``seed`` itself on rank 0 (so one process samples as before)."""
     return (seed + 7_919_993 * rank()) % (2**31)
+
+
+def check_supported(prompts_per_step: int, dynamic_sampling: bool) -> None:
+    """What the ranks need of a config, as a `ConfigError`: the step's prompts divide evenly over them,
+    and no dynamic sampling (not supported across ranks yet). Nothing to check in one process."""
+    if not enabled():
+        return
+    from .algo.recipes import ConfigError
+    try:
+        rank_slice(prompts_per_step)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if dynamic_sampling:
+        raise ConfigError("rollout.dynamic_sampling is not supported with more than one process yet "
+                          f"({world_size()} ranks); set rollout.dynamic_sampling=false")
+
+
+# ---------------------------------------------------------------- the update in lockstep
+
+
+def rank_share(global_rows: Sequence[int], offset: int, loss_mask: torch.Tensor) -> tuple[list[int], float]:
+    """This rank's part of a global mini-batch ``global_rows`` (row ids of the global batch, in which this
+    rank holds rows ``[offset, offset + len(loss_mask))``): the rows it holds, as its local ids, and the
+    global mini-batch's loss-token count (the sum of ``loss_mask`` over every rank's rows of it), so that
+    every rank divides by the same denominator. One process: ``global_rows`` and its own count."""
+    mine = range(offset, offset + loss_mask.shape[0])
+    rows = [i - offset for i in global_rows if i in mine]
+    return rows, all_reduce(float(loss_mask[rows].sum()))
+
+
+def lockstep(micro: list, idle: Callable[[], None]) -> Iterator:
+    """Yield this rank's ``micro``-batches, then call ``idle()`` until it has made as many forward /
+    backward calls as the busiest rank: under FSDP every backward reduce-scatters, so all ranks must make
+    the same number. ``idle`` makes one that adds exactly zero to the gradients. One process: ``micro``.
+
+    The busiest rank's count is agreed (an all-reduce) before the first batch is yielded.
+    """
+    busiest = int(all_reduce(float(len(micro)), "max"))
+    yield from micro
+    for _ in range(busiest - len(micro)):
+        idle()
 
 
 # ---------------------------------------------------------------- sharding

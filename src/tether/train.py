@@ -61,15 +61,7 @@ class Trainer:
         self.log = log if dist.is_main() else (lambda *a, **k: None)
         self.guard = run_guard
         t = cfg.train
-        if dist.enabled():
-            from .algo.recipes import ConfigError
-            try:
-                dist.rank_slice(cfg.rollout.prompts_per_step)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-            if cfg.rollout.dynamic_sampling:
-                raise ConfigError("rollout.dynamic_sampling is not supported with more than one process yet "
-                                 f"({dist.world_size()} ranks); set rollout.dynamic_sampling=false")
+        dist.check_supported(cfg.rollout.prompts_per_step, cfg.rollout.dynamic_sampling)
         random.seed(t.seed)
         torch.manual_seed(t.seed)
         self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row before the (slow) model load
@@ -241,25 +233,18 @@ class Trainer:
         rank holds rows ``[b.row_offset, b.row_offset + len(b.rb))``); each rank trains on the rows
         of a mini-batch it holds, with the global mini-batch's token and sequence counts, so the
         summed gradient is the single-process one. Every rank runs as many micro-batches as the
-        busiest (zero-loss ones fill in: each backward reduce-scatters the gradients under FSDP).
+        busiest (``dist.lockstep``: each backward reduce-scatters the gradients under FSDP).
         """
-        t, B, off = self.cfg.train, b.global_rows or len(b.rb), b.row_offset
-        mine = range(off, off + len(b.rb))
-        stats = UpdateStats()
+        t, B, stats = self.cfg.train, b.global_rows or len(b.rb), UpdateStats()
         g = torch.Generator().manual_seed(t.seed * 31337 + self.step)
         for _ in range(t.epochs):
             perm = torch.randperm(B, generator=g).tolist() if t.mini_batches > 1 else list(range(B))
             size = math.ceil(B / t.mini_batches)
             for gmini in (perm[i:i + size] for i in range(0, B, size)):
-                mini = [i - off for i in gmini if i in mine]  # this rank's rows of the global mini-batch
-                n_tok, losses = max(dist.all_reduce(float(b.loss_mask[mini].sum())), 1.0), []
-                micro = micro_batches(b.rb, mini, t.micro_batch_size, t.share_prompt)
-                micro += [None] * (int(dist.all_reduce(float(len(micro)), "max")) - len(micro))
-                for idx in micro:
-                    if idx is None:
-                        self._idle_backward(b)
-                        continue
-                    inputs, entropy = self._loss_inputs(b, idx, n_tok, len(gmini))
+                mini, n_tok = dist.rank_share(gmini, b.row_offset, b.loss_mask)  # my rows; global token count
+                micro, losses = micro_batches(b.rb, mini, t.micro_batch_size, t.share_prompt), []
+                for idx in dist.lockstep(micro, idle=lambda: self._idle_backward(b)):
+                    inputs, entropy = self._loss_inputs(b, idx, max(n_tok, 1.0), len(gmini))
                     out = compute_loss(self.cfg.algo, inputs)
                     out.loss.backward()
                     losses.append(out.loss.detach())
@@ -267,7 +252,7 @@ class Trainer:
                               b.rb.prompt_mask[idx].sum() + b.rb.response_mask[idx].sum())
                 stats.end_mini_batch()
                 loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
-                self._optimizer_step(dist.all_reduce(loss), stats)
+                self._optimizer_step(loss, stats)
         return {**stats.result(reduce=dist.all_reduce), "lr": self.scheduler.get_last_lr()[0],
                 "skipped_updates": self.skipped_updates}
 
@@ -281,8 +266,8 @@ class Trainer:
         (torch.nan_to_num(st.logp).sum() * 0.0).backward()
 
     def _optimizer_step(self, loss: torch.Tensor, stats: UpdateStats) -> None:
-        """Clip, then step (skipped, weights unchanged, if the loss or gradient is not finite)."""
-        t = self.cfg.train
+        """Clip, then step (skipped, weights unchanged, if the loss or gradient is not finite on any rank)."""
+        t, loss = self.cfg.train, dist.all_reduce(loss)
         gn = dist.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else math.inf)
         loss_v, gn_v = torch.stack([loss.float(), gn.float()]).tolist()  # the one read per optimizer step
         if not (math.isfinite(loss_v) and math.isfinite(gn_v)):
@@ -381,7 +366,7 @@ class Trainer:
         bar = Progress(cfg.train.steps, self.step, f"tether {cfg.recipe}", enabled=cfg.run.progress and main)
         try:
             if cfg.eval.before and self.eval_sets and self.step == 0:  # the initial policy, logged at step 0
-                self.log(f"[tether] evaluating the initial policy on the held-out set: "
+                self.log("[tether] evaluating the initial policy on the held-out set: "
                          + ", ".join(f"{k} ({len(v[0])} problems)" for k, v in self.eval_sets.items()))
                 t0 = time.perf_counter()
                 m = self.evaluate()
