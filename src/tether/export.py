@@ -12,7 +12,7 @@ lm-eval or a Hub upload take as is:
                                   + model.safetensors.index.json (transformers' own sharding)
     generation_config.json        eos / pad / bos ids (and the base model's sampling defaults)
     tokenizer files               tokenizer.json, tokenizer_config.json, chat template, ...
-    README.md                     model card: base model, recipe, steps, final metrics, versions
+    README.md                     model card (`tether.export_card`): base model, recipe, steps, metrics, versions
 
 With LoRA the adapters are merged into the base weights (the default), or, with
 ``lora="adapter"``, written as a standard PEFT adapter directory (``adapter_config.json``,
@@ -35,14 +35,14 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
+from .export_card import render_card
 from .owned import write_marker
 from .runs import RunCheckpoint, RunDir, check_anchor, load_run_model
 
@@ -94,48 +94,6 @@ def plain_contiguous(model: torch.nn.Module) -> int:
 # --------------------------------------------------------------------------- the model card
 
 
-def _git_commit() -> Optional[str]:
-    """The tether source checkout's commit (``+dirty`` with local changes), or None outside git."""
-    pkg = Path(__file__).resolve().parent
-    try:
-        def git(*a: str) -> str:
-            return subprocess.run(["git", "-C", str(pkg), *a], capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
-
-        top = Path(git("rev-parse", "--show-toplevel")).resolve()
-        if not (top / "src" / "tether").resolve() == pkg:  # tether installed inside some other repo
-            return None
-        commit = git("rev-parse", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", str(pkg))
-        return commit + ("+dirty" if dirty else "")
-    except Exception:
-        return None
-
-
-def _metrics_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    rows = []
-    if path.is_file():
-        for line in path.read_bytes().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                continue  # a line cut by a crash, or damaged
-    return rows
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    return str(v)
-
-
-def _metrics_table(row: dict) -> str:
-    lines = ["| metric | value |", "| --- | --- |"]
-    lines += [f"| {k} | {_fmt(v)} |" for k, v in row.items() if isinstance(v, (int, float, str, bool))]
-    return "\n".join(lines)
-
-
 def _is_hub_id(name: str) -> bool:
     from .models import EMBEDDED_MODEL_NAME
 
@@ -144,75 +102,10 @@ def _is_hub_id(name: str) -> bool:
 
 
 def model_card(rc: RunCheckpoint, *, anchor: bool, fmt: str, dtype: str, base_ref: str) -> str:
-    """The export's ``README.md``: what was exported, from which run and recipe, metrics, versions."""
-    from . import __version__
-
-    mc = rc.model_config
-    cfg = rc.config
-    if isinstance(cfg, dict):
-        algo = f"{rc.recipe} (config no longer validates here; see the run's config.yaml)"
-        total = (cfg.get("train") or {}).get("steps", "?")
-    else:
-        from .algo import describe
-
-        algo = describe(cfg.algo)
-        total = cfg.train.steps
-    what = "anchor" if anchor else "policy"
-    if anchor and not isinstance(cfg, dict):
-        a = cfg.algo.anchor
-        what += f" ({a.kind}" + (f", eta={a.eta:g}, every={a.every}" if a.kind == "ema" else "") + ")"
-    elif anchor:
-        what += f" ({rc.anchor_kind})"
-    lora = "none (full fine-tuning)"
-    if rc.lora:
-        lora = (f"r={mc.lora_r}, alpha={mc.lora_alpha}, targets={mc.lora_target_modules}; "
-                + ("merged into the base weights" if fmt == "full" else "exported as a PEFT adapter"))
-    rows = _metrics_rows(rc.run_dir)
-    commit = _git_commit()
-    header = ["---", "library_name: " + ("peft" if fmt == "adapter" else "transformers"), "tags:", "- tether",
-              "- reinforcement-learning"]
-    if _is_hub_id(str(mc.name)):
-        header.append(f"base_model: {mc.name}")
-    header.append("---")
-    out = header + [
-        "",
-        f"# {rc.run_dir.resolve().name} step {rc.step} {'anchor' if anchor else 'policy'}",
-        "",
-        "Exported with `tether export` from a tether RL training run.",
-        "",
-        "| | |",
-        "| --- | --- |",
-        f"| weights | {what} |",
-        f"| base model | `{mc.name}`" + (f" (adapter base: `{base_ref}`)" if fmt == "adapter" else "") + " |",
-        f"| LoRA | {lora} |",
-        f"| dtype | {dtype} |",
-        f"| recipe | {rc.recipe} |",
-        f"| algorithm | `{algo}` |",
-        f"| steps | {rc.step} of {total} (checkpoint `{rc.checkpoint.name}`) |",
-        f"| run directory | `{rc.run_dir.resolve()}` |",
-        f"| tether | {__version__}" + (f", git commit `{commit}`" if commit else "") + " |",
-        "",
-    ]
-    if rows:
-        last = rows[-1]
-        out += [f"## Final metrics (last row of metrics.jsonl, step {last.get('step', '?')})", "",
-                _metrics_table(last), ""]
-        at = [r for r in rows if r.get("step") == rc.step]
-        if at and at[-1] is not last:
-            out += [f"## Metrics at the exported step {rc.step}", "", _metrics_table(at[-1]), ""]
-    else:
-        out += ["## Final metrics", "", "The run has no metrics.jsonl.", ""]
-    if fmt == "adapter":
-        load = ["from transformers import AutoModelForCausalLM, AutoTokenizer", "from peft import PeftModel", "",
-                f'base = AutoModelForCausalLM.from_pretrained("{base_ref}")',
-                'model = PeftModel.from_pretrained(base, "THIS_DIR")',
-                'tokenizer = AutoTokenizer.from_pretrained("THIS_DIR")']
-    else:
-        load = ["from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-                'model = AutoModelForCausalLM.from_pretrained("THIS_DIR")',
-                'tokenizer = AutoTokenizer.from_pretrained("THIS_DIR")']
-    out += ["## Loading", "", "```python", *load, "```", ""]
-    return "\n".join(out)
+    """The export's ``README.md``: what was exported, from which run and recipe, metrics, versions
+    (written by `tether.export_card.render_card`)."""
+    return render_card(rc, anchor=anchor, fmt=fmt, dtype=dtype, base_ref=base_ref,
+                       base_on_hub=_is_hub_id(str(rc.model_config.name)))
 
 
 # --------------------------------------------------------------------------- atomic output
@@ -337,6 +230,49 @@ def resolve_export_dtype(dtype: Optional[str], rc: RunCheckpoint) -> tuple[str, 
     return str(td).removeprefix("torch."), td
 
 
+def _check_request(rc: RunCheckpoint, *, lora: Optional[str], anchor: bool, max_shard_size: str | int) -> str | int:
+    """The checks that need the run: ``lora`` ("merge" / "adapter") only on a LoRA run, an anchor
+    to export for ``anchor``, a valid shard size. Returns ``max_shard_size``, a digit string as bytes."""
+    if lora == "merge" and not rc.lora:
+        raise ExportError(f"--merge-lora needs a LoRA run; run {rc.run_dir} fine-tuned all weights "
+                          "(its export is a full model already: drop --merge-lora)")
+    if lora == "adapter" and not rc.lora:
+        raise ExportError(f"--adapter-only needs a LoRA run; run {rc.run_dir} fine-tuned all weights "
+                          f"(model.lora_r = 0)")
+    if anchor:
+        check_anchor(rc, verb="export", error=ExportError)
+    if isinstance(max_shard_size, str) and max_shard_size.strip().isdigit():
+        max_shard_size = int(max_shard_size)  # bytes
+    _check_shard_size(max_shard_size)
+    return max_shard_size
+
+
+def _write_export(out: Path, model, base, tokenizer, card: str, *, fmt: str, max_shard_size: str | int) -> None:
+    """Write the export into a temporary sibling of ``out`` and rename it into place (see the module
+    docstring); on any failure the temporary directory is removed and ``out`` is left as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale_temps(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{_TMP_TAG}{os.getpid()}-", dir=out.parent))
+    try:
+        _write_weights(model, tmp, max_shard_size)
+        if fmt == "full":
+            _add_legacy_config_keys(tmp / "config.json")
+        else:
+            base.generation_config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "README.md").write_text(card)
+        write_marker(tmp, "export", [p.name for p in tmp.iterdir()])  # what --overwrite may replace later
+        _fsync_tree(tmp)
+        _publish(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _is_write_failure(e):  # disk full, quota, read-only, file too large: the user's to fix
+            raise ExportError(f"cannot write the export to {out}: {_write_failure_text(e)}; nothing was written "
+                              f"under {out.name} (free space or choose another place)") from None
+        raise
+    _clean_stale_temps(out, _OLD_TAG)  # an --overwrite killed between its two renames
+
+
 def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: Optional[int] = None,
                anchor: bool = False, lora: Optional[str] = None, dtype: Optional[str] = None,
                max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False,
@@ -369,18 +305,8 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
         raise ExportError(f"lora must be 'merge' or 'adapter', got {lora!r}")
     rc = resolve_run_checkpoint(run_dir, step)
     out = check_target(out_dir, overwrite, rc.run_dir)
-    if lora == "merge" and not rc.lora:
-        raise ExportError(f"--merge-lora needs a LoRA run; run {rc.run_dir} fine-tuned all weights "
-                          "(its export is a full model already: drop --merge-lora)")
-    if lora == "adapter" and not rc.lora:
-        raise ExportError(f"--adapter-only needs a LoRA run; run {rc.run_dir} fine-tuned all weights "
-                          f"(model.lora_r = 0)")
-    if anchor:
-        check_anchor(rc, verb="export", error=ExportError)
+    max_shard_size = _check_request(rc, lora=lora, anchor=anchor, max_shard_size=max_shard_size)
     fmt = "adapter" if lora == "adapter" else "full"
-    if isinstance(max_shard_size, str) and max_shard_size.strip().isdigit():
-        max_shard_size = int(max_shard_size)  # bytes
-    _check_shard_size(max_shard_size)
     dtype_name, torch_dtype = resolve_export_dtype(dtype, rc)
 
     log(f"[tether] rebuilding {rc.run_dir} step {rc.step} {'anchor' if anchor else 'policy'} "
@@ -405,27 +331,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
             pc.base_model_name_or_path = base_ref
     card = model_card(rc, anchor=anchor, fmt=fmt, dtype=dtype_name, base_ref=base_ref)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale_temps(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{_TMP_TAG}{os.getpid()}-", dir=out.parent))
-    try:
-        _write_weights(model, tmp, max_shard_size)
-        if fmt == "full":
-            _add_legacy_config_keys(tmp / "config.json")
-        else:
-            base.generation_config.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / "README.md").write_text(card)
-        write_marker(tmp, "export", [p.name for p in tmp.iterdir()])  # what --overwrite may replace later
-        _fsync_tree(tmp)
-        _publish(tmp, out)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if _is_write_failure(e):  # disk full, quota, read-only, file too large: the user's to fix
-            raise ExportError(f"cannot write the export to {out}: {_write_failure_text(e)}; nothing was written "
-                              f"under {out.name} (free space or choose another place)") from None
-        raise
-    _clean_stale_temps(out, _OLD_TAG)  # an --overwrite killed between its two renames
+    _write_export(out, model, base, tokenizer, card, fmt=fmt, max_shard_size=max_shard_size)
     log(f"[tether] exported to {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
     return out
 
