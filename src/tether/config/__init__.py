@@ -1,0 +1,35 @@
+"""The run configuration: typed dataclasses, YAML files, recipes and dotted CLI overrides.
+
+Resolution order (later wins): field defaults -> the recipe's algorithm (``--recipe`` or the
+YAML's ``recipe:``) and its trainer defaults -> the YAML file -> ``key=value`` overrides.
+Unknown keys, and keys that have no effect under the resolved settings, are errors with a
+did-you-mean. The resolved config is written to the run directory as ``config.yaml``.
+
+One module per concern; every name is importable from ``tether.config``:
+
+    schema.py      the dataclasses (one per section) and the held-out sets of eval.benchmarks=auto
+    presets.py     trainer settings a recipe brings (RECIPE_TRAINER_DEFAULTS), task presets (--task)
+    yaml_io.py     reading a YAML config (trees only: no duplicate key, no recursive alias); save_config
+    overrides.py   dotted keys: key=value parsing, type coercion, setting, flattening
+    validate.py    check: every problem of a resolved config at once, section by section
+    load.py        load_config: recipe -> task preset -> YAML -> overrides -> check
+    reference.py   docs/config.md from the fields' declaration comments
+"""
+
+from ..algo.recipes import AlgoConfig, ConfigError
+from ..models import ModelConfig
+from .load import load_config
+from .overrides import _coerce, _fields, _flatten, _set, parse_overrides  # noqa: F401  (the private ones: tests)
+from .presets import RECIPE_TRAINER_DEFAULTS, TASK_PRESETS
+from .reference import reference
+from .schema import (DEFAULT_RECIPE, HELD_OUT, Config, DataConfig, EvalConfig, RolloutConfig, RunConfig,
+                     SearchConfig, TrainConfig, eval_benchmarks, evaluating, to_dict)
+from .validate import VLLM_DTYPES, check, check_device
+from .yaml_io import read_yaml_mapping, save_config
+
+__all__ = [
+    "DEFAULT_RECIPE", "HELD_OUT", "RECIPE_TRAINER_DEFAULTS", "TASK_PRESETS", "VLLM_DTYPES", "AlgoConfig", "Config",
+    "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "RolloutConfig", "RunConfig", "SearchConfig",
+    "TrainConfig", "check", "check_device", "eval_benchmarks", "evaluating", "load_config", "parse_overrides",
+    "read_yaml_mapping", "reference", "save_config", "to_dict",
+]

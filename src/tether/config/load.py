@@ -1,0 +1,47 @@
+"""Resolving a run's config: recipe -> task preset -> YAML file -> dotted overrides -> ``check``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from ..algo.recipes import RECIPES, ConfigError, recipe
+from ..algo.registry import unknown_choice
+from .overrides import _flatten, _set
+from .presets import RECIPE_TRAINER_DEFAULTS, TASK_PRESETS
+from .schema import DEFAULT_RECIPE, Config
+from .validate import check
+from .yaml_io import read_yaml_mapping
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] = None,
+                recipe_name: Optional[str] = None, task: Optional[str] = None) -> Config:
+    """Resolve a Config: recipe -> task preset (``TASK_PRESETS``) -> YAML file -> overrides, then validate it."""
+    file_vals: dict[str, Any] = {}
+    if path:
+        file_vals = _flatten(read_yaml_mapping(path))
+    overrides = dict(overrides or {})
+    name = recipe_name or overrides.pop("recipe", None) or file_vals.pop("recipe", None) or DEFAULT_RECIPE
+    file_vals.pop("recipe", None)
+    overrides.pop("recipe", None)
+    if name not in RECIPES:
+        raise ConfigError(unknown_choice("recipe", name, RECIPES))
+    cfg = Config(recipe=name, algo=recipe(name))
+    for k, v in RECIPE_TRAINER_DEFAULTS.get(name, {}).items():
+        _set(cfg, k, v)
+    if task is not None:
+        if task not in TASK_PRESETS:
+            raise ConfigError(unknown_choice("task", task, TASK_PRESETS))
+        for k, v in TASK_PRESETS[task].items():
+            _set(cfg, k, v)
+    for source, vals in ((path or "config file", file_vals), ("override", overrides)):
+        for k, v in vals.items():
+            try:
+                _set(cfg, k, v)
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {e}") from None
+    # algo.name names the recipe, +custom when an algo.* key changed it (algo.name itself set by hand does not count)
+    base = recipe(name)
+    customized = dataclasses.replace(cfg.algo, name=base.name) != base
+    cfg.algo.name = f"{name}+custom" if customized else name
+    return check(cfg)

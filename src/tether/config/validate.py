@@ -1,0 +1,357 @@
+"""Validation of a resolved config: ``check`` lists every problem at once, section by section.
+
+Each ``_check_*`` returns its section's problems; a key that has no effect under the resolved
+settings is a problem too (it would silently do nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from ..algo.recipes import ConfigError, validate
+from ..algo.registry import unknown_choice
+from ..models import DTYPES, ModelConfig
+from .schema import (
+    HELD_OUT,
+    Config,
+    DataConfig,
+    EvalConfig,
+    RolloutConfig,
+    SearchConfig,
+    eval_benchmarks,
+)
+
+
+def check(cfg: Config) -> Config:
+    """Validate the algorithm and the trainer settings together; errors list every problem."""
+    errs: list[str] = []
+    for section in (_check_algo, _check_data, _check_rollout_choices, _check_search, _check_rollout_values,
+                    _check_train, _check_eval, _check_run, _check_values):
+        errs.extend(section(cfg))
+    if len(errs) == 1:
+        raise ConfigError(f"invalid config: {errs[0]}")
+    if errs:
+        raise ConfigError(f"invalid config ({len(errs)} problems):\n  - " + "\n  - ".join(errs))
+    return cfg
+
+
+def _check_algo(cfg: Config) -> list[str]:
+    """The algorithm (``tether.algo.validate``), its problems one by one."""
+    try:
+        validate(cfg.algo)
+    except ConfigError as e:
+        return [line.strip()[2:] for line in str(e).splitlines()[1:]]
+    return []
+
+
+def _check_data(cfg: Config) -> list[str]:
+    """data.*: the arithmetic task's own keys, and the reward timeout."""
+    d, dd, errs = cfg.data, DataConfig(), []
+    if d.task != "arithmetic" and d.difficulty != dd.difficulty:
+        errs.append("data.difficulty only applies to data.task=arithmetic")
+    if d.task == "arithmetic":
+        for k in ("prompt_key", "answer_key", "data_dir", "split", "limit", "shuffle"):
+            if getattr(d, k) != getattr(dd, k):
+                errs.append(f"data.{k} has no effect with the synthetic arithmetic task (an endless seeded stream)")
+        if not 1 <= d.difficulty <= 4:
+            errs.append(f"data.difficulty must be 1-4, got {d.difficulty}")
+    if not (d.reward_timeout >= 0 and d.reward_timeout != float("inf")):
+        errs.append(f"data.reward_timeout must be >= 0 seconds (0 = no limit), got {d.reward_timeout}")
+    elif d.reward_timeout != dd.reward_timeout and (d.reward == "auto" or ":" not in d.reward):
+        errs.append("data.reward_timeout only applies to a user reward (data.reward=module:function or "
+                    "path.py:function); the built-in rewards run in the trainer process")
+    return errs
+
+
+def _check_rollout_choices(cfg: Config) -> list[str]:
+    """rollout.prompt_overflow, the engine (and its options) and the agent."""
+    from ..agents import AGENTS
+    from ..rollout import ENGINES
+
+    r, errs = cfg.rollout, []
+    if r.prompt_overflow not in ("error", "truncate"):
+        errs.append(unknown_choice("rollout.prompt_overflow", r.prompt_overflow, ("error", "truncate")))
+    if r.engine not in ENGINES:
+        errs.append(unknown_choice("rollout.engine", r.engine, ENGINES))
+    errs.extend(_check_engine(cfg))
+    if r.agent not in AGENTS:
+        errs.append(unknown_choice("rollout.agent", r.agent, AGENTS))
+    return errs
+
+
+def _check_search(cfg: Config) -> list[str]:
+    """search.*: only with the search agent; the retriever's own keys; ranges."""
+    r, sc, ds, errs = cfg.rollout, cfg.search, SearchConfig(), []
+    if r.agent != "search":
+        for k in ("retriever", "corpus", "data_dir", "url", "dense_model", "topk", "max_searches", "max_obs_tokens",
+                  "max_context", "timeout", "retries"):
+            if getattr(sc, k) != getattr(ds, k):
+                errs.append(f"search.{k} only applies with rollout.agent=search")
+    else:
+        if sc.retriever not in ("bm25", "dense", "http"):
+            errs.append(unknown_choice("search.retriever", sc.retriever, ("bm25", "dense", "http")))
+        if sc.retriever == "http" and not sc.url:
+            errs.append("search.retriever=http needs search.url (the retrieval server's base URL)")
+        if sc.retriever != "http" and sc.url:
+            errs.append("search.url only applies with search.retriever=http")
+        if sc.retriever == "http" and sc.corpus:
+            errs.append("search.corpus does not apply with search.retriever=http (the server holds the corpus)")
+        if sc.retriever != "dense" and sc.dense_model != ds.dense_model:
+            errs.append("search.dense_model only applies with search.retriever=dense")
+        for k in ("timeout", "retries"):
+            if sc.retriever != "http" and getattr(sc, k) != getattr(ds, k):
+                errs.append(f"search.{k} only applies with search.retriever=http")
+        for k in ("topk", "max_obs_tokens", "max_context"):
+            if getattr(sc, k) < 1:
+                errs.append(f"search.{k} must be >= 1")
+        if sc.max_searches < 0 or sc.retries < 0 or sc.timeout <= 0:
+            errs.append("search.max_searches and search.retries must be >= 0 and search.timeout > 0")
+    return errs
+
+
+def _check_rollout_values(cfg: Config) -> list[str]:
+    """rollout.*: lengths, DAPO's refill and overlong options, sizes."""
+    r, dr, errs = cfg.rollout, RolloutConfig(), []
+    if not 0 <= r.min_new_tokens <= r.max_new_tokens:
+        errs.append(f"rollout.min_new_tokens must be in [0, rollout.max_new_tokens], got {r.min_new_tokens}")
+    if not r.dynamic_sampling and r.max_refill_rounds != dr.max_refill_rounds:
+        errs.append("rollout.max_refill_rounds only applies with rollout.dynamic_sampling=true")
+    if r.overlong_buffer_frac == 0 and r.overlong_penalty != dr.overlong_penalty:
+        errs.append("rollout.overlong_penalty only applies with rollout.overlong_buffer_frac > 0")
+    if not 0 <= r.overlong_buffer_frac <= 1:
+        errs.append("rollout.overlong_buffer_frac must be in [0, 1]")
+    for k in ("prompts_per_step", "n", "max_new_tokens", "batch_size"):
+        if getattr(r, k) < 1:
+            errs.append(f"rollout.{k} must be >= 1")
+    return errs
+
+
+def _check_train(cfg: Config) -> list[str]:
+    """train.*: sizes and schedule, and an iterative anchor that would be exactly on-policy."""
+    r, t, errs = cfg.rollout, cfg.train, []
+    for k in ("steps", "epochs", "mini_batches", "micro_batch_size", "logprob_chunk"):
+        if getattr(t, k) < 1:
+            errs.append(f"train.{k} must be >= 1")
+    if t.schedule not in ("constant", "cosine", "linear"):
+        errs.append(f"unknown train.schedule {t.schedule!r}. Valid choices: constant, cosine, linear")
+    if r.prompts_per_step * r.n < t.mini_batches:
+        errs.append("train.mini_batches exceeds the number of sequences per step")
+    if (cfg.algo.anchor.kind == "iterative" and t.epochs == 1 and t.mini_batches == 1
+            and cfg.algo.kl.estimator != "none"):
+        errs.append("anchor 'iterative' with train.epochs=1 and train.mini_batches=1 is exactly on-policy: "
+                    "pi_a = pi_old = pi, so the KL term is identically zero; use train.mini_batches > 1 "
+                    "or train.epochs > 1, or another anchor")
+    return errs
+
+
+def _check_eval(cfg: Config) -> list[str]:
+    """eval.*: keys without effect while evaluation is off; otherwise sizes, sampling and benchmarks."""
+    d, e, de, errs = cfg.data, cfg.eval, EvalConfig(), []
+    if e.every < 0:
+        errs.append(f"eval.every must be >= 0, got {e.every}")
+    if not (e.before or e.after or e.every):
+        for k in ("benchmarks", "limit", "n", "greedy", "temperature", "max_new_tokens", "anchor"):
+            if getattr(e, k) != getattr(de, k):
+                errs.append(f"eval.{k} has no effect while evaluation is off (eval.before=false, eval.after=false, "
+                            f"eval.every=0)")
+    else:
+        if e.limit < 1 or e.n < 1 or e.max_new_tokens < 1:
+            errs.append("eval.limit, eval.n and eval.max_new_tokens must be positive")
+        if e.greedy and e.n != 1:
+            errs.append("eval.greedy=true gives n identical samples; set eval.n=1 or eval.greedy=false")
+        if e.greedy and e.temperature != de.temperature:
+            errs.append("eval.temperature has no effect with eval.greedy=true")
+        if e.anchor and cfg.algo.anchor.kind in ("none", "iterative"):
+            errs.append(f"eval.anchor=true needs an anchor with its own weights, not {cfg.algo.anchor.kind!r}")
+        if not e.benchmarks:
+            errs.append("eval.benchmarks is empty")
+        elif not eval_benchmarks(cfg) and (e.every or e.benchmarks != de.benchmarks):
+            errs.append(f"eval.benchmarks=auto: data.task={d.task!r} has no held-out set tether knows "
+                        f"(auto knows {', '.join(HELD_OUT)}); name the benchmarks, e.g. eval.benchmarks=[gsm8k]")
+    return errs
+
+
+def _check_run(cfg: Config) -> list[str]:
+    """run.*: overwrite needs an output directory; the loggers need their packages."""
+    errs = []
+    if cfg.run.overwrite and not cfg.run.output_dir:
+        errs.append("run.overwrite=true needs run.output_dir (--output-dir): the default run directory is a new "
+                    "one, so there is nothing to overwrite")
+    if cfg.run.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except Exception:
+            errs.append("run.tensorboard=true needs the tensorboard package (pip install tensorboard)")
+    if cfg.run.wandb:
+        try:
+            import wandb  # noqa: F401
+        except Exception:
+            errs.append("run.wandb=true needs the wandb package (pip install wandb)")
+    return errs
+
+
+def _check_values(cfg: Config) -> list[str]:
+    """Ranges of single values that would otherwise fail late (at the model load, or mid-run):
+    optimizer, sampling, model, LoRA, checkpointing and reward settings."""
+    m, r, t, run, errs = cfg.model, cfg.rollout, cfg.train, cfg.run, []
+    if not (math.isfinite(t.lr) and t.lr >= 0):  # 0 is allowed: a no-update baseline (noise floor of a comparison)
+        errs.append(f"train.lr must be a finite number >= 0, got {t.lr!r}")
+    if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
+        errs.append(f"train.weight_decay must be a finite number >= 0, got {t.weight_decay!r}")
+    if len(t.betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in t.betas):
+        errs.append(f"train.betas must be two numbers in [0, 1), got {t.betas!r}")
+    if not (math.isfinite(t.grad_clip) and t.grad_clip >= 0):
+        errs.append(f"train.grad_clip must be a finite number >= 0 (0 = off), got {t.grad_clip!r}")
+    total = t.steps * t.epochs * t.mini_batches
+    if t.warmup_steps < 0:
+        errs.append(f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    elif t.warmup_steps > total > 0:
+        errs.append(f"train.warmup_steps={t.warmup_steps} exceeds the run's {total} optimizer steps "
+                    f"(train.steps x train.epochs x train.mini_batches): the LR would never reach train.lr")
+    if not (math.isfinite(r.temperature) and r.temperature > 0):
+        errs.append(f"rollout.temperature must be a finite number > 0 (training samples; log-probs are taken at "
+                    f"the same temperature), got {r.temperature!r}")
+    if not 0 < r.top_p <= 1:
+        errs.append(f"rollout.top_p must be in (0, 1] (1 = off), got {r.top_p!r}")
+    if r.top_k < 0:
+        errs.append(f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
+    if str(m.dtype).lower() not in DTYPES:
+        errs.append(unknown_choice("model.dtype", m.dtype, DTYPES))
+    errs.extend(check_device(m.device))
+    errs.extend(_check_lora(m))
+    if run.save_every < 0:
+        errs.append(f"run.save_every must be >= 0 (0 = only at the end), got {run.save_every}")
+    if run.keep_checkpoints < 1 and run.keep_checkpoints != -1:
+        errs.append(f"run.keep_checkpoints must be >= 1 (or -1 = keep every checkpoint), got {run.keep_checkpoints}")
+    if not math.isfinite(cfg.data.format_weight):
+        errs.append(f"data.format_weight must be a finite number, got {cfg.data.format_weight!r}")
+    errs.extend(_check_reward_spec(cfg.data.reward))
+    return errs
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_device(device: str, key: str = "model.device") -> list[str]:
+    """Problems with a device setting (``key`` names it in the messages): it must be 'auto', or a
+    torch device string (cpu, cuda, cuda:N, mps) whose device this machine has."""
+    import torch
+
+    if device == "auto":
+        return []
+    choices = "cpu | cuda | cuda:N | mps | auto"
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return [f"{key} {device!r} is not a device; use {choices}"]
+    if d.type == "cpu":
+        return []
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            return [f"{key} {device!r}: CUDA is not available on this machine; use cpu "
+                    f"(or auto: cuda when available, else cpu)"]
+        n = torch.cuda.device_count()
+        if d.index is not None and d.index >= n:
+            return [f"{key} {device!r}: this machine has {n} CUDA device(s), cuda:0 to cuda:{n - 1}"]
+        return []
+    if d.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        return [] if mps is not None and mps.is_available() else [
+            f"{key} {device!r}: MPS is not available on this machine; use cpu"]
+    return [f"{key} {device!r}: device type {d.type!r} is not supported; use {choices}"]
+
+
+def _check_lora(m: ModelConfig) -> list[str]:
+    """The LoRA keys: ranges, and no lora_* setting without LoRA (model.lora_r=0)."""
+    errs, dm = [], ModelConfig()
+    if m.lora_r < 0:
+        errs.append(f"model.lora_r must be >= 0 (0 = full fine-tuning), got {m.lora_r}")
+    if m.lora_r <= 0:
+        errs += [f"model.{k} only applies with model.lora_r > 0 (LoRA)"
+                 for k in ("lora_alpha", "lora_dropout", "lora_target_modules") if getattr(m, k) != getattr(dm, k)]
+        return errs
+    if m.lora_alpha <= 0:
+        errs.append(f"model.lora_alpha must be > 0, got {m.lora_alpha}")
+    if not 0 <= m.lora_dropout < 1:
+        errs.append(f"model.lora_dropout must be in [0, 1), got {m.lora_dropout!r}")
+    targets = m.lora_target_modules
+    names = [targets] if isinstance(targets, str) else list(targets)
+    if not names or not all(isinstance(x, str) and x.strip() for x in names):
+        errs.append(f"model.lora_target_modules must name at least one module (or 'all-linear'), got {targets!r}")
+    return errs
+
+
+_PY_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _check_reward_spec(spec: str) -> list[str]:
+    """data.reward: 'auto', a reward name, or the syntax of 'module:function' / 'path.py:function'.
+
+    Nothing is imported here (the reward loads, and its module is imported, when training starts,
+    before the model); a file spec's file must exist.
+    """
+    from ..tasks.rewards import BUILTIN_REWARDS, SEARCH_REWARDS
+
+    names = ["auto", *BUILTIN_REWARDS, *SEARCH_REWARDS]
+    if spec in names:
+        return []
+    if ":" not in spec:
+        return [unknown_choice("data.reward", spec, names) + ", or module:function / path.py:function"]
+    target, _, func = spec.rpartition(":")
+    form = f"data.reward {spec!r}: expected module:function or path/to/file.py:function"
+    if not target or not _PY_NAME.fullmatch(func):
+        return [f"{form} (the function must be a Python name)"]
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        if not target.endswith(".py"):
+            return [f"{form} (a reward file must be a .py file)"]
+        if not Path(target).expanduser().is_file():
+            return [f"data.reward {spec!r}: reward file {target} not found"]
+        return []
+    if not _PY_NAME.fullmatch(target):
+        return [f"{form} (the module must be a dotted Python name)"]
+    return []
+
+
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _check_engine(cfg: Config) -> list[str]:
+    """The engine options (rollout.vllm_*) and rollout correction against the engine's abilities.
+
+    Checks that need the device (GPU-only / CPU-only vLLM options) run when the engine is built
+    (``tether.rollout.vllm.VLLMEngine``), where vLLM's platform is known.
+    """
+    import importlib.util
+
+    from ..rollout import ENGINES, engine_reports_logp
+    r, dr, errs = cfg.rollout, RolloutConfig(), []
+    vllm_keys = [f.name for f in dataclasses.fields(RolloutConfig) if f.name.startswith("vllm_")]
+    if r.engine != "vllm":
+        errs += [f"rollout.{k} only applies with rollout.engine=vllm" for k in vllm_keys
+                 if getattr(r, k) != getattr(dr, k)]
+    else:
+        if importlib.util.find_spec("vllm") is None:
+            errs.append("rollout.engine=vllm needs vLLM, which lives in its own environment: run "
+                        "`bash scripts/setup.sh --vllm` and use .venv-vllm/bin/tether")
+        if r.vllm_dtype not in VLLM_DTYPES:
+            errs.append(unknown_choice("rollout.vllm_dtype", r.vllm_dtype, VLLM_DTYPES))
+        if r.vllm_max_model_len < 0:
+            errs.append("rollout.vllm_max_model_len must be >= 0 (0 = the model's own)")
+        if not 0 < r.vllm_gpu_memory_utilization <= 1:
+            errs.append("rollout.vllm_gpu_memory_utilization must be in (0, 1]")
+        if r.vllm_kv_cache_gb < 0:
+            errs.append("rollout.vllm_kv_cache_gb must be >= 0 (0 = vLLM's default)")
+        if r.vllm_sync_bucket_mb < 1:
+            errs.append("rollout.vllm_sync_bucket_mb must be >= 1")
+        for k in ("share_prompt", "prune_every"):
+            if getattr(r, k) != getattr(dr, k):
+                errs.append(f"rollout.{k} is an option of engine hf; vLLM schedules its own batches")
+    if cfg.algo.tis_cap > 0 and r.engine in ENGINES and not engine_reports_logp(r.engine):
+        errs.append(f"algo.tis_cap > 0 (rollout correction) needs an engine that reports its log-probs; "
+                    f"rollout.engine={r.engine} reports none (use rollout.engine=vllm)")
+    return errs
