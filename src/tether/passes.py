@@ -11,6 +11,8 @@ with no KL term the anchor pass is skipped; under the iterative anchor the sampl
 the anchor pass. Micro-batching (length-sorted, groups kept together for the shared-prompt
 forward) is shared with the update in ``micro_batches``, and ``head_inputs`` turns what the passes
 filled into the KL head's fields of the update's ``LossInputs``, again as ``loss_needs`` says.
+Two more forwards sit here: ``exact_kl_sample`` (a diagnostic) and ``idle_backward`` (the zero-loss
+call a rank makes to keep in lockstep with the others under FSDP, `tether.distributed.lockstep`).
 """
 
 from __future__ import annotations
@@ -196,3 +198,12 @@ def exact_kl_sample(model, anchor, rb: RolloutBatch, n: int, *, temperature: flo
     kl = (lp.exp() * (lp - la)).sum(-1)  # [n, T]
     m = mb.response_mask
     return float(torch.where(m, kl, torch.zeros_like(kl)).sum() / m.sum().clamp_min(1))
+
+
+def idle_backward(model, rb: RolloutBatch, *, temperature: float, chunk_size: int) -> None:
+    """A zero-loss forward/backward on the first row of ``rb``: keeps a rank with fewer micro-batches in
+    step with the others' gradient reduce-scatters (FSDP); adds exactly zero to the gradients."""
+    mb = rb.select([0])
+    st = response_stats(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                        temperature=temperature, entropy=False, chunk_size=chunk_size, share_prompt=False)
+    (torch.nan_to_num(st.logp).sum() * 0.0).backward()

@@ -1,6 +1,10 @@
-"""What a run tells its user beside metrics.jsonl: the held-out accuracy lines, the reward-failure
-log, the progress bar and the rows of samples.jsonl.
+"""What a run measures and tells its user beside the update itself: the rollout's metrics, the
+held-out evaluation and its accuracy lines, the reward-failure log, the progress bar and the rows of
+samples.jsonl.
 
+* `rollout_metrics(...)` -- reward, accuracy, lengths, throughput of a step's rollouts (all ranks').
+* `HeldOut` -- the held-out evaluation of ``eval.*``: its sets, when it is due, the policy's (and
+  the anchor's) scores, and the lines printed before and after training.
 * `accuracy_line(row)` -- ``arithmetic 22.0 % (100 problems)`` for a metrics row's held-out evals.
 * `before_after(run_dir, eval_cfg, names)` -- the before -> after line printed at the end of a run,
   read back from metrics.jsonl (so a resumed run finds its step-0 evaluation too).
@@ -9,13 +13,104 @@ log, the progress bar and the rows of samples.jsonl.
 * `Progress` -- the tqdm bar of ``run.progress`` (reward, accuracy, KL, seconds per step).
 * `sample_rows(batch, n)` -- a few prompts, responses and rewards of a step for samples.jsonl.
 
-Only rank 0 reports; the trainer decides when (see `tether.train`).
+Metrics are gathered on every rank (collectives); only rank 0 logs and writes. The trainer decides
+when (see `tether.train`).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Callable
+
+import torch
+
+from . import distributed as dist
+from .algo import zero_variance_groups
+from .config import eval_benchmarks, evaluating
+from .tasks.stream import held_out_sets
+
+
+def rollout_metrics(seen: list, kept_rewards: torch.Tensor, kept_groups: torch.Tensor, agent: dict) -> dict:
+    """Metrics over every sampled response of a step, all ranks': ``seen`` holds each generation round's
+    (RolloutBatch, rewards, correct), kept or dropped by dynamic sampling; ``kept_rewards`` /
+    ``kept_groups`` are the global batch that trains; ``agent`` is the agent's own ``metrics()``."""
+    rew, _ = dist.all_gather_cat(torch.cat([s[1] for s in seen]))
+    cor, _ = dist.all_gather_cat(torch.cat([s[2] for s in seen]))
+    length, _ = dist.all_gather_cat(torch.cat([s[0].response_lengths.float() for s in seen]))
+    gen_time = dist.all_reduce(float(sum(s[0].gen_time_s for s in seen)), "max")  # wall time: the slowest rank
+    gen_tokens = int(dist.all_reduce(float(sum(s[0].gen_tokens for s in seen))))
+    n_trunc = int(dist.all_reduce(float(sum(f == "length" for s in seen for f in s[0].finish_reason))))
+    agent = dist.mean_over_ranks(agent)
+    return {
+        "reward_mean": float(rew.mean()), "reward_std": float(rew.std()) if len(rew) > 1 else 0.0,
+        "accuracy": float(cor.float().mean()), "response_len": float(length.mean()),
+        "truncation_rate": n_trunc / max(len(rew), 1), "gen_tokens": gen_tokens,
+        "gen_tokens_per_s": gen_tokens / max(gen_time, 1e-9), "time_gen_s": gen_time,
+        "groups_zero_variance_frac": float(zero_variance_groups(kept_rewards, kept_groups).float().mean()),
+        **agent,
+    }
+
+
+class HeldOut:
+    """The held-out evaluation of a run (``eval.*``; `tether.tasks.stream.held_out_sets`).
+
+    ``sets`` maps a benchmark's name to (examples, reward function); it is empty when the run does
+    not evaluate (a run that asked for eval.before / eval.after without a held-out set is told why).
+    Every rank evaluates the whole set (not split across ranks).
+    """
+
+    def __init__(self, cfg, log: Callable = print):
+        self.cfg, self.log = cfg, log
+        self.sets = held_out_sets(cfg, eval_benchmarks(cfg)) if evaluating(cfg) else {}
+        if (cfg.eval.before or cfg.eval.after) and not self.sets and dist.is_main():
+            log(f"[tether] no held-out evaluation: data.task={cfg.data.task!r} has no held-out set for "
+                f"eval.benchmarks=auto (name one, e.g. eval.benchmarks=[gsm8k], or set eval.before=false "
+                f"eval.after=false)")
+
+    def due_before(self, step: int) -> bool:
+        """Whether to evaluate the initial policy (a run at trainer step ``step`` that has not trained)."""
+        return bool(self.cfg.eval.before and self.sets and step == 0)
+
+    def due(self, step: int) -> bool:
+        """Whether to evaluate after trainer step ``step``: every ``eval.every`` steps, and after the last
+        one with ``eval.after`` (or ``eval.every``)."""
+        e, last = self.cfg.eval, step == self.cfg.train.steps
+        return bool(((e.every and step % e.every == 0) or (last and (e.after or e.every))) and self.sets)
+
+    def evaluate(self, model, tokenizer, anchor) -> dict:
+        """eval/<bench>/<metric> for the policy (and eval_anchor/... for the anchor with ``eval.anchor``),
+        and time_eval_s."""
+        from .eval.runner import evaluate_during_training
+        t0 = time.perf_counter()
+        e = self.cfg.eval
+        settings = dict(n=e.n, greedy=e.greedy, temperature=0.0 if e.greedy else e.temperature,
+                        max_new_tokens=e.max_new_tokens, system_prompt=self.cfg.data.system_prompt,
+                        batch_size=self.cfg.rollout.batch_size, seed=self.cfg.train.seed)
+        examples = {k: v[0] for k, v in self.sets.items()}
+        rewards = {k: v[1] for k, v in self.sets.items()}
+        with dist.gathered(model):
+            out = evaluate_during_training(model, tokenizer, examples, rewards, settings)
+        if e.anchor:
+            with anchor.applied(model), dist.gathered(model):
+                res = evaluate_during_training(model, tokenizer, examples, rewards, settings)
+            out.update({"eval_anchor/" + k[len("eval/"):]: v for k, v in res.items()})
+        out["time_eval_s"] = time.perf_counter() - t0
+        return out
+
+    def before(self, model, tokenizer, anchor) -> dict:
+        """The initial policy's row (logged at step 0), announced and summed up on the console."""
+        self.log("[tether] evaluating the initial policy on the held-out set: "
+                 + ", ".join(f"{k} ({len(v[0])} problems)" for k, v in self.sets.items()))
+        m = self.evaluate(model, tokenizer, anchor)
+        self.log(f"[tether] held-out before training: {accuracy_line(m)}")
+        return m
+
+    def after(self, run_dir: Path, step: int) -> None:
+        """Print the before -> after line once a run that evaluated reached its last step ``step``."""
+        e = self.cfg.eval
+        if dist.is_main() and self.sets and step == self.cfg.train.steps and (e.after or e.every):
+            self.log(f"[tether] held-out accuracy, before -> after training: {before_after(run_dir, e, self.sets)}")
 
 
 def _pct(x) -> str:

@@ -1,16 +1,19 @@
 """The training loop, and nothing else. One trainer step:
 
-    examples --agent.rollout--> responses                                       (tether.agents, tether.rollout)
-             --reward--> scores (+ DAPO overlong shaping)                        (tether.tasks.rewards, tether.algo)
-             --advantage--> A                                                    (tether.algo.advantages)
-             --passes (no grad)--> old / anchor log-probs, KL heads              (tether.passes)
-             --update--> epochs x mini-batches x micro-batches of compute_loss   (_update; tether.algo.objectives)
-             --anchor update--> EMA / reset / kl_reset                           (tether.anchor)
-             --log--> metrics.jsonl, samples.jsonl, progress bar, checkpoint     (tether.metrics, tether.checkpoint)
+    examples --agent.rollout--> responses                          (tether.tasks.stream; tether.agents, tether.rollout)
+             --reward--> scores (+ DAPO overlong shaping)           (tether.tasks.rewards, tether.algo)
+             --advantage--> A                                       (tether.algo.advantages)
+             --passes (no grad)--> old / anchor log-probs, KL heads (tether.passes: what runs is algo.loss_needs)
+             --update--> epochs x mini-batches x micro-batches      (_update: compute_loss, tether.schedule's LR)
+             --anchor update--> EMA / reset / kl_reset              (tether.anchor)
+             --log--> metrics.jsonl, samples.jsonl, checkpoint      (tether.report, tether.metrics, tether.checkpoint)
 
-The mathematics lives in ``tether.algo`` and ``tether.anchor``; this file only moves tensors.
-Under ``torchrun`` the policy is sharded with FSDP2 and rollouts are data-parallel; the
-helpers of ``tether.distributed`` that the loop calls are no-ops in a single process.
+`Trainer` builds a run's pieces from its config and calls them in this order; it moves tensors
+between them and decides nothing they own (docs/architecture.md names each arrow's owner). The
+mathematics lives in ``tether.algo`` and ``tether.anchor``. Under ``torchrun`` the policy is
+sharded with FSDP2 and rollouts are data-parallel: the loop calls ``tether.distributed``'s helpers
+(``rank_share``, ``lockstep``, ``gathered``, ``all_reduce``...), no-ops in a single process.
+`train` / `resume` run a Trainer inside its locked run directory (``tether.rundir``).
 """
 
 from __future__ import annotations
@@ -29,18 +32,18 @@ from .agents import agent_from_config, agent_tools
 from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, overlong_penalty, zero_variance_groups
 from .anchor import make_anchor
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config, eval_benchmarks, evaluating, to_dict
+from .config import Config, to_dict
 from .errors import GenerationError
 from .logprobs import response_stats
 from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
-from .passes import Passes, StepBatch, exact_kl_sample, head_inputs, micro_batches
+from .passes import Passes, StepBatch, exact_kl_sample, head_inputs, idle_backward, micro_batches
 from .rollout import RolloutBatch, SamplingParams, make_engine
-from .report import Progress, RewardErrorLog, accuracy_line, before_after, sample_rows
+from .report import HeldOut, Progress, RewardErrorLog, rollout_metrics, sample_rows
 from .rundir import RunDirectory, resume_checkpoint, resume_config
 from .schedule import LRSchedule
 from .stop import GracefulStop, resume_hint
 from .tasks import Example
-from .tasks.stream import held_out_sets, prompt_stream
+from .tasks.stream import prompt_stream, training_reward
 
 
 class Trainer:
@@ -65,11 +68,7 @@ class Trainer:
         random.seed(t.seed)
         torch.manual_seed(t.seed)
         self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row before the (slow) model load
-        from .tasks.reward_worker import reward_scorer
-        reward_spec = self.data.reward_name if cfg.data.reward == "auto" else cfg.data.reward
-        # a user reward runs in a worker process with data.reward_timeout per call; a bad spec is a RewardError here
-        self.score_rewards = reward_scorer(reward_spec, format_weight=cfg.data.format_weight,
-                                           timeout=cfg.data.reward_timeout)
+        self.score_rewards = training_reward(cfg, self.data)  # a bad reward spec fails here, too
         tools = agent_tools(cfg)  # e.g. the search agent's retriever: its corpus is checked before the model load
         if run_guard is not None:
             run_guard.open(cfg)  # after the cheap checks (a bad config leaves no directory), before the model load
@@ -94,39 +93,17 @@ class Trainer:
         prompts = getattr(self.agent, "prompts", None)  # the agent's PromptEncoder (tether.tasks.prompts)
         if prompts is not None and self.data.examples is not None:  # an overlong row fails now, not at its step
             prompts.check(self.data.examples, cfg.rollout.max_new_tokens)
-        self.step = 0
-        self.skipped_updates = 0
+        self.step, self.skipped_updates = 0, 0
         self.reward_errors = RewardErrorLog(self.run_dir, self.log)  # counted; the first of each kind logged
         self.needs = loss_needs(cfg.algo, model.get_output_embeddings().weight.shape[0])
         self.passes = Passes(model, self.anchor, self.needs, on_policy=t.epochs == 1 and t.mini_batches == 1,
                              temperature=cfg.rollout.temperature, micro_batch_size=t.micro_batch_size,
                              chunk_size=t.logprob_chunk, share_prompt=t.share_prompt)
-        self.eval_sets = held_out_sets(cfg, eval_benchmarks(cfg)) if evaluating(cfg) else {}
-        if (cfg.eval.before or cfg.eval.after) and not self.eval_sets and dist.is_main():
-            self.log(f"[tether] no held-out evaluation: data.task={cfg.data.task!r} has no held-out set for "
-                     f"eval.benchmarks=auto (name one, e.g. eval.benchmarks=[gsm8k], or set eval.before=false "
-                     f"eval.after=false)")
-        # Under FSDP every forward with gradients all-gathers and its backward reduce-scatters, so all
-        # ranks must make the same calls: one forward per micro-batch (the shared-prompt forward makes
-        # two when a micro-batch repeats a prompt, and that depends on the data). No-grad passes share.
+        self.held_out = HeldOut(cfg, self.log)  # tether.report: eval.* sets (none when the run does not evaluate)
+        # Under FSDP all ranks must make the same forward calls with gradients: the shared-prompt forward
+        # makes two when a micro-batch repeats a prompt (data-dependent), so only no-grad passes share.
         self._share_grad = t.share_prompt and not dist.enabled()
-
-    def evaluate(self) -> dict:
-        """eval/<bench>/<metric> for the policy (and eval_anchor/... for the anchor when asked)."""
-        from .eval.runner import evaluate_during_training
-        e = self.cfg.eval
-        settings = dict(n=e.n, greedy=e.greedy, temperature=0.0 if e.greedy else e.temperature,
-                        max_new_tokens=e.max_new_tokens, system_prompt=self.cfg.data.system_prompt,
-                        batch_size=self.cfg.rollout.batch_size, seed=self.cfg.train.seed)
-        examples = {k: v[0] for k, v in self.eval_sets.items()}
-        rewards = {k: v[1] for k, v in self.eval_sets.items()}
-        with dist.gathered(self.model):  # every rank evaluates the whole set (not split across ranks)
-            out = evaluate_during_training(self.model, self.tokenizer, examples, rewards, settings)
-        if e.anchor:
-            with self.anchor.applied(self.model), dist.gathered(self.model):
-                res = evaluate_during_training(self.model, self.tokenizer, examples, rewards, settings)
-            out.update({"eval_anchor/" + k[len("eval/"):]: v for k, v in res.items()})
-        return out
+        self._fwd = dict(temperature=cfg.rollout.temperature, chunk_size=t.logprob_chunk)  # as every pass runs
 
     # ------------------------------------------------------------ rollout and rewards
 
@@ -180,31 +157,13 @@ class Trainer:
         loss_mask = rb.loss_mask.clone()
         if r.mask_truncated:
             loss_mask[torch.tensor([f == "length" for f in rb.finish_reason], dtype=torch.bool)] = False
-        stats = self._rollout_stats(seen, all_rewards, all_groups)
+        stats = rollout_metrics(seen, all_rewards, all_groups, self.agent.metrics())
         if r.dynamic_sampling:
             stats.update(ds_rounds=rounds + 1, ds_groups_kept=n_groups)
         batch = StepBatch(rb=rb.to(self.device), examples=[e for k in kept for e in k[1]], rewards=rewards,
                           correct=correct, adv=adv.to(self.device), loss_mask=loss_mask.to(self.device),
                           row_offset=offset, global_rows=len(all_rewards))
         return batch, stats
-
-    def _rollout_stats(self, seen: list, kept_rewards: torch.Tensor, kept_groups: torch.Tensor) -> dict:
-        """Metrics over every sampled response of the step (kept or dropped by dynamic sampling), all ranks'."""
-        rew, _ = dist.all_gather_cat(torch.cat([s[1] for s in seen]))
-        cor, _ = dist.all_gather_cat(torch.cat([s[2] for s in seen]))
-        length, _ = dist.all_gather_cat(torch.cat([s[0].response_lengths.float() for s in seen]))
-        gen_time = dist.all_reduce(float(sum(s[0].gen_time_s for s in seen)), "max")  # wall time: the slowest rank
-        gen_tokens = int(dist.all_reduce(float(sum(s[0].gen_tokens for s in seen))))
-        n_trunc = int(dist.all_reduce(float(sum(f == "length" for s in seen for f in s[0].finish_reason))))
-        agent = dist.mean_over_ranks(self.agent.metrics())
-        return {
-            "reward_mean": float(rew.mean()), "reward_std": float(rew.std()) if len(rew) > 1 else 0.0,
-            "accuracy": float(cor.float().mean()), "response_len": float(length.mean()),
-            "truncation_rate": n_trunc / max(len(rew), 1), "gen_tokens": gen_tokens,
-            "gen_tokens_per_s": gen_tokens / max(gen_time, 1e-9), "time_gen_s": gen_time,
-            "groups_zero_variance_frac": float(zero_variance_groups(kept_rewards, kept_groups).float().mean()),
-            **agent,
-        }
 
     # ------------------------------------------------------------ update
 
@@ -215,15 +174,14 @@ class Trainer:
         sl = lambda x: None if x is None else x[idx, :T]  # noqa: E731  rows idx, columns of this micro-batch
         head_ids = sl(b.head_ids)
         st = response_stats(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                            temperature=self.cfg.rollout.temperature, gather_ids=head_ids if n.k else None,
-                            entropy=True, chunk_size=self.cfg.train.logprob_chunk,
-                            share_prompt=self._share_grad)
+                            gather_ids=head_ids if n.k else None, entropy=True, share_prompt=self._share_grad,
+                            **self._fwd)
         mask = b.loss_mask[idx, :T]
         kw = head_inputs(n, st, head_ids, sl(b.head_ref_logp), mb.response_ids, mask)  # as loss_needs says
         samp = mb.sampler_logp if n.sampler_logp else None  # the engine's log-probs (rollout correction)
         inputs = LossInputs(logp=st.logp, mask=mask, adv=b.adv[idx], old_logp=sl(b.old_logp), ref_logp=sl(b.ref_logp),
-                            sampler_logp=samp,
-                            num_tokens=num_tokens, num_seqs=num_seqs, max_len=self.cfg.rollout.max_new_tokens, **kw)
+                            sampler_logp=samp, num_tokens=num_tokens, num_seqs=num_seqs,
+                            max_len=self.cfg.rollout.max_new_tokens, **kw)
         return inputs, st.entropy.detach()
 
     def _update(self, b: StepBatch) -> dict:
@@ -243,7 +201,7 @@ class Trainer:
             for gmini in (perm[i:i + size] for i in range(0, B, size)):
                 mini, n_tok = dist.rank_share(gmini, b.row_offset, b.loss_mask)  # my rows; global token count
                 micro, losses = micro_batches(b.rb, mini, t.micro_batch_size, t.share_prompt), []
-                for idx in dist.lockstep(micro, idle=lambda: self._idle_backward(b)):
+                for idx in dist.lockstep(micro, idle=lambda: idle_backward(self.model, b.rb, **self._fwd)):
                     inputs, entropy = self._loss_inputs(b, idx, max(n_tok, 1.0), len(gmini))
                     out = compute_loss(self.cfg.algo, inputs)
                     out.loss.backward()
@@ -255,15 +213,6 @@ class Trainer:
                 self._optimizer_step(loss, stats)
         return {**stats.result(reduce=dist.all_reduce), "lr": self.scheduler.get_last_lr()[0],
                 "skipped_updates": self.skipped_updates}
-
-    def _idle_backward(self, b: StepBatch) -> None:
-        """A zero-loss forward/backward on one row: keeps a rank with fewer micro-batches in step with
-        the others' gradient reduce-scatters (FSDP); adds exactly zero to the gradients."""
-        mb = b.rb.select([0])
-        st = response_stats(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                            temperature=self.cfg.rollout.temperature, entropy=False,
-                            chunk_size=self.cfg.train.logprob_chunk, share_prompt=False)
-        (torch.nan_to_num(st.logp).sum() * 0.0).backward()
 
     def _optimizer_step(self, loss: torch.Tensor, stats: UpdateStats) -> None:
         """Clip, then step (skipped, weights unchanged, if the loss or gradient is not finite on any rank)."""
@@ -317,8 +266,7 @@ class Trainer:
     def _exact_kl(self, b: StepBatch) -> Optional[float]:
         """The exact-KL diagnostic on the first ``run.exact_kl_samples`` responses (None when off)."""
         kl = exact_kl_sample(self.model, self.anchor, b.rb, self.cfg.run.exact_kl_samples,
-                             temperature=self.cfg.rollout.temperature, chunk_size=self.cfg.train.logprob_chunk,
-                             share_prompt=self.cfg.train.share_prompt)
+                             share_prompt=self.cfg.train.share_prompt, **self._fwd)
         return kl if kl is None else dist.all_reduce(kl) / dist.world_size()  # the mean of the ranks' samples
 
     def state(self) -> dict:
@@ -365,23 +313,14 @@ class Trainer:
                                wandb_project=cfg.run.wandb_project, config=to_dict(cfg)) if main else None
         bar = Progress(cfg.train.steps, self.step, f"tether {cfg.recipe}", enabled=cfg.run.progress and main)
         try:
-            if cfg.eval.before and self.eval_sets and self.step == 0:  # the initial policy, logged at step 0
-                self.log("[tether] evaluating the initial policy on the held-out set: "
-                         + ", ".join(f"{k} ({len(v[0])} problems)" for k, v in self.eval_sets.items()))
-                t0 = time.perf_counter()
-                m = self.evaluate()
-                m["time_eval_s"] = time.perf_counter() - t0
+            if self.held_out.due_before(self.step):  # the initial policy, logged at step 0
+                m = self.held_out.before(self.model, self.tokenizer, self.anchor)
                 if logger is not None:
                     logger.log(0, m)
-                self.log(f"[tether] held-out before training: {accuracy_line(m)}")
             while self.step < cfg.train.steps:
                 m = self.train_step()
-                last = self.step == cfg.train.steps
-                if (cfg.eval.every and self.step % cfg.eval.every == 0) or (last and (cfg.eval.after or cfg.eval.every)):
-                    if self.eval_sets:
-                        t0 = time.perf_counter()
-                        m.update(self.evaluate())
-                        m["time_eval_s"] = time.perf_counter() - t0
+                if self.held_out.due(self.step):
+                    m.update(self.held_out.evaluate(self.model, self.tokenizer, self.anchor))
                 if logger is not None:
                     logger.log(self.step, m)
                     logger.log_samples(self.step, sample_rows(self._last_batch, cfg.run.log_samples))
@@ -405,9 +344,7 @@ class Trainer:
         if cfg.run.plot and main:
             from .plot import plot_runs
             plot_runs([self.run_dir], self.run_dir / "curves.png")
-        if main and self.eval_sets and self.step == cfg.train.steps and (cfg.eval.after or cfg.eval.every):
-            self.log("[tether] held-out accuracy, before -> after training: "
-                     + before_after(self.run_dir, cfg.eval, self.eval_sets))
+        self.held_out.after(self.run_dir, self.step)  # the before -> after line
 
 
 def default_run_dir(cfg: Config) -> Path:

@@ -4,8 +4,9 @@
   deterministic stream, ``position`` (an int) is checkpointed, ``reward_name`` is the reward that
   fits the task (``data.reward=auto``), and ``examples`` holds a finite dataset's rows (None for a
   generated task) so that they can be checked before the first step.
-* `prompt_stream(cfg)` / `held_out_sets(cfg, names)` -- build them from a config. These are the
-  only places that know task names (the synthetic ``arithmetic`` task, the search agent's QA
+* `prompt_stream(cfg)` / `held_out_sets(cfg, names)` -- build them from a config, and
+  `training_reward(cfg, stream)` scores the stream's responses. These are the only places that know
+  task names (the synthetic ``arithmetic`` task, the search agent's QA
   data); the trainer never branches on one.
 
 The stream is name-agnostic: a generated task gives it ``generate(i) -> Example``, a dataset its
@@ -72,6 +73,15 @@ def prompt_stream(cfg) -> PromptStream:
     examples = load_examples(d.task, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key,
                              data_dir=d.data_dir, limit=d.limit or None)
     return PromptStream(examples=examples, reward_name=default_reward_name(d.task), seed=seed, shuffle=d.shuffle)
+
+
+def training_reward(cfg, stream: PromptStream):
+    """The scorer of the training responses (`tether.tasks.reward_worker.reward_scorer`): ``data.reward``,
+    or the stream's own task reward with ``data.reward=auto``. A user reward runs in a worker process
+    with ``data.reward_timeout`` per call; a bad spec is a RewardError here, before the model load."""
+    from .reward_worker import reward_scorer
+    spec = stream.reward_name if cfg.data.reward == "auto" else cfg.data.reward
+    return reward_scorer(spec, format_weight=cfg.data.format_weight, timeout=cfg.data.reward_timeout)
 
 
 def held_out_sets(cfg, names: list[str]) -> dict:
