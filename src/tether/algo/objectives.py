@@ -145,6 +145,39 @@ def compute_loss(cfg, inputs: LossInputs) -> LossOut:
         adv = adv[:, None].expand_as(logp)
     adv = _masked(adv, mask)
     kl_cfg = cfg.kl
+    adv, kl_tok, kl_val = _kl_terms(cfg, inp, logp, old, adv, mask)
+
+    region = REGIONS[cfg.region.kind](logp, old, adv, mask, cfg.region)
+    pg = policy_term(logp, adv, region, cfg.surrogate)  # [B, T]
+    pg, corr_metrics = _rollout_correction(cfg, inp, pg, old, mask)
+    tok = pg if kl_tok is None else pg + kl_cfg.beta * kl_tok
+    # The configured L wins; the caller's max_len (the rollout's max_new_tokens) is the fallback.
+    agg = dict(max_len=cfg.agg_max_len or inp.max_len, num_tokens=inp.num_tokens, num_seqs=inp.num_seqs)
+    loss = aggregate(tok, mask, cfg.aggregation, **agg)
+
+    with torch.no_grad():
+        metrics = _loss_metrics(cfg, logp, mask, region, pg, agg)
+        metrics.update(corr_metrics)
+        if kl_val is not None:
+            metrics["kl"] = _token_mean(kl_val, mask, logp)
+            if kl_tok is not None:
+                metrics["kl_loss"] = aggregate(kl_cfg.beta * kl_val, mask, cfg.aggregation, **agg)
+    return LossOut(loss, metrics)
+
+
+def _kl_terms(cfg, inp: LossInputs, logp: Tensor, old: Tensor, adv: Tensor,
+              mask: Tensor) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The KL term in its ``KLConfig.placement``: returns ``(adv, kl_tok, kl_val)``.
+
+        loss       kl_tok = KL_t (value + exact-form gradient; the RPG REINFORCE form: its score
+                   coefficient x log pi, same gradient), added to the loss as beta * kl_tok
+        reward     A_t -= beta * sum_{s >= t} sg(KL_s)      (per-token penalty-to-go; REINFORCE++)
+        advantage  A_t -= beta * sg(C_KL_t)                 (RPG-Style Clip: the regularized advantage A')
+
+    ``kl_val`` = sg(KL_t) [B, T] for the metrics; ``kl_tok`` is None outside ``loss``, and both are
+    None when the KL term is off (estimator ``none`` or beta = 0), where ``adv`` is returned as is.
+    """
+    kl_cfg = cfg.kl
     use_kl = kl_cfg.estimator != "none" and kl_cfg.beta > 0
     kl_tok = kl_val = None
     if use_kl:
@@ -169,9 +202,12 @@ def compute_loss(cfg, inputs: LossInputs) -> LossOut:
             adv = adv - kl_cfg.beta * rpg_advantage_penalty(kl_cfg.estimator, kin)
         else:
             raise ValueError(f"unknown KL placement {kl_cfg.placement!r}. Valid choices: loss, reward, advantage")
+    return adv, kl_tok, kl_val
 
-    region = REGIONS[cfg.region.kind](logp, old, adv, mask, cfg.region)
-    pg = policy_term(logp, adv, region, cfg.surrogate)  # [B, T]
+
+def _rollout_correction(cfg, inp: LossInputs, pg: Tensor, old: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
+    """pg_t * w_t, w_t the truncated pi_old / pi_vllm (``AlgoConfig.tis_cap`` > 0, `tether.algo.correction`),
+    and the correction's metrics; ``(pg, {})`` unchanged when the correction is off."""
     corr_metrics = {}
     if getattr(cfg, "tis_cap", 0) > 0:  # rollout correction: re-weight the samples from the engine's pi_vllm to pi_old
         if inp.sampler_logp is None or inp.old_logp is None:
@@ -179,35 +215,31 @@ def compute_loss(cfg, inputs: LossInputs) -> LossOut:
                              "recomputed pi_old (old_logp)")
         w, corr_metrics = correction_weights(old, inp.sampler_logp, mask, cfg.tis_cap, cfg.tis_mode)
         pg = pg * w.to(pg.dtype)
-    tok = pg if kl_tok is None else pg + kl_cfg.beta * kl_tok
-    # The configured L wins; the caller's max_len (the rollout's max_new_tokens) is the fallback.
-    agg = dict(max_len=cfg.agg_max_len or inp.max_len, num_tokens=inp.num_tokens, num_seqs=inp.num_seqs)
-    loss = aggregate(tok, mask, cfg.aggregation, **agg)
+    return pg, corr_metrics
 
-    with torch.no_grad():
-        n = mask.sum().clamp_min(1).to(logp.dtype)
 
-        def tmean(x: Tensor) -> Tensor:
-            return torch.where(mask, x.to(logp.dtype), torch.zeros((), dtype=logp.dtype, device=logp.device)).sum() / n
+def _token_mean(x: Tensor, mask: Tensor, logp: Tensor) -> Tensor:
+    """sum_t mask_t x_t / max(sum_t mask_t, 1), in logp's dtype (no gradient: call under no_grad)."""
+    n = mask.sum().clamp_min(1).to(logp.dtype)
+    return torch.where(mask, x.to(logp.dtype), torch.zeros((), dtype=logp.dtype, device=logp.device)).sum() / n
 
-        r = region.ratio.detach()
-        inf = torch.tensor(math.inf, dtype=r.dtype, device=r.device)
-        one = torch.ones((), dtype=r.dtype, device=r.device)
-        any_tok = mask.any()
-        metrics = {
-            "pg_loss": aggregate(pg.detach(), mask, cfg.aggregation, **agg),
-            "clip_frac_low": tmean(region.low),
-            "clip_frac_high": tmean(region.high),
-            "clip_frac_dual": tmean(region.dual),
-            "clip_frac": tmean(~region.keep | region.high),
-            "ratio_mean": tmean(r),
-            "ratio_max": torch.where(any_tok, torch.where(mask, r, -inf).max(), one),
-            "ratio_min": torch.where(any_tok, torch.where(mask, r, inf).min(), one),
-            "n_tokens": mask.sum().to(logp.dtype),
-        }
-        metrics.update(corr_metrics)
-        if kl_val is not None:
-            metrics["kl"] = tmean(kl_val)
-            if kl_tok is not None:
-                metrics["kl_loss"] = aggregate(kl_cfg.beta * kl_val, mask, cfg.aggregation, **agg)
-    return LossOut(loss, metrics)
+
+def _loss_metrics(cfg, logp: Tensor, mask: Tensor, region: RegionOut, pg: Tensor, agg: dict) -> dict:
+    """The policy term's metrics (call under no_grad): pg_loss aggregated like the loss, the
+    trust region's clip fractions and the ratio rho = pi/pi_old (mean, max, min over the mask;
+    max = min = 1 without a token), and the token count."""
+    r = region.ratio.detach()
+    inf = torch.tensor(math.inf, dtype=r.dtype, device=r.device)
+    one = torch.ones((), dtype=r.dtype, device=r.device)
+    any_tok = mask.any()
+    return {
+        "pg_loss": aggregate(pg.detach(), mask, cfg.aggregation, **agg),
+        "clip_frac_low": _token_mean(region.low, mask, logp),
+        "clip_frac_high": _token_mean(region.high, mask, logp),
+        "clip_frac_dual": _token_mean(region.dual, mask, logp),
+        "clip_frac": _token_mean(~region.keep | region.high, mask, logp),
+        "ratio_mean": _token_mean(r, mask, logp),
+        "ratio_max": torch.where(any_tok, torch.where(mask, r, -inf).max(), one),
+        "ratio_min": torch.where(any_tok, torch.where(mask, r, inf).min(), one),
+        "n_tokens": mask.sum().to(logp.dtype),
+    }
