@@ -72,9 +72,21 @@ class ConfigError(ValueError):
 
 
 def validate(cfg: AlgoConfig) -> AlgoConfig:
-    """Raise ConfigError listing every invalid combination or ineffective option; return cfg."""
+    """Raise ConfigError listing every invalid combination or ineffective option; return cfg.
+
+    The problems are listed in this order: the top-level choices (advantage, surrogate,
+    aggregation, rollout correction), the trust region, the KL term, the anchor.
+    """
+    errs = _top_level_errors(cfg) + _region_errors(cfg) + _kl_errors(cfg) + _anchor_errors(cfg)
+    if errs:
+        raise ConfigError("invalid algorithm config:\n  - " + "\n  - ".join(errs))
+    return cfg
+
+
+def _top_level_errors(cfg: AlgoConfig) -> list[str]:
+    """Unknown advantage / surrogate / aggregation, options they make ineffective, and the rollout
+    correction's settings (tis_cap, tis_mode)."""
     errs: list[str] = []
-    d_kl, d_anchor, d_region = KLConfig(), AnchorConfig(), RegionConfig()
     if cfg.advantage not in ADVANTAGES:
         errs.append(unknown_choice("advantage", cfg.advantage, ADVANTAGES.names()))
     if cfg.surrogate not in SURROGATES:
@@ -90,7 +102,13 @@ def validate(cfg: AlgoConfig) -> AlgoConfig:
         errs.append(bad)
     elif cfg.tis_cap == 0 and cfg.tis_mode != AlgoConfig.tis_mode:
         errs.append("tis_mode has no effect while tis_cap is 0 (rollout correction off)")
+    return errs
 
+
+def _region_errors(cfg: AlgoConfig) -> list[str]:
+    """An unknown trust region, the region.* fields it does not read, and out-of-range bounds."""
+    errs: list[str] = []
+    d_region = RegionConfig()
     r = cfg.region
     if r.kind not in REGIONS:
         errs.append(unknown_choice("trust region", r.kind, REGIONS.names()))
@@ -113,7 +131,14 @@ def validate(cfg: AlgoConfig) -> AlgoConfig:
             errs.append(f"trust region {r.kind!r} is defined for surrogate 'reinforce', got {cfg.surrogate!r}")
         if not (0 <= r.eps_low < 1 and r.eps_high >= 0):
             errs.append(f"need 0 <= region.eps_low < 1 and region.eps_high >= 0, got {r.eps_low}, {r.eps_high}")
+    return errs
 
+
+def _kl_errors(cfg: AlgoConfig) -> list[str]:
+    """An unknown KL estimator or anchor, and the KL term's combinations: beta > 0 and an anchor
+    exactly when there is an estimator, a placement the estimator supports, the options it reads."""
+    errs: list[str] = []
+    d_kl = KLConfig()
     k, a = cfg.kl, cfg.anchor
     if k.estimator != "none" and k.estimator not in KL_ESTIMATORS:
         errs.append(unknown_choice("KL estimator", k.estimator, ["none", *KL_ESTIMATORS.names()]))
@@ -150,6 +175,13 @@ def validate(cfg: AlgoConfig) -> AlgoConfig:
             errs.append(f"kl.s_min/s_max clip the sampling weight s, which {k.estimator!r} does not use")
         if k.estimator in EXACT_ESTIMATORS:
             pass  # needs full-vocabulary log-probs; the trainer checks it can supply them
+    return errs
+
+
+def _anchor_errors(cfg: AlgoConfig) -> list[str]:
+    """The anchor's ranges (eta in [0, 1), every >= 1, kappa > 0) and the anchor.* fields its kind does not read."""
+    errs: list[str] = []
+    a, d_anchor = cfg.anchor, AnchorConfig()
     if a.kind == "ema" and not 0 <= a.eta < 1:
         errs.append(f"anchor.eta must be in [0, 1), got {a.eta}")
     if a.kind in ("ema", "reset") and a.every < 1:
@@ -160,9 +192,7 @@ def validate(cfg: AlgoConfig) -> AlgoConfig:
     for f in ("eta", "every", "kappa", "kl_smoothing"):
         if f not in used and getattr(a, f) != getattr(d_anchor, f):
             errs.append(f"anchor.{f} has no effect with anchor {a.kind!r}")
-    if errs:
-        raise ConfigError("invalid algorithm config:\n  - " + "\n  - ".join(errs))
-    return cfg
+    return errs
 
 
 # ---------------------------------------------------------------- named recipes
