@@ -410,6 +410,30 @@ def column_major_linear_weights(model: torch.nn.Module) -> int:
     return moved
 
 
+def _apply_lora(model, cfg: ModelConfig):
+    """``model`` as a ``peft.PeftModel`` with LoRA from ``cfg.lora_*``; ModelLoadError without peft or on a bad config."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as e:
+        raise ModelLoadError("LoRA (lora_r > 0) needs peft: pip install 'tether[lora]'") from e
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
+    with warnings.catch_warnings():
+        # peft (0.21) itself reads the deprecated is_gradient_checkpointing of transformers >= 5
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        try:
+            model = get_peft_model(model, lora)
+        except ValueError as e:  # e.g. a target module name the model does not have
+            raise ModelLoadError(f"LoRA on model '{cfg.name}' with model.lora_target_modules="
+                                 f"{cfg.lora_target_modules!r}: {e}") from e
+    return model
+
+
 def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     """Load the model and tokenizer described by `cfg`, ready for training.
 
@@ -470,25 +494,6 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
         model.config.use_cache = False
 
     if cfg.lora_r > 0:
-        try:
-            from peft import LoraConfig, get_peft_model
-        except ImportError as e:
-            raise ModelLoadError("LoRA (lora_r > 0) needs peft: pip install 'tether[lora]'") from e
-        lora = LoraConfig(
-            r=cfg.lora_r,
-            lora_alpha=cfg.lora_alpha,
-            lora_dropout=cfg.lora_dropout,
-            target_modules=cfg.lora_target_modules,
-            task_type="CAUSAL_LM",
-        )
-        with warnings.catch_warnings():
-            # peft (0.21) itself reads the deprecated is_gradient_checkpointing of transformers >= 5
-            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-            try:
-                model = get_peft_model(model, lora)
-            except ValueError as e:  # e.g. a target module name the model does not have
-                raise ModelLoadError(f"LoRA on model '{cfg.name}' with model.lora_target_modules="
-                                     f"{cfg.lora_target_modules!r}: {e}") from e
-
+        model = _apply_lora(model, cfg)
     model.train()
     return model, tokenizer
