@@ -7,7 +7,7 @@ how to run it; docs/results.md and docs/benchmarks.md show it in use)::
 
 The package's modules: ``args`` (the command line, budgets, --variant), ``running`` (the driver:
 training runs, the "before" measurements, --resume merging), ``measure`` (held-out evaluation, the
-exact KL to the initial model, entropy), ``results`` (the
+exact KL to the initial model through ``tether.passes.exact_kl_sample``, entropy), ``results`` (the
 JSON's paths and keys), ``report`` (markdown) and ``plot`` (PNG). The names below are re-exported
 for tests/test_compare_recipes.py, which loads this file by path.
 """

@@ -19,12 +19,11 @@ Tasks:
 For each task the initial model is evaluated once ("before"); each run's final policy is
 evaluated in memory right after training ("after"), with the same greedy settings, through
 ``tether.eval.evaluate``. Then, on the first ``--kl-prompts`` held-out prompts, the final
-policy samples one response per prompt at temperature 1, and the chunked log-prob engine
-(``tether.logprobs.response_stats``) gives, at every response token, the full-vocabulary
-log-probs of the final policy and of the initial model (a frozen copy kept in memory): the
-report lists the token-mean exact KL(pi_final || pi_initial) = sum_v p log(p / q) and the
-token-mean entropy of pi_final on those samples (and the initial model's entropy on its own
-samples, for reference).
+policy samples one response per prompt at temperature 1, and tether's own exact-KL diagnostic
+(``tether.passes.exact_kl_sample``: full-vocabulary log-probs of the final policy and of the
+initial model through ``tether.logprobs.response_stats``) gives the token-mean exact
+KL(pi_final || pi_initial) = sum_v p log(p / q); the report lists it with the token-mean entropy
+of pi_final on those samples (and the initial model's entropy on its own samples, for reference).
 
 Outputs: the markdown report ``--out`` (e.g. docs/results.md), ``<out>_rewards.png`` (training
 reward and accuracy per step, one colour per recipe, one column per task), and ``<out>.json``

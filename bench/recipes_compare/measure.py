@@ -1,5 +1,5 @@
 """What is measured: the held-out sets and their greedy evaluation, and on the final policy's own
-temperature-1 samples the exact KL to the initial model and the entropy."""
+temperature-1 samples the exact KL to the initial model (tether's ``exact_kl_sample``) and the entropy."""
 
 from __future__ import annotations
 
@@ -63,49 +63,48 @@ def content_of(task: str, example) -> str:
 
 def token_kl_entropy(policy, initial, rb, *, micro: int = 2, chunk_size: int = 1024) -> dict:
     """Exact per-token KL(policy || initial) over the full vocabulary and the policy's entropy, at
-    every response token of the rollout batch ``rb``; returns token means (and sums, counts).
+    every response token of the rollout batch ``rb``; returns token means and the token count.
 
-    Both models go through ``tether.logprobs.response_stats`` with every vocabulary id as
-    ``gather_ids`` (an expanded view, as in the trainer's ``_exact_kl_sample``), ``micro``
-    responses at a time, so only [micro, T, V] log-probs exist at once:
-    ``KL_t = sum_v p_t(v) (log p_t(v) - log q_t(v))``, ``H_t = -sum_v p_t(v) log p_t(v)``.
+    The KL is tether's own diagnostic, ``tether.passes.exact_kl_sample``: the initial model becomes a
+    fixed ``tether.anchor.Anchor`` (a copy of its weights, swapped into ``policy`` for the anchor's
+    pass), both go through ``tether.logprobs.response_stats`` at temperature 1 with every vocabulary id
+    gathered, and ``KL_t = sum_v p_t(v) (log p_t(v) - log q_t(v))`` is averaged over the response
+    tokens. It runs on ``micro`` responses at a time, so only [micro, T, V] log-probs exist at once,
+    and each micro-batch's token mean is weighted by its token count (the same token mean over all of
+    ``rb``). ``exact_kl_sample`` sums in float32 where this script's own copy summed in float64; the
+    log-probs themselves are float32 either way (the models run in fp32), and the two agree to ~1e-6
+    relative (test_compare_recipes checks it against a float64 full-logits computation). The entropy,
+    ``H_t = -sum_v p_t(v) log p_t(v)``, is ``response_stats``'s, from one more pass of the policy.
     """
     import torch
 
+    from tether.algo.recipes import AnchorConfig
+    from tether.anchor import Anchor
     from tether.logprobs import response_stats
+    from tether.passes import exact_kl_sample
 
-    vocab = policy.get_output_embeddings().weight.shape[0]
-    kl_sum, ent_sum, n_tok, kl_max = 0.0, 0.0, 0, 0.0
-    modes = (policy.training, initial.training)
+    anchor = Anchor(AnchorConfig(kind="fixed"), initial)  # theta_0, the initial model's weights
+    kl_sum, ent_sum, n_tok = 0.0, 0.0, 0
+    mode = policy.training
     policy.eval()
-    initial.eval()
     try:
         with torch.no_grad():
             for s in range(0, len(rb), micro):
                 mb = rb.select(list(range(s, min(s + micro, len(rb)))))
-                if int(mb.response_mask.sum()) == 0:
+                n = int(mb.response_mask.sum())
+                if n == 0:
                     continue
-                every_id = torch.arange(vocab, device=mb.response_ids.device).expand(*mb.response_ids.shape, vocab)
-
-                def stats(model, entropy):
-                    return response_stats(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                                          temperature=1.0, gather_ids=every_id, entropy=entropy,
-                                          chunk_size=chunk_size)
-
-                sp, s0 = stats(policy, True), stats(initial, False)
-                lp, l0 = sp.ids_logp.double(), s0.ids_logp.double()  # [b, T, V] log-probs at every id
-                kl = (lp.exp() * (lp - l0)).sum(-1)  # [b, T]
-                m = mb.response_mask
-                kl_sum += float(kl[m].sum())
-                ent_sum += float(sp.entropy.double()[m].sum())
-                n_tok += int(m.sum())
-                kl_max = max(kl_max, float(kl[m].max()))
-                del sp, s0, lp, l0, kl
+                kl = exact_kl_sample(policy, anchor, mb, len(mb), temperature=1.0, chunk_size=chunk_size,
+                                     share_prompt=True)
+                ent = response_stats(policy, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                                     temperature=1.0, entropy=True, chunk_size=chunk_size).entropy
+                kl_sum += kl * n
+                ent_sum += float(ent.double()[mb.response_mask].sum())
+                n_tok += n
     finally:
-        policy.train(modes[0])
-        initial.train(modes[1])
-    return {"kl_to_initial": kl_sum / max(n_tok, 1), "entropy": ent_sum / max(n_tok, 1), "kl_token_max": kl_max,
-            "kl_tokens": n_tok}
+        policy.train(mode)
+        del anchor
+    return {"kl_to_initial": kl_sum / max(n_tok, 1), "entropy": ent_sum / max(n_tok, 1), "kl_tokens": n_tok}
 
 
 def kl_and_entropy(policy, initial, tok, examples, *, max_new_tokens: int, seed: int) -> dict:
