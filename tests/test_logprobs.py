@@ -162,38 +162,31 @@ def test_token_stats_matches_naive(dtype, chunk_size, with_bias):
         assert_close(a, b, tol * 10, f"grad {name}")
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.3])
-def test_token_stats_temperature(temperature):
-    g = torch.Generator().manual_seed(1)
-    N, H, V = 11, 8, 40
-    hidden = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(V, H, generator=g, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, V, (N,), generator=g)
-    gather_ids = torch.randint(0, V, (N, 2), generator=g)
-    coefs = make_coefs((N,), 3, 2, torch.float64)
-
-    st = token_stats(hidden, weight, targets, temperature=temperature, topk=3, gather_ids=gather_ids, chunk_size=4)
-    ref = naive_from_logits(hidden @ weight.T / temperature, targets, topk=3, gather_ids=gather_ids)
-    assert_stats_close(st, ref, 1e-9)
-    grads = torch.autograd.grad(scalar_loss(st, coefs), [hidden, weight])
-    ref_grads = torch.autograd.grad(scalar_loss(ref, coefs), [hidden, weight])
-    for a, b in zip(grads, ref_grads):
-        assert_close(a, b, 1e-9, "grad")
-
-
-def test_token_stats_softcap():
-    """Private soft-capping path (used for Gemma-2 configs) against the naive formula."""
+@pytest.mark.parametrize("seed, N, H, V, w_scale, temperature, softcap, k_top, k_ids", [
+    pytest.param(1, 11, 8, 40, 1.0, 0.7, None, 3, 2, id="temperature-0.7"),
+    pytest.param(1, 11, 8, 40, 1.0, 1.3, None, 3, 2, id="temperature-1.3"),
+    # the private soft-capping path (used for Gemma-2 configs)
+    pytest.param(2, 9, 8, 30, 3.0, 0.8, 5.0, 2, 0, id="softcap"),
+])
+def test_token_stats_temperature_and_softcap(seed, N, H, V, w_scale, temperature, softcap, k_top, k_ids):
+    """Values and gradients against the naive formula, with a temperature and (private path) soft-capping."""
     from tether.logprobs import _token_stats
 
-    g = torch.Generator().manual_seed(2)
-    N, H, V = 9, 8, 30
+    g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
-    weight = (3 * torch.randn(V, H, generator=g, dtype=torch.float64)).requires_grad_()
+    weight = (w_scale * torch.randn(V, H, generator=g, dtype=torch.float64)).requires_grad_()
     targets = torch.randint(0, V, (N,), generator=g)
-    coefs = make_coefs((N,), 2, 0, torch.float64)
-    st = _token_stats(hidden, weight, targets, bias=None, temperature=0.8, softcap=5.0, topk=2,
-                      gather_ids=None, entropy=True, chunk_size=4)
-    ref = naive_from_logits(hidden @ weight.T, targets, temperature=0.8, softcap=5.0, topk=2)
+    gather_ids = torch.randint(0, V, (N, k_ids), generator=g) if k_ids else None
+    coefs = make_coefs((N,), k_top, k_ids, torch.float64)
+
+    if softcap is None:
+        st = token_stats(hidden, weight, targets, temperature=temperature, topk=k_top, gather_ids=gather_ids,
+                         chunk_size=4)
+    else:
+        st = _token_stats(hidden, weight, targets, bias=None, temperature=temperature, softcap=softcap, topk=k_top,
+                          gather_ids=gather_ids, entropy=True, chunk_size=4)
+    ref = naive_from_logits(hidden @ weight.T, targets, temperature=temperature, softcap=softcap, topk=k_top,
+                            gather_ids=gather_ids)
     assert_stats_close(st, ref, 1e-9)
     grads = torch.autograd.grad(scalar_loss(st, coefs), [hidden, weight])
     ref_grads = torch.autograd.grad(scalar_loss(ref, coefs), [hidden, weight])
@@ -348,27 +341,19 @@ def test_response_stats_no_grad():
     assert_stats_close(st, ref, 1e-5)
 
 
-def test_response_stats_peft_lora():
+def _peft_lora_llama():
+    """A LoRA-wrapped tiny Llama, lm_head adapted too; its batch and response_stats options."""
     peft = pytest.importorskip("peft")
     base = tiny_llama(vocab=120, dtype=torch.float64)
     cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"],
                           init_lora_weights=False, lora_dropout=0.0)
     model = peft.get_peft_model(base, cfg)
-    batch = make_batch(120, [4, 2], [3, 5], seed=3)
-    coefs = make_coefs(batch[2].shape, 2, batch[4].shape[-1], torch.float64)
-    params = [p for p in model.parameters() if p.requires_grad]
     assert any("lm_head" in n for n, p in model.named_parameters() if p.requires_grad)
-
-    st = response_stats(model, *batch[:4], topk=2, gather_ids=batch[4], chunk_size=3)
-    grads = torch.autograd.grad(scalar_loss(st, coefs), params)
-    ref = naive_response_stats(model, *batch[:4], topk=2, gather_ids=batch[4])
-    ref_grads = torch.autograd.grad(scalar_loss(ref, coefs), params)
-    assert_stats_close(st, ref, 1e-9)
-    for a, b in zip(grads, ref_grads):
-        assert_close(a, b, 1e-9, "lora grad")
+    return model, make_batch(120, [4, 2], [3, 5], seed=3), {}
 
 
-def test_response_stats_gemma2_softcap():
+def _gemma2_softcap():
+    """A tiny Gemma-2 with final logit soft-capping; its batch and response_stats options."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     torch.manual_seed(0)
@@ -379,14 +364,19 @@ def test_response_stats_gemma2_softcap():
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(8.0)
     # Gemma-2 only has eager attention, which gives NaN at fully left-padded rows in float64:
-    # equal prompt lengths, right-padded responses.
-    batch = make_batch(90, [3, 3], [4, 2], seed=5)
+    # equal prompt lengths, right-padded responses. Its forward already soft-caps the logits
+    # (the naive reference reads them as they are).
+    return model, make_batch(90, [3, 3], [4, 2], seed=5), {"temperature": 1.2}
+
+
+@pytest.mark.parametrize("build", [_peft_lora_llama, _gemma2_softcap], ids=["peft_lora", "gemma2_softcap"])
+def test_response_stats_lora_and_softcapped_models(build):
+    model, batch, kw = build()
     coefs = make_coefs(batch[2].shape, 2, batch[4].shape[-1], torch.float64)
     params = [p for p in model.parameters() if p.requires_grad]
-    st = response_stats(model, *batch[:4], topk=2, gather_ids=batch[4], temperature=1.2, chunk_size=3)
+    st = response_stats(model, *batch[:4], topk=2, gather_ids=batch[4], chunk_size=3, **kw)
     grads = torch.autograd.grad(scalar_loss(st, coefs), params)
-    # Gemma-2's forward already soft-caps its logits.
-    ref = naive_response_stats(model, *batch[:4], topk=2, gather_ids=batch[4], temperature=1.2)
+    ref = naive_response_stats(model, *batch[:4], topk=2, gather_ids=batch[4], **kw)
     ref_grads = torch.autograd.grad(scalar_loss(ref, coefs), params)
     assert_stats_close(st, ref, 1e-9)
     for a, b in zip(grads, ref_grads):
