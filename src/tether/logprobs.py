@@ -36,6 +36,19 @@ def _selective_hidden_states_supported() -> bool:
 _HIDDEN_REQUEST: Any = [-1] if _selective_hidden_states_supported() else True
 
 
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword a model's ``forward`` / ``generate`` take a KV cache by: ``cache`` from transformers
+    5.24 on (which deprecates ``past_key_values`` with a FutureWarning), ``past_key_values`` before."""
+    import inspect
+
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    try:
+        params = inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def _final_hidden(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -131,7 +144,7 @@ def _shared_prompt_hidden(
         input_ids=response_ids,
         attention_mask=full_mask,
         position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)[:, n_prompt:],
-        past_key_values=cache,
+        **{cache_kwarg(model): cache},
         logits_to_keep=1,
         use_cache=True,
         output_hidden_states=_HIDDEN_REQUEST,

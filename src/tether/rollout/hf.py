@@ -65,7 +65,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Sto
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..errors import GenerationError
-from ..logprobs import prompt_groups
+from ..logprobs import cache_kwarg, prompt_groups
 from .base import NONFINITE_LOGITS, RolloutBatch, SamplingParams
 from .kvcache import growing_cache
 from .rows import RowPostprocess
@@ -406,7 +406,7 @@ class HFEngine(RowPostprocess):
             if params.stop:
                 crit = _StopOnStrings(self.tokenizer, list(params.stop), width, self.eos_token_ids)
                 kwargs["stopping_criteria"] = StoppingCriteriaList([crit])
-            kwargs["past_key_values"] = cache
+            kwargs[cache_kwarg(self.model)] = cache
             out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
             if any(bool(p.nonfinite) for p in gen_kwargs["logits_processor"] if p.nonfinite is not None):
                 raise GenerationError(NONFINITE_LOGITS)  # one read per segment (see the module doc)
@@ -445,5 +445,5 @@ class HFEngine(RowPostprocess):
         pre_mask = mask[first, :-1]  # [U, W-1]
         self.model(input_ids=ids[first, :-1], attention_mask=pre_mask,
                    position_ids=(pre_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1,
-                   past_key_values=cache)
+                   **{cache_kwarg(self.model): cache})
         cache.reorder_cache(inverse)
