@@ -40,7 +40,8 @@ def overrides_for(a, task: str, seed: int, run_dir: Path) -> dict:
         "rollout.max_new_tokens": a.max_new_tokens[task], "rollout.temperature": a.temperature,
         "data.format_weight": a.format_weight, "train.mini_batches": a.mini_batches,
         "train.steps": a.steps[task], "train.lr": a.lr, "train.seed": seed,
-        "run.output_dir": str(run_dir), "run.save_every": 0, "run.exact_kl_samples": 0,
+        "run.output_dir": str(run_dir), "run.save_every": 0, "run.final_checkpoint": bool(a.keep_checkpoints),
+        "run.exact_kl_samples": 0,
         "run.progress": bool(a.progress), "run.plot": False,
         "eval.before": False, "eval.after": False,  # evaluated here, before and after, on the same set for all
     }
@@ -63,14 +64,6 @@ def fresh_run_dir(path: Path) -> None:
                                f"refusing to delete it. Choose another --work-dir")
         shutil.rmtree(path)
     path.mkdir(parents=True)
-
-
-def skip_final_checkpoint(trainer) -> None:
-    """Keep ``trainer`` from writing its final checkpoint (policy, anchor, optimizer: ~2 GB for SmolLM2):
-    the final policy is evaluated in memory. A stopgap that replaces the method on this one trainer;
-    once tether has ``run.final_checkpoint``, ``overrides_for`` sets it (to ``a.keep_checkpoints``)
-    and this function and its call in ``one_run`` go."""
-    trainer.save = lambda: None
 
 
 def one_run(a, task: str, recipe: str, seed: int, base_model, tok, evals: dict) -> dict:
@@ -97,8 +90,6 @@ def one_run(a, task: str, recipe: str, seed: int, base_model, tok, evals: dict) 
     save_config(cfg, run_dir / "config.yaml")
     policy = copy.deepcopy(base_model)  # a fresh copy of the initial weights for every run
     trainer = Trainer(cfg, run_dir, model=policy, tokenizer=tok, log=lambda *x: print(*x, flush=True))
-    if not a.keep_checkpoints:
-        skip_final_checkpoint(trainer)
     t0 = time.perf_counter()
     trainer.run()
     rec["train_wall_s"] = time.perf_counter() - t0

@@ -326,7 +326,8 @@ class Trainer:
                     logger.log_samples(self.step, sample_rows(self._last_batch, cfg.run.log_samples))
                 bar.update(m)
                 saved = None
-                if (cfg.run.save_every and self.step % cfg.run.save_every == 0) or self.step == cfg.train.steps:
+                last = self.step == cfg.train.steps and cfg.run.final_checkpoint
+                if (cfg.run.save_every and self.step % cfg.run.save_every == 0) or last:
                     saved = self.save()
                 # once per step on every rank (an all-reduce under torchrun): all ranks stop at the same step
                 signal_name = stop.requested() if self.step < cfg.train.steps else None

@@ -106,6 +106,7 @@ class RunConfig:
     output_dir: str = ""  # run directory ("" = runs/<recipe>-<task>-<timestamp>); a fresh run refuses a non-empty one (see run.overwrite) and locks it (RUN/.lock) while it trains
     overwrite: bool = False  # a fresh run into a non-empty run.output_dir first deletes its contents (config, logs, checkpoints); false refuses it (CLI: --overwrite; needs run.output_dir; not with --resume)
     save_every: int = 10  # checkpoint every N trainer steps (0 = only at the end)
+    final_checkpoint: bool = True  # write a checkpoint after the last step (false: the final weights stay in memory only, e.g. for a benchmark that evaluates them in process; a stop signal still writes one)
     keep_checkpoints: int = 2  # keep the newest N checkpoints (-1 = keep every checkpoint)
     log_samples: int = 2  # prompts/responses per step written to samples.jsonl
     exact_kl_samples: int = 1  # responses per step whose exact full-vocabulary KL to the anchor is logged (0 = off)
