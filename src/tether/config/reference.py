@@ -10,8 +10,28 @@ import re
 
 from .schema import Config
 
-# `name: type = default  # meaning` at a dataclass field's declaration
+# `name: type = default  # meaning` at a dataclass field's declaration; the meaning may go on over the
+# comment-only lines right below it (`    # more meaning`), so no line need pass 120 characters
 _DECLARATION = re.compile(r"^\s+(\w+):\s*[^#]*#\s*(.+)$")
+_CONTINUATION = re.compile(r"^\s+#\s*(.+)$")
+
+
+def declaration_comments(section: type) -> dict[str, str]:
+    """field name -> the comment at its declaration in ``section``'s source (continuation lines joined)."""
+    out: dict[str, str] = {}
+    last = None
+    for line in inspect.getsource(section).splitlines():
+        m = _DECLARATION.match(line)
+        if m:
+            last = m.group(1)
+            out[last] = m.group(2).strip()
+            continue
+        c = _CONTINUATION.match(line)
+        if c and last is not None:
+            out[last] += " " + c.group(1).strip()
+        else:
+            last = None
+    return out
 
 
 def sections(cls: type = Config, prefix: str = "") -> list[tuple[str, type]]:
@@ -34,8 +54,7 @@ def keys(cls: type = Config) -> list[tuple[str, object, str]]:
     """
     out = []
     for prefix, section in sections(cls):
-        comments = {m.group(1): m.group(2) for m in map(_DECLARATION.match, inspect.getsource(section).splitlines())
-                    if m}
+        comments = declaration_comments(section)
         default = section()
         for f in dataclasses.fields(section):
             value = getattr(default, f.name)
