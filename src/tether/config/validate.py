@@ -295,22 +295,28 @@ def _check_reward_spec(spec: str) -> list[str]:
     Nothing is imported here (the reward loads, and its module is imported, when training starts,
     before the model); a file spec's file must exist.
     """
-    from ..tasks.rewards import BUILTIN_REWARDS, SEARCH_REWARDS
+    from ..tasks.rewards import REWARDS
 
-    names = ["auto", *BUILTIN_REWARDS, *SEARCH_REWARDS]
+    return _check_spec("data.reward", spec, REWARDS, ("auto",))
+
+
+def _check_spec(key: str, spec: str, registry, extra: tuple[str, ...] = ()) -> list[str]:
+    """``key``'s value: a name in ``registry`` (or ``extra``), or the syntax of a user's 'module:function' /
+    'path.py:function' (nothing imported; a file spec's file must exist)."""
+    names = [*extra, *registry]
     if spec in names:
         return []
     if ":" not in spec:
-        return [unknown_choice("data.reward", spec, names) + ", or module:function / path.py:function"]
+        return [unknown_choice(key, spec, names) + ", or module:function / path.py:function"]
     target, _, func = spec.rpartition(":")
-    form = f"data.reward {spec!r}: expected module:function or path/to/file.py:function"
+    form = f"{key} {spec!r}: expected module:function or path/to/file.py:function"
     if not target or not _PY_NAME.fullmatch(func):
         return [f"{form} (the function must be a Python name)"]
     if target.endswith(".py") or "/" in target or "\\" in target:
         if not target.endswith(".py"):
-            return [f"{form} (a reward file must be a .py file)"]
+            return [f"{form} (a {registry.what} file must be a .py file)"]
         if not Path(target).expanduser().is_file():
-            return [f"data.reward {spec!r}: reward file {target} not found"]
+            return [f"{key} {spec!r}: {registry.what} file {target} not found"]
         return []
     if not _PY_NAME.fullmatch(target):
         return [f"{form} (the module must be a dotted Python name)"]

@@ -4,7 +4,7 @@
 * :mod:`tether.tasks.arithmetic` -- :class:`ArithmeticTask`, the seeded synthetic default task.
 * :mod:`tether.tasks.data` -- :func:`load_examples` for files, named datasets and hub ids.
 * :mod:`tether.tasks.math` -- :func:`extract_answer`, :func:`is_equivalent` (math-verify).
-* :mod:`tether.tasks.rewards` -- :func:`load_reward`, :func:`call_reward`, built-in rewards.
+* :mod:`tether.tasks.rewards` -- :func:`load_reward`, :func:`call_reward`, the reward registry ``REWARDS``.
 * :mod:`tether.tasks.benchmarks` -- :func:`load_benchmark`: a benchmark's examples and reward.
 * :mod:`tether.tasks.prompts` -- :func:`encode_prompts` through the chat template.
 
@@ -25,6 +25,7 @@ from .data import (
 from .math import extract_answer, extract_boxed, gsm8k_reference, has_answer_format, is_equivalent
 from .rewards import (
     BUILTIN_REWARDS,
+    REWARDS,
     arithmetic_reward,
     call_reward,
     gsm8k_reward,
@@ -44,6 +45,7 @@ __all__ = [
     "LEVELS",
     "NAMED_DATASETS",
     "NamedDataset",
+    "REWARDS",
     "RewardFn",
     "RewardResult",
     "apply_ops",

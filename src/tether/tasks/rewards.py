@@ -10,9 +10,9 @@ reward that may hang runs in a worker process with a time limit per call
 
 A reward spec that cannot be loaded (an unknown name, a module that is not found, raises or
 has a syntax error on import, a missing function) is a :class:`~tether.errors.RewardError`
-naming the spec and the cause.
+naming the spec and the cause (:func:`tether.algo.registry.load_object` loads a user's reward).
 
-Built-in rewards (see :func:`load_reward`):
+Built-in rewards (registered in :data:`REWARDS`; see :func:`load_reward`):
 
 ``"math"``
     :func:`~tether.tasks.math.extract_answer` on the completion, then
@@ -25,6 +25,8 @@ Built-in rewards (see :func:`load_reward`):
 ``"arithmetic"``
     The extracted answer must be exactly the reference integer (``"12.0"`` and ``"1,234"``
     are accepted spellings of 12 and 1234; ``"12.5"`` never equals 12).
+``"search"``, ``"search_f1"``
+    The search agent's exact match / token F1 of the last ``<answer>`` (:mod:`tether.tasks.qa_reward`).
 
 For ``gsm8k`` and ``arithmetic`` an extracted answer that is not a number by itself
 (``The final answer is 8 + 4 = 12 pencils.`` gives ``8 + 4 = 12 pencils``) is reduced to its
@@ -36,34 +38,31 @@ Format bonus: with ``format_weight = w`` (default 0) every built-in reward becom
 
 where :func:`~tether.tasks.math.has_answer_format` is true when the completion states exactly one
 final answer: a complete ``\\boxed{...}``, or ``####`` followed by a number on the same line, or a
-line starting with ``Answer:`` / ``Final answer:`` (a list of ``####`` lines is not the format). ``correct`` (the accuracy metric) is not
-affected by the bonus.
+line starting with ``Answer:`` / ``Final answer:`` (a list of ``####`` lines is not the format).
+``correct`` (the accuracy metric) is not affected by the bonus.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import math
 import numbers
-import os
 import reprlib
-import sys
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from ..algo.registry import Registry, load_object
 from ..errors import RewardError
 from .base import Example, RewardFn, RewardResult
 from .math import extract_answer, gsm8k_reference, has_answer_format, is_equivalent, last_number, parse_number
+from .qa_reward import SearchReward, search_reward
 
 __all__ = [
     "math_reward",
     "gsm8k_reward",
     "arithmetic_reward",
     "BUILTIN_REWARDS",
+    "REWARDS",
     "FormatBonusReward",
     "load_reward",
     "is_builtin_reward",
@@ -149,14 +148,6 @@ def arithmetic_reward(completion: str, example: Example) -> RewardResult:
     return RewardResult(reward=float(correct), correct=bool(correct), pred=pred)
 
 
-#: Built-in reward functions by name.
-BUILTIN_REWARDS: dict[str, RewardFn] = {
-    "arithmetic": arithmetic_reward,
-    "gsm8k": gsm8k_reward,
-    "math": math_reward,
-}
-
-
 @dataclass
 class FormatBonusReward:
     """A reward function plus a format bonus (picklable when ``fn`` is importable).
@@ -179,77 +170,21 @@ class FormatBonusReward:
         return RewardResult(reward=base.reward + bonus, correct=base.correct, pred=base.pred)
 
 
-#: Rewards of the search agent (``tether.search.reward.SearchReward``, exact match or token F1 of the
-#: last ``<answer>``; ``format_weight`` is its floor for a wrong but well-formed final answer).
-SEARCH_REWARDS = {"search": "em", "search_f1": "f1"}
+#: Every built-in reward by name (``data.reward``, ``tether eval --reward``). A reward registered with
+#: ``weighted`` builds its own scorer for a ``format_weight`` (the search rewards: exact match or token
+#: F1 of the last ``<answer>``, ``format_weight`` being a floor for a wrong but well-formed final answer,
+#: :mod:`tether.tasks.qa_reward`); the others get :class:`FormatBonusReward`'s bonus.
+REWARDS: Registry[RewardFn] = Registry("reward", defaults={"weighted": None}, error=RewardError)
+REWARDS.register("arithmetic")(arithmetic_reward)
+REWARDS.register("gsm8k")(gsm8k_reward)
+REWARDS.register("math")(math_reward)
+REWARDS.register("search", weighted=lambda w: SearchReward("em", format_weight=w))(search_reward)
+REWARDS.register("search_f1", weighted=lambda w: SearchReward("f1", format_weight=w))(SearchReward("f1"))
+BUILTIN_REWARDS = REWARDS  # its former name
 
 
 def _valid_choices() -> str:
-    return (", ".join(sorted([*BUILTIN_REWARDS, *SEARCH_REWARDS]))
-            + ", or 'module:function' / 'path/to/file.py:function'")
-
-
-def _where(exc: BaseException) -> str:
-    """``file:line`` of the innermost frame of ``exc``'s traceback (where the user's code failed)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
-
-
-def _import_error(spec: str, what: str, exc: BaseException) -> RewardError:
-    """The RewardError for a module or file that failed while being imported."""
-    if isinstance(exc, SyntaxError):
-        return RewardError(f"reward {spec!r}: {exc.filename or what}, line {exc.lineno}: "
-                           f"{type(exc).__name__}: {exc.msg}")
-    return RewardError(f"reward {spec!r}: importing {what} raised {type(exc).__name__}: {exc} (at {_where(exc)})")
-
-
-def _import_file(path: Path, spec: str):
-    path = path.expanduser().resolve()
-    if not path.is_file():
-        raise RewardError(f"reward {spec!r}: reward file not found: {path}")
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    mod_name = f"tether_user_reward_{path.stem}_{digest}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    imp_spec = importlib.util.spec_from_file_location(mod_name, path)
-    if imp_spec is None or imp_spec.loader is None:
-        raise RewardError(f"reward {spec!r}: cannot import reward file {path}")
-    module = importlib.util.module_from_spec(imp_spec)
-    sys.modules[mod_name] = module
-    try:
-        imp_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as e:  # SyntaxError too; not KeyboardInterrupt
-        sys.modules.pop(mod_name, None)
-        raise _import_error(spec, str(path), e) from e
-    except BaseException:
-        sys.modules.pop(mod_name, None)
-        raise
-    return module
-
-
-def _load_user_reward(spec: str) -> Callable:
-    target, _, func_name = spec.rpartition(":")
-    if not target or not func_name:
-        raise RewardError(f"bad reward spec {spec!r}: expected 'module:function' or 'path/to/file.py:function'")
-    looks_like_file = target.endswith(".py") or "/" in target or os.sep in target
-    if looks_like_file:
-        module = _import_file(Path(target), spec)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as e:
-            raise RewardError(f"cannot import reward module {target!r} (from {spec!r}): {e}") from e
-        except (Exception, SystemExit) as e:
-            raise _import_error(spec, f"module {target!r}", e) from e
-    obj = module
-    for part in func_name.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise RewardError(f"reward {spec!r}: reward module {target!r} has no attribute {func_name!r}") from None
-    if not callable(obj):
-        raise RewardError(f"reward {spec!r} is not callable")
-    return obj
+    return ", ".join(sorted(REWARDS)) + ", or 'module:function' / 'path/to/file.py:function'"
 
 
 def is_builtin_reward(spec: str) -> bool:
@@ -283,13 +218,13 @@ def load_reward(spec: str | Callable, format_weight: float = 0.0) -> RewardFn:
         if not isinstance(spec, str) or not spec.strip():
             raise RewardError(f"reward must be a non-empty string; choose one of: {_valid_choices()}")
         name = spec.strip()
-        if name in SEARCH_REWARDS:
-            search_reward = importlib.import_module("tether.search.reward")  # by name: tasks never imports search
-            return search_reward.SearchReward(SEARCH_REWARDS[name], format_weight=float(format_weight or 0.0))
-        if name in BUILTIN_REWARDS:
-            fn = BUILTIN_REWARDS[name]
+        weighted = REWARDS.meta(name)["weighted"] if name in REWARDS else None
+        if weighted is not None:
+            return weighted(float(format_weight or 0.0))
+        if name in REWARDS:
+            fn = REWARDS[name]
         elif ":" in name:
-            fn = _load_user_reward(name)
+            fn = load_object(name, "reward", RewardError)
         else:
             raise RewardError(f"unknown reward {name!r}; choose one of: {_valid_choices()}")
     w = float(format_weight or 0.0)
