@@ -72,15 +72,41 @@ def test_split_contents_search_r1_format():
 
 
 def test_render_observation_exact_text():
-    ps = [Passage("0", "Jeff Porcaro", "Jeffrey Thomas Porcaro was a drummer.", 3.5),
-          Passage("7", "Toto (band)", "Toto is a band.\nFormed in 1977.", 1.0)]
-    assert render_observation(ps) == (
+    """The default is byte for byte Search-R1's observation (``generation.py``: the title line of the raw
+    contents with its quotes, the rest as stored, one ``Doc i(Title: ...) ...\\n`` per passage, the whole
+    stripped); ``format="clean"`` is tether's one-line-per-passage layout."""
+    ps = [Passage("0", "Jeff Porcaro", "Jeffrey Thomas Porcaro was a drummer.", 3.5,
+                  '"Jeff Porcaro"\nJeffrey Thomas Porcaro was a drummer.'),
+          Passage("7", "Toto (band)", "Toto is a band.\nFormed in 1977.", 1.0,
+                  '"Toto (band)"\nToto is a band.\nFormed in 1977.')]
+    exact = (
+        '\n\n<information>'
+        'Doc 1(Title: "Jeff Porcaro") Jeffrey Thomas Porcaro was a drummer.\n'
+        'Doc 2(Title: "Toto (band)") Toto is a band.\nFormed in 1977.'
+        '</information>\n\n'
+    )
+    assert render_observation(ps) == exact and render_observation(ps, format="search_r1") == exact
+    assert render_observation(ps).encode() == (
+        b'\n\n<information>Doc 1(Title: "Jeff Porcaro") Jeffrey Thomas Porcaro was a drummer.\nDoc 2(Title: '
+        b'"Toto (band)") Toto is a band.\nFormed in 1977.</information>\n\n')
+    # passages without raw contents (built by hand) are rendered as if stored '"Title"\ntext'
+    bare = [Passage(p.id, p.title, p.text, p.score) for p in ps]
+    assert render_observation(bare) == exact
+    # Search-R1 keeps the title line as stored (no quotes, extra spaces) and strips only the ends of the whole
+    odd = [Passage("1", "", "", 0.0, "No quotes here\n  text with trailing space  "),
+           Passage("2", "", "", 0.0, "one line")]
+    assert render_observation(odd) == ("\n\n<information>Doc 1(Title: No quotes here)   text with trailing space  \n"
+                                       "Doc 2(Title: one line)</information>\n\n")
+    assert render_observation([]) == "\n\n<information></information>\n\n"
+    assert render_observation(ps, format="clean") == (
         "\n\n<information>"
         "Doc 1(Title: Jeff Porcaro) Jeffrey Thomas Porcaro was a drummer.\n"
         "Doc 2(Title: Toto (band)) Toto is a band. Formed in 1977."
         "</information>\n\n"
     )
-    assert render_observation([]) == "\n\n<information>No results found.</information>\n\n"
+    assert render_observation([], format="clean") == "\n\n<information>No results found.</information>\n\n"
+    with pytest.raises(ValueError, match="unknown observation format"):
+        render_observation(ps, format="markdown")
     err = render_search_error("connection refused")
     assert err.startswith("\n\n<information>") and "failed" in err and "connection refused" in err
 

@@ -18,6 +18,7 @@ import pytest
 
 import tether
 from tether.cli import main
+from tether.search.protocol import render_observation
 from tether.search.retrievers import BM25Retriever, HTTPRetriever, RetrievalError
 from tether.search.server import RetrievalServer
 
@@ -105,6 +106,22 @@ def test_server_matches_in_process_bm25(server):
     status, body = _post(server["url"], json.dumps({"queries": ["item17"], "topk": 2}).encode())
     assert status == 200 and set(body["result"][0][0]) == {"id", "contents"}
     assert body["result"][0][0]["id"] == "p17"
+
+
+def test_server_answers_only_matching_passages(server):
+    """A query matching one passage gets one; stop words only or unknown words get an empty list (no
+    zero-score padding in corpus order), with and without scores, and the client renders it."""
+    for return_scores in (True, False):
+        status, body = _post(server["url"], json.dumps({"queries": ["item17", "the", "the of and", "zzyzx"],
+                                                        "topk": 3, "return_scores": return_scores}).encode())
+        assert status == 200 and [len(r) for r in body["result"]] == [1, 0, 0, 0]
+        doc = body["result"][0][0]["document"] if return_scores else body["result"][0][0]
+        assert doc["id"] == "p17"
+    client = HTTPRetriever(server["url"], timeout=30, retries=0)
+    one, none = client.search(["item17", "the"], k=3)
+    assert [p.id for p in one] == ["p17"] and none == []
+    assert render_observation(none) == "\n\n<information></information>\n\n"
+    assert render_observation(one) == f'\n\n<information>Doc 1(Title: "Entry 17") {one[0].text}</information>\n\n'
 
 
 @pytest.mark.parametrize("payload, status, message", [

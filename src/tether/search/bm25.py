@@ -117,11 +117,12 @@ class BM25Retriever:
         return np.asarray(self._model.get_scores_from_ids(ids), dtype=np.float32)
 
     def search(self, queries: list[str], k: int) -> list[list[Passage]]:
-        """Top-``k`` passages per query, best first (a query with no indexed word scores every
-        passage 0 and returns the first ``k`` of the corpus)."""
+        """Up to ``k`` passages per query, best first: only passages that match the query (a
+        positive BM25 score), as Search-R1's BM25 server does. Fewer than ``k`` match: fewer are
+        returned; a query with no indexed word (stop words only, unknown words) returns none."""
         queries = _check_args(queries, k)
         out = []
         for q in queries:
             s = self.scores(q)
-            out.append([self.corpus.passage(int(i), float(s[i])) for i in _top_k(s, k)])
+            out.append([self.corpus.passage(int(i), float(s[i])) for i in _top_k(s, k) if s[i] > 0])
         return out

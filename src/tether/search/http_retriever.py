@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
-from .corpus import Passage, split_contents
-from .retriever_base import RetrievalError, _check_args
+from .corpus import Corpus, Passage, split_contents
+from .retriever_base import RetrievalError, _as_corpus, _check_args
 
 
 class HTTPRetriever:
@@ -23,6 +24,12 @@ class HTTPRetriever:
     becomes one list of passages per query (servers that leave out scores, i.e. send bare
     documents, are accepted with score 0).
 
+    Documents without an ``id`` (Search-R1's BM25 server sends ``{"title", "text", "contents"}``
+    only) become passages with ``id == ""``: tether's evaluation then reports the gold recall of
+    those searches as unknown rather than 0 (``tether.eval.search``). Give ``corpus`` (the file
+    the server indexes) to recover their ids: a document is matched on its exact ``contents``,
+    else on its title and text (whitespace collapsed, title quotes stripped).
+
     Args:
         url: Server address, ``http://host:port`` (``/retrieve`` is appended) or the full
             endpoint URL.
@@ -30,6 +37,8 @@ class HTTPRetriever:
         retries: Further attempts after a failed one (connection error, timeout, 5xx,
             malformed body). A 4xx answer is not retried.
         backoff: Seconds before the first retry, doubled each time.
+        corpus: Optional corpus file (or loaded :class:`~tether.search.corpus.Corpus`) that
+            names the documents the server answers without an id (see above).
 
     Raises (from :meth:`search`): :class:`RetrievalError` once every attempt failed; the whole
     call takes at most about ``(retries + 1) * timeout + backoff * (2**retries - 1)`` seconds.
@@ -37,7 +46,8 @@ class HTTPRetriever:
 
     kind = "http"
 
-    def __init__(self, url: str, *, timeout: float = 30.0, retries: int = 2, backoff: float = 0.5):
+    def __init__(self, url: str, *, timeout: float = 30.0, retries: int = 2, backoff: float = 0.5,
+                 corpus: Corpus | str | os.PathLike | None = None):
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise RetrievalError(f"url must start with http:// or https://, got {url!r}")
         url = url.rstrip("/")
@@ -47,6 +57,15 @@ class HTTPRetriever:
         self.backoff = float(backoff)
         if self.timeout <= 0 or self.retries < 0 or self.backoff < 0:
             raise RetrievalError("timeout must be > 0, retries and backoff >= 0")
+        self.corpus = _as_corpus(corpus) if corpus is not None else None
+        self._ids_by_contents: dict[str, str] = {}
+        self._ids_by_title_text: dict[tuple[str, str], str] = {}
+        if self.corpus is not None:
+            c = self.corpus
+            for pid, cont, title, text in zip(reversed(c.ids), reversed(c.contents), reversed(c.titles),
+                                              reversed(c.texts)):  # reversed: the first row wins a duplicate
+                self._ids_by_contents[cont] = pid
+                self._ids_by_title_text[_title_text_key(title, text)] = pid
 
     def _post(self, payload: dict) -> Any:
         data = json.dumps(payload).encode("utf-8")
@@ -80,14 +99,26 @@ class HTTPRetriever:
                 last = f"request to {self.url} failed: {type(reason).__name__}: {reason}"
                 continue
             try:
-                return _parse_result(body, len(queries))
+                result = _parse_result(body, len(queries))
             except RetrievalError as e:
                 last = f"malformed answer from {self.url}: {e}"
                 continue
+            return [[self._with_id(p) for p in row] for row in result] if self.corpus is not None else result
         raise RetrievalError(f"{last} (after {attempts} attempt{'s' if attempts > 1 else ''})", attempts)
+
+    def _with_id(self, p: Passage) -> Passage:
+        """``p`` with the corpus id of its contents (or title and text) when the server sent none."""
+        if p.id:
+            return p
+        pid = self._ids_by_contents.get(p.contents) or self._ids_by_title_text.get(_title_text_key(p.title, p.text))
+        return Passage(pid, p.title, p.text, p.score, p.contents) if pid else p
 
     def __repr__(self) -> str:
         return f"HTTPRetriever({self.url!r}, timeout={self.timeout}, retries={self.retries})"
+
+
+def _title_text_key(title: str, text: str) -> tuple[str, str]:
+    return " ".join(title.split()).strip('"'), " ".join(text.split())
 
 
 def _read_error(e: urllib.error.HTTPError) -> str:
@@ -115,7 +146,8 @@ def _doc_to_passage(item: Any, score: float) -> Passage:
         contents = f'"{title}"\n{text}'
     else:
         raise RetrievalError("a document has neither 'contents' nor 'text'")
-    return Passage(str(item.get("id", "")), title, text, float(score), contents)
+    pid = item.get("id")
+    return Passage("" if pid is None else str(pid), title, text, float(score), contents)
 
 
 def _parse_result(body: Any, n: int) -> list[list[Passage]]:

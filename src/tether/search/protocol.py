@@ -5,10 +5,11 @@ asks the search engine with ``<search>query</search>`` and finishes with
 ``<answer>...</answer>``. Generation stops at :data:`STOP_STRINGS`; the environment then either
 appends the search results as an observation::
 
-    \\n\\n<information>Doc 1(Title: Jeff Porcaro) Jeffrey Thomas Porcaro ...
-    Doc 2(Title: Toto (band)) Toto is an American rock band ...</information>\\n\\n
+    \\n\\n<information>Doc 1(Title: "Jeff Porcaro") Jeffrey Thomas Porcaro ...
+    Doc 2(Title: "Toto (band)") Toto is an American rock band ...</information>\\n\\n
 
-(:func:`render_observation`, the Search-R1 layout: one passage per line, numbered from 1) and
+(:func:`render_observation`: by default byte for byte what Search-R1's
+``search_r1/llm_agent/generation.py`` shows the model, see :data:`OBSERVATION_FORMATS`) and
 lets the model continue, or ends the episode on an answer. A turn with neither action gets
 :data:`INVALID_ACTION_MESSAGE` appended instead (also an ``<information>`` block, so it is
 masked and stripped like any observation).
@@ -36,6 +37,7 @@ __all__ = [
     "INVALID_ACTION_MESSAGE",
     "parse_action",
     "truncate_at_action",
+    "OBSERVATION_FORMATS",
     "render_observation",
     "render_search_error",
     "build_prompt",
@@ -88,14 +90,46 @@ def _one_line(s: str) -> str:
     return " ".join(s.split())
 
 
-def render_observation(passages: Iterable[Passage]) -> str:
-    """The observation appended after a search: ``"\\n\\n<information>Doc 1(Title: T) text\\n
-    Doc 2(Title: T2) text2</information>\\n\\n"``. Whitespace inside a title or text (newlines
-    included) is collapsed to single spaces so each passage is one line. No passages gives
-    ``<information>No results found.</information>``."""
-    lines = [f"Doc {i}(Title: {_one_line(p.title)}) {_one_line(p.text)}" for i, p in enumerate(passages, start=1)]
-    body = "\n".join(lines) if lines else "No results found."
-    return f"\n\n<information>{body}</information>\n\n"
+#: The layouts :func:`render_observation` can produce (the first is the default).
+#:
+#: ``"search_r1"``: exactly Search-R1's observation. Each passage's raw corpus ``contents`` is split at
+#: its first newline into the title line (kept as stored, quotes included) and the rest (kept as
+#: stored, newlines included), rendered ``Doc {i}(Title: {title}) {text}\\n``; the concatenation is
+#: stripped of surrounding whitespace and wrapped in ``\\n\\n<information>...</information>\\n\\n``.
+#: No passages gives ``<information></information>``.
+#:
+#: ``"clean"``: tether's earlier layout. The title has its quotes stripped, whitespace inside a title
+#: or text (newlines included) is collapsed so each passage is one line, and no passages gives
+#: ``<information>No results found.</information>``.
+OBSERVATION_FORMATS = ("search_r1", "clean")
+
+
+def _raw_contents(p: Passage) -> str:
+    """The passage as a Search-R1 corpus ``contents`` string (``"Title"\\ntext`` when it has none)."""
+    return p.contents or f'"{p.title}"\n{p.text}'
+
+
+def render_observation(passages: Iterable[Passage], format: str = "search_r1") -> str:
+    """The observation appended after a search, in one of :data:`OBSERVATION_FORMATS`.
+
+    ``"search_r1"`` (default), for passages with contents ``'"T"\\ntext'`` and ``'"T2"\\ntext2'``:
+    ``'\\n\\n<information>Doc 1(Title: "T") text\\nDoc 2(Title: "T2") text2</information>\\n\\n'``;
+    ``"clean"``: ``'\\n\\n<information>Doc 1(Title: T) text\\nDoc 2(Title: T2) text2</information>\\n\\n'``.
+
+    Raises:
+        ValueError: an unknown ``format``.
+    """
+    if format == "search_r1":
+        body = ""
+        for i, p in enumerate(passages, start=1):
+            title, _, text = _raw_contents(p).partition("\n")
+            body += f"Doc {i}(Title: {title}) {text}\n"
+        return f"\n\n<information>{body.strip()}</information>\n\n"
+    if format == "clean":
+        lines = [f"Doc {i}(Title: {_one_line(p.title)}) {_one_line(p.text)}" for i, p in enumerate(passages, start=1)]
+        body = "\n".join(lines) if lines else "No results found."
+        return f"\n\n<information>{body}</information>\n\n"
+    raise ValueError(f"unknown observation format {format!r} (known: {', '.join(OBSERVATION_FORMATS)})")
 
 
 def render_search_error(reason: str = "") -> str:
