@@ -1,9 +1,11 @@
-"""Shared fixtures: a tiny offline Llama model directory (see `tether.testing`), and the scripts
-under ``bench/`` loaded as modules (they are scripts, not a package)."""
+"""Shared fixtures: a tiny offline Llama model directory (see `tether.testing`), a tiny run's directory
+(``make_workdir``; its overrides are in tests/helpers.py), one torch thread, and the scripts under
+``bench/`` loaded as modules (they are scripts, not a package)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,35 @@ from tether.testing import make_tiny_model_dir
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama + byte-level BPE tokenizer saved as a HF directory (built once per session)."""
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny_model"), vocab=384, seed=0)
+
+
+@pytest.fixture(scope="session")
+def make_workdir(tmp_path_factory):
+    """``make_workdir(name, reward_source, n_rows=40)`` -> a fresh directory holding ``rew.py`` (the
+    reward module, ``reward_source``) and ``prompts.jsonl``: row i is ``{"question": "Say some numbers i",
+    "answer": "i"}``. Each test module wraps it in its own module-scoped fixture."""
+
+    def make(name: str, reward_source: str, n_rows: int = 40) -> Path:
+        d = tmp_path_factory.mktemp(name)
+        (d / "rew.py").write_text(reward_source)
+        (d / "prompts.jsonl").write_text("".join(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)})
+                                                 + "\n" for i in range(n_rows)))
+        return d
+
+    return make
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: the same float rounding on every machine (the thread count changes
+    the matmuls' summation order, and so which tokens get sampled), and no thread oversubscription on a
+    shared machine."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture
