@@ -1,6 +1,7 @@
 """tether.config itself: the key reference in docs/config.md, round trips of YAML files and
-dotted overrides, value coercion, the resolution of the recipe's name, and the package's
-re-exports (every name callers import from ``tether.config`` is still there)."""
+dotted overrides, value coercion, the resolution of the recipe's name, the package's
+re-exports (every name callers import from ``tether.config`` is still there), and the checks
+``load_config`` makes of keys and values (and of the shipped configs/*.yaml)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Optional, Union
 import pytest
 
 import tether.config
+from helpers import DIGITS, tiny_config
 from tether.config import (Config, ConfigError, _coerce, _flatten, load_config, parse_overrides, reference,
                            save_config, to_dict)
 
@@ -55,6 +57,17 @@ def test_every_search_key_is_documented():
     rows = {ln.split("`")[1]: ln for ln in reference().splitlines() if ln.startswith("| `search.")}
     assert set(rows) == set(search)
     assert "passages per search" in rows["search.topk"]  # the comment at its declaration
+
+
+def test_config_reference_is_complete_and_current():
+    """Every key has a comment where it is declared, and docs/config.md is the generated reference."""
+    assert DOC.read_text().strip() == reference().strip(), "regenerate with: tether config --reference > docs/config.md"
+
+
+def test_anchor_every_is_documented_in_trainer_steps():
+    """The declaration comment (hence docs/config.md) names the unit the trainer counts in."""
+    row = next(ln for ln in reference().splitlines() if ln.startswith("| `algo.anchor.every`"))
+    assert "every N trainer steps" in row, row
 
 
 @dataclasses.dataclass
@@ -185,3 +198,74 @@ def test_every_name_callers_import_is_re_exported():
     missing = sorted(n for n in names | old_public if not hasattr(tether.config, n))
     assert not missing, f"tether.config no longer exports {missing}"
     assert all(hasattr(tether.config, n) for n in tether.config.__all__)
+
+
+# ---------------------------------------------------------------- values checked by load_config
+
+
+@pytest.fixture(scope="module")
+def workdir(make_workdir):
+    """A tiny run's directory: the reward spec of the configs below names a module that exists."""
+    return make_workdir("config", DIGITS)
+
+
+def test_bad_keys_are_errors_with_did_you_mean(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'train.lrr'.*Did you mean 'train.lr'"):
+        load_config(None, {"train.lrr": 1e-5})
+    with pytest.raises(ConfigError, match="region.delta has no effect"):
+        load_config(None, {"algo.region.delta": 0.1}, recipe_name="grpo")
+    with pytest.raises(ConfigError, match="data.difficulty only applies"):
+        load_config(None, {"data.task": "gsm8k", "data.difficulty": 3})
+    with pytest.raises(ConfigError, match="identically zero"):
+        load_config(None, {"train.mini_batches": 1}, recipe_name="rpg_urkl")
+    with pytest.raises(ConfigError, match="data.shuffle has no effect with the synthetic"):
+        load_config(None, {"data.shuffle": False})
+    with pytest.raises(ConfigError, match="expected an integer"):
+        load_config(None, {"train.steps": "many"})
+    y = tmp_path / "c.yaml"
+    y.write_text("recipe: grpo\ntrain:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"c.yaml.*'train.stepz'.*Did you mean 'train.steps'"):
+        load_config(str(y))
+
+
+def test_reward_timeout_and_prompt_overflow_are_validated(workdir, tiny_model_dir):
+    for over, msg in (({"data.reward": "math", "data.reward_timeout": 5}, "data.reward_timeout only applies to a user"),
+                      ({"data.reward": "auto", "data.reward_timeout": 5}, "data.reward_timeout only applies to a user"),
+                      ({"data.reward_timeout": -1}, "data.reward_timeout must be >= 0"),
+                      ({"data.reward_timeout": float("nan")}, "data.reward_timeout must be >= 0"),
+                      ({"rollout.prompt_overflow": "truncat"}, "rollout.prompt_overflow 'truncat'.*Did you mean")):
+        with pytest.raises(ConfigError, match=msg):
+            tiny_config(workdir, tiny_model_dir, "grpo", 1, **over)
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 1,
+                      **{"data.reward_timeout": 0, "rollout.prompt_overflow": "truncate"})
+    assert cfg.data.reward_timeout == 0 and cfg.rollout.prompt_overflow == "truncate"
+
+
+def test_rollout_correction_config_errors(workdir, tiny_model_dir):
+    with pytest.raises(ConfigError, match="rollout.engine=hf reports none"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"algo.tis_cap": 2.0})
+    with pytest.raises(ConfigError, match="tis_mode has no effect"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"algo.tis_mode": "sequence"})
+    with pytest.raises(ConfigError, match="tis_cap must be 0"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"algo.tis_cap": 0.5})
+
+
+def test_vllm_options_are_validated(workdir, tiny_model_dir):
+    import importlib.util
+
+    with pytest.raises(ConfigError, match="rollout.vllm_sleep only applies with rollout.engine=vllm"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"rollout.vllm_sleep": True})
+    bad = {"rollout.engine": "vllm", "rollout.vllm_dtype": "fp8", "rollout.vllm_gpu_memory_utilization": 1.5,
+           "rollout.vllm_sync_bucket_mb": 0, "rollout.vllm_kv_cache_gb": -1, "rollout.prune_every": 8}
+    with pytest.raises(ConfigError) as e:
+        tiny_config(workdir, tiny_model_dir, "grpo", 1, **bad)
+    for msg in ("vllm_dtype", "vllm_gpu_memory_utilization must be in (0, 1]", "vllm_sync_bucket_mb must be >= 1",
+                "vllm_kv_cache_gb must be >= 0", "prune_every is an option of engine hf"):
+        assert msg in str(e.value)
+    if importlib.util.find_spec("vllm") is None:
+        assert "bash scripts/setup.sh --vllm" in str(e.value)
+
+
+def test_shipped_configs_are_valid():
+    for y in sorted((ROOT / "configs").glob("*.yaml")):
+        load_config(str(y))

@@ -107,12 +107,6 @@ def test_anchor_every_counts_trainer_steps(workdir, tiny_model_dir, tmp_path):
     assert m[-1]["anchor_updates"] == 2
 
 
-def test_anchor_every_is_documented_in_trainer_steps():
-    """The declaration comment (hence docs/config.md) names the unit the trainer counts in."""
-    from tether.config import reference
-
-    row = next(ln for ln in reference().splitlines() if ln.startswith("| `algo.anchor.every`"))
-    assert "every N trainer steps" in row, row
 
 
 def test_train_step_emits_no_future_warning(workdir, tiny_model_dir, tmp_path):
@@ -138,23 +132,6 @@ def test_bad_row_fails_before_training(workdir, tiny_model_dir, tmp_path, monkey
         Trainer(cfg, tmp_path / "run")
 
 
-def test_bad_keys_are_errors_with_did_you_mean(tmp_path):
-    with pytest.raises(ConfigError, match="unknown config key 'train.lrr'.*Did you mean 'train.lr'"):
-        load_config(None, {"train.lrr": 1e-5})
-    with pytest.raises(ConfigError, match="region.delta has no effect"):
-        load_config(None, {"algo.region.delta": 0.1}, recipe_name="grpo")
-    with pytest.raises(ConfigError, match="data.difficulty only applies"):
-        load_config(None, {"data.task": "gsm8k", "data.difficulty": 3})
-    with pytest.raises(ConfigError, match="identically zero"):
-        load_config(None, {"train.mini_batches": 1}, recipe_name="rpg_urkl")
-    with pytest.raises(ConfigError, match="data.shuffle has no effect with the synthetic"):
-        load_config(None, {"data.shuffle": False})
-    with pytest.raises(ConfigError, match="expected an integer"):
-        load_config(None, {"train.steps": "many"})
-    y = tmp_path / "c.yaml"
-    y.write_text("recipe: grpo\ntrain:\n  stepz: 3\n")
-    with pytest.raises(ConfigError, match=r"c.yaml.*'train.stepz'.*Did you mean 'train.steps'"):
-        load_config(str(y))
 
 
 def test_yaml_then_overrides_and_saved_config(workdir, tiny_model_dir, tmp_path):
@@ -179,16 +156,6 @@ def test_raising_reward_scores_zero_and_training_goes_on(workdir, tiny_model_dir
     assert sum("reward function raised" in str(x) for x in logs) == 1  # the first traceback only
 
 
-def test_reward_timeout_and_prompt_overflow_are_validated(workdir, tiny_model_dir):
-    for over, msg in (({"data.reward": "math", "data.reward_timeout": 5}, "data.reward_timeout only applies to a user"),
-                      ({"data.reward": "auto", "data.reward_timeout": 5}, "data.reward_timeout only applies to a user"),
-                      ({"data.reward_timeout": -1}, "data.reward_timeout must be >= 0"),
-                      ({"data.reward_timeout": float("nan")}, "data.reward_timeout must be >= 0"),
-                      ({"rollout.prompt_overflow": "truncat"}, "rollout.prompt_overflow 'truncat'.*Did you mean")):
-        with pytest.raises(ConfigError, match=msg):
-            cfg_for(workdir, tiny_model_dir, "grpo", 1, **over)
-    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"data.reward_timeout": 0, "rollout.prompt_overflow": "truncate"})
-    assert cfg.data.reward_timeout == 0 and cfg.rollout.prompt_overflow == "truncate"
 
 
 def test_non_finite_loss_skips_the_update(workdir, tiny_model_dir, tmp_path, monkeypatch):
@@ -281,7 +248,8 @@ def test_needless_passes_are_skipped(recipe, want, workdir, tiny_model_dir, tmp_
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     calls = []
     real = t.passes._pass
-    monkeypatch.setattr(t.passes, "_pass", lambda b, **k: calls.append("anchor" if k.get("with_anchor") else "sampler") or real(b, **k))
+    monkeypatch.setattr(t.passes, "_pass",
+                        lambda b, **k: calls.append("anchor" if k.get("with_anchor") else "sampler") or real(b, **k))
     t.train_step()
     assert calls == want
 
@@ -313,9 +281,6 @@ def test_plot_cli_overlays_runs(workdir, tiny_model_dir, tmp_path):
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_shipped_configs_are_valid():
-    for y in sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")):
-        load_config(str(y))
 
 
 def test_dynamic_sampling_drops_zero_variance_groups_and_refills(workdir, tiny_model_dir, tmp_path):
@@ -338,7 +303,6 @@ def test_overlong_penalty_and_truncation_mask(workdir, tiny_model_dir, tmp_path)
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     b, _ = t._rollout()
     L = b.rb.response_mask.sum(-1).float()
-    raw = torch.tensor([0.0 if r == 0 else 0.5 for r in b.rewards.tolist()])  # flaky scores 0.5 (or 0 on error)
     start, cache = 4.0, 4.0  # max_new_tokens 8, buffer 50%
     pen = 2.0 * ((L - start).clamp(min=0) / cache).clamp(max=1)
     base = b.rewards + pen
@@ -415,12 +379,6 @@ def test_auto_benchmarks_follow_the_task(workdir, tiny_model_dir, tmp_path):
         load_config(None, {"eval.every": -1})
 
 
-def test_config_reference_is_complete_and_current():
-    """Every key has a comment where it is declared, and docs/config.md is the generated reference."""
-    from tether.config import reference
-
-    doc = Path(__file__).parents[1] / "docs" / "config.md"
-    assert doc.read_text().strip() == reference().strip(), "regenerate with: tether config --reference > docs/config.md"
 
 
 def test_lockstep_helpers_are_the_identity_in_one_process():
@@ -461,7 +419,8 @@ def test_exact_kl_sample_matches_full_logits(workdir, tiny_model_dir, tmp_path):
 
 
 def test_exact_estimator_trains(workdir, tiny_model_dir, tmp_path):
-    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 2, **{"algo.kl.estimator": "exact_rev", "run.exact_kl_samples": 1})
+    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 2,
+                  **{"algo.kl.estimator": "exact_rev", "run.exact_kl_samples": 1})
     m = rows(train(cfg, tmp_path / "run", log=lambda *a: None))
     assert all(math.isfinite(r["kl"]) for r in m) and m[-1]["kl"] > 0
 
@@ -541,7 +500,8 @@ def test_rollout_correction_with_an_engine_that_reports_logprobs(shift, trunc, w
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     calls = []
     real = t.passes._pass
-    monkeypatch.setattr(t.passes, "_pass", lambda b, **k: calls.append("anchor" if k.get("with_anchor") else "sampler") or real(b, **k))
+    monkeypatch.setattr(t.passes, "_pass",
+                        lambda b, **k: calls.append("anchor" if k.get("with_anchor") else "sampler") or real(b, **k))
     for _ in range(2):
         m = t.train_step()
         assert m["rollout_corr/ratio_mean"] == pytest.approx(math.exp(-shift), rel=1e-4)
@@ -549,28 +509,3 @@ def test_rollout_correction_with_an_engine_that_reports_logprobs(shift, trunc, w
         assert m["rollout_corr/trunc_frac"] == trunc
         assert math.isfinite(m["pg_loss"]) and m["skipped_updates"] == 0
     assert calls.count("sampler") == 2
-
-
-def test_rollout_correction_config_errors(workdir, tiny_model_dir):
-    with pytest.raises(ConfigError, match="rollout.engine=hf reports none"):
-        cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"algo.tis_cap": 2.0})
-    with pytest.raises(ConfigError, match="tis_mode has no effect"):
-        cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"algo.tis_mode": "sequence"})
-    with pytest.raises(ConfigError, match="tis_cap must be 0"):
-        cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"algo.tis_cap": 0.5})
-
-
-def test_vllm_options_are_validated(workdir, tiny_model_dir):
-    import importlib.util
-
-    with pytest.raises(ConfigError, match="rollout.vllm_sleep only applies with rollout.engine=vllm"):
-        cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"rollout.vllm_sleep": True})
-    bad = {"rollout.engine": "vllm", "rollout.vllm_dtype": "fp8", "rollout.vllm_gpu_memory_utilization": 1.5,
-           "rollout.vllm_sync_bucket_mb": 0, "rollout.vllm_kv_cache_gb": -1, "rollout.prune_every": 8}
-    with pytest.raises(ConfigError) as e:
-        cfg_for(workdir, tiny_model_dir, "grpo", 1, **bad)
-    for msg in ("vllm_dtype", "vllm_gpu_memory_utilization must be in (0, 1]", "vllm_sync_bucket_mb must be >= 1",
-                "vllm_kv_cache_gb must be >= 0", "prune_every is an option of engine hf"):
-        assert msg in str(e.value)
-    if importlib.util.find_spec("vllm") is None:
-        assert "bash scripts/setup.sh --vllm" in str(e.value)
