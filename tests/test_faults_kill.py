@@ -16,14 +16,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_stop import TIMEOUT, finish, start, stopdir, with_one_thread  # noqa: F401  (stopdir: fixture)
-from test_train import _strip, cfg_for, rows
+from helpers import DIGITS, rows, strip, tiny_config
+from test_stop import TIMEOUT, finish, start, with_one_thread
 from tether.checkpoint import latest_checkpoint
 from tether.config import save_config
 from tether.train import train
 
 STEPS = 8
 KILLS = 5  # the first during the model load, the others during training
+
+
+@pytest.fixture(scope="module")
+def workdir(make_workdir):
+    return make_workdir("kill", DIGITS)
 
 
 def metric_lines(run: Path) -> int:
@@ -60,13 +65,13 @@ def kill_after(p: subprocess.Popen, log: Path, run: Path, rng: random.Random, ph
 
 
 @pytest.mark.faults
-def test_kill_9_at_random_points_then_resume_equals_an_uninterrupted_run(stopdir, tiny_model_dir, tmp_path):
+def test_kill_9_at_random_points_then_resume_equals_an_uninterrupted_run(workdir, tiny_model_dir, tmp_path):
     over = {"run.save_every": 2}  # a kill lands in a checkpoint write, or with rows logged after the checkpoint
     ref = tmp_path / "reference"
-    with_one_thread(lambda: train(cfg_for(stopdir, tiny_model_dir, "ema_pg", STEPS, **over), ref,
+    with_one_thread(lambda: train(tiny_config(workdir, tiny_model_dir, "ema_pg", STEPS, **over), ref,
                                   log=lambda *a: None))
     step_s = sum(r["time_step_s"] for r in rows(ref)) / STEPS  # the kill points scale with the machine's speed
-    save_config(cfg_for(stopdir, tiny_model_dir, "ema_pg", STEPS, **over), tmp_path / "cfg.yaml")
+    save_config(tiny_config(workdir, tiny_model_dir, "ema_pg", STEPS, **over), tmp_path / "cfg.yaml")
     run, log = tmp_path / "run", tmp_path / "train.log"
     fresh = ["train", "--config", str(tmp_path / "cfg.yaml"), "--output-dir", str(run)]
     history = []
@@ -90,7 +95,7 @@ def test_kill_9_at_random_points_then_resume_equals_an_uninterrupted_run(stopdir
 
     got, want = rows(run), rows(ref)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1)), history
-    assert [_strip(r) for r in got] == [_strip(r) for r in want], history
+    assert [strip(r) for r in got] == [strip(r) for r in want], history
     for name in ("policy", "anchor"):
         a = load_file(str(latest_checkpoint(ref) / f"{name}.safetensors"))
         b = load_file(str(latest_checkpoint(run) / f"{name}.safetensors"))

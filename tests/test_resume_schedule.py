@@ -6,7 +6,7 @@ Recorded per optimizer step: the learning rate each ``optimizer.step()`` actuall
 import pytest
 import torch
 
-from test_train import cfg_for, one_thread, rows, workdir  # noqa: F401  (one_thread, workdir: fixtures)
+from helpers import DIGITS, rows, tiny_config
 from tether.algo.recipes import ConfigError
 from tether.checkpoint import latest_checkpoint
 from tether.config import TrainConfig
@@ -18,6 +18,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # fast on a shared machine (
 QUIET = dict(log=lambda *a: None)
 COSINE = {"train.schedule": "cosine", "train.warmup_steps": 2, "train.mini_batches": 2, "rollout.prompts_per_step": 2,
           "rollout.n": 2}
+
+
+@pytest.fixture(scope="module")
+def workdir(make_workdir):
+    return make_workdir("resume_schedule", DIGITS)
 
 
 def recording(t: Trainer, lrs: list) -> Trainer:
@@ -42,10 +47,10 @@ def test_extended_cosine_run_continues_without_a_jump(workdir, tiny_model_dir, t
     """A cosine run laid out for 6 steps, stopped at step 4, resumed with train.steps=8 and then 10: the LR
     goes on from where it was and decays to 0 at the new end, never rising after warm-up."""
     lrs = []
-    stopped_at(cfg_for(workdir, tiny_model_dir, "grpo", 6, **COSINE), tmp_path / "run", 4, lrs)
+    stopped_at(tiny_config(workdir, tiny_model_dir, "grpo", 6, **COSINE), tmp_path / "run", 4, lrs)
     assert len(lrs) == 8 and lrs[-1] > 0
-    stopped_at(cfg_for(workdir, tiny_model_dir, "grpo", 8, **COSINE), tmp_path / "run", 6, lrs, resume=True)
-    recording(Trainer(cfg_for(workdir, tiny_model_dir, "grpo", 10, **COSINE), tmp_path / "run", **QUIET),
+    stopped_at(tiny_config(workdir, tiny_model_dir, "grpo", 8, **COSINE), tmp_path / "run", 6, lrs, resume=True)
+    recording(Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 10, **COSINE), tmp_path / "run", **QUIET),
               lrs).run(resume=True)
     assert len(lrs) == 20  # 10 trainer steps x 2 mini-batches
     assert lrs[:2] == [0.005, 0.01]  # warm-up
@@ -58,10 +63,10 @@ def test_extended_cosine_run_continues_without_a_jump(workdir, tiny_model_dir, t
 def test_extended_cosine_matches_the_saved_segment_on_an_exact_resume(workdir, tiny_model_dir, tmp_path):
     """After an extension, resuming again at the same train.steps continues the re-laid schedule exactly:
     the same LRs as when the extended run went on without a stop."""
-    cfg8 = cfg_for(workdir, tiny_model_dir, "grpo", 8, **COSINE)
+    cfg8 = tiny_config(workdir, tiny_model_dir, "grpo", 8, **COSINE)
     a, b = [], []
     for run, lrs in ((tmp_path / "a", a), (tmp_path / "b", b)):
-        stopped_at(cfg_for(workdir, tiny_model_dir, "grpo", 6, **COSINE), run, 4, lrs)
+        stopped_at(tiny_config(workdir, tiny_model_dir, "grpo", 6, **COSINE), run, 4, lrs)
     recording(Trainer(cfg8, tmp_path / "a", **QUIET), a).run(resume=True)
     stopped_at(cfg8, tmp_path / "b", 5, b, resume=True)  # stopped at step 5 of the extended run
     recording(Trainer(cfg8, tmp_path / "b", **QUIET), b).run(resume=True)
@@ -70,8 +75,8 @@ def test_extended_cosine_matches_the_saved_segment_on_an_exact_resume(workdir, t
 
 def test_extending_a_run_decayed_to_zero_is_refused(workdir, tiny_model_dir, tmp_path):
     """A finished cosine run has lr 0: extending it would train at lr 0, so it is an error naming the fix."""
-    Trainer(cfg_for(workdir, tiny_model_dir, "grpo", 4, **COSINE), tmp_path / "run", **QUIET).run()
-    t = Trainer(cfg_for(workdir, tiny_model_dir, "grpo", 8, **COSINE), tmp_path / "run", **QUIET)
+    Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 4, **COSINE), tmp_path / "run", **QUIET).run()
+    t = Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 8, **COSINE), tmp_path / "run", **QUIET)
     with pytest.raises(ConfigError, match="decayed to 0.*train.schedule=constant"):
         t.run(resume=True)
     assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4]  # nothing trained
@@ -82,10 +87,10 @@ def test_extending_with_a_constant_schedule_trains_at_train_lr(first, workdir, t
     """train.schedule=constant on resume (the fix the refusal names, or a constant run extended): the
     new steps train at train.lr from the first one (not at the 0 the finished cosine run had reached)."""
     lrs = []
-    recording(Trainer(cfg_for(workdir, tiny_model_dir, "grpo", 4, **{**COSINE, "train.schedule": first}),
+    recording(Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 4, **{**COSINE, "train.schedule": first}),
                       tmp_path / "run", **QUIET), lrs).run()
     over = {**COSINE, "train.schedule": "constant"}
-    recording(Trainer(cfg_for(workdir, tiny_model_dir, "grpo", 6, **over), tmp_path / "run", **QUIET), lrs).run(
+    recording(Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 6, **over), tmp_path / "run", **QUIET), lrs).run(
         resume=True)
     assert lrs[8:] == [0.01] * 4
     assert [r["lr"] for r in rows(tmp_path / "run")][4:] == [0.01, 0.01]
@@ -96,8 +101,8 @@ def test_train_lr_given_on_resume_applies(workdir, tiny_model_dir, tmp_path):
     the optimizer's saved learning rate won)."""
     lrs = []
     over = {"rollout.prompts_per_step": 2, "rollout.n": 2}
-    recording(Trainer(cfg_for(workdir, tiny_model_dir, "grpo", 2, **over), tmp_path / "run", **QUIET), lrs).run()
-    recording(Trainer(cfg_for(workdir, tiny_model_dir, "grpo", 4, **{**over, "train.lr": 1e-3}),
+    recording(Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 2, **over), tmp_path / "run", **QUIET), lrs).run()
+    recording(Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 4, **{**over, "train.lr": 1e-3}),
                       tmp_path / "run", **QUIET), lrs).run(resume=True)
     assert lrs == [1e-2, 1e-2, 1e-3, 1e-3]
 

@@ -7,7 +7,6 @@ sends its signal(s) while step 2 waits, then opens the gate, so the outcome does
 timing: a graceful stop ends after step 2, an abort inside step 2.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -19,19 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import tether
-from test_train import _strip, cfg_for, rows
+from helpers import DIGITS, rows, strip, subprocess_env, tiny_config
 from tether import stop
 from tether.checkpoint import latest_checkpoint
 from tether.config import save_config
 from tether.train import Trainer, train
 
-REWARD = '''
+REWARD = DIGITS + '''
 import os, signal, time
-
-
-def digits(completion, example):
-    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
 
 
 def gated(completion, example):
@@ -55,16 +49,12 @@ def signals_self(completion, example):
 '''
 STEPS = 4
 TIMEOUT = 240  # seconds: a hard limit on every wait (a broken stop must fail the test, not hang it)
+pytestmark = pytest.mark.usefixtures("one_thread")  # in-process training too: no thread oversubscription
 
 
 @pytest.fixture(scope="module")
-def stopdir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("stop")
-    (d / "rew.py").write_text(REWARD)
-    with open(d / "prompts.jsonl", "w") as f:
-        for i in range(40):
-            f.write(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)}) + "\n")
-    return d
+def stopdir(make_workdir):
+    return make_workdir("stop", REWARD)
 
 
 def with_one_thread(fn):
@@ -76,28 +66,17 @@ def with_one_thread(fn):
         torch.set_num_threads(n)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """In-process training on one thread too: no thread oversubscription on a shared machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def reference(stopdir, tiny_model_dir, tmp_path_factory):
     """The metrics rows of an uninterrupted STEPS-step run."""
     run = tmp_path_factory.mktemp("reference") / "run"
-    with_one_thread(lambda: train(cfg_for(stopdir, tiny_model_dir, "ema_pg", STEPS), run, log=lambda *a: None))
+    with_one_thread(lambda: train(tiny_config(stopdir, tiny_model_dir, "ema_pg", STEPS), run, log=lambda *a: None))
     return rows(run)
 
 
 def start(args: list, log: Path, **env) -> subprocess.Popen:
     """``python -m tether ARGS`` in a fresh interpreter importing this checkout, output to ``log``."""
-    src = str(Path(tether.__file__).resolve().parents[1])
-    full = dict(os.environ, OMP_NUM_THREADS="1", **env)
-    full["PYTHONPATH"] = src + (os.pathsep + full["PYTHONPATH"] if full.get("PYTHONPATH") else "")
+    full = subprocess_env(OMP_NUM_THREADS="1", **env)
     with open(log, "w") as out:
         # SIGINT as in a user's terminal: a test run started in the background inherits it ignored, and the
         # trainer (rightly) leaves an ignored signal alone
@@ -128,8 +107,8 @@ def finish(proc: subprocess.Popen, log: Path) -> tuple[int, str]:
 def signalled_run(stopdir, tiny_model_dir, tmp_path, signals: list, **over):
     """Start a STEPS-step run with the gated reward, send ``signals`` (names) while step 2 waits in
     its reward (each after the previous one was acknowledged), open the gate; returns (run, rc, output)."""
-    cfg = cfg_for(stopdir, tiny_model_dir, "ema_pg", STEPS,  # the reward in the trainer: no reward time limit applies
-                  **{"data.reward": f"{stopdir / 'rew.py'}:gated", "data.reward_timeout": 0, **over})
+    cfg = tiny_config(stopdir, tiny_model_dir, "ema_pg", STEPS, reward="gated",
+                      **{"data.reward_timeout": 0, **over})  # the reward in the trainer: no reward time limit applies
     save_config(cfg, tmp_path / "cfg.yaml")
     run, gate, log = tmp_path / "run", tmp_path / "gate", tmp_path / "train.log"
     gate.touch()
@@ -169,7 +148,7 @@ def test_signal_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(name,
     resume_to_the_end(run, tmp_path)
     got = rows(run)
     assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    assert [_strip(r) for r in got] == [_strip(r) for r in reference]
+    assert [strip(r) for r in got] == [strip(r) for r in reference]
 
 
 @pytest.mark.faults
@@ -185,7 +164,7 @@ def test_a_second_signal_aborts_without_a_new_checkpoint(stopdir, tiny_model_dir
     assert latest_checkpoint(run).name == "step-000001"
     assert not any(".tmp-" in p.name for p in (run / "checkpoints").iterdir())  # no write was even begun
     resume_to_the_end(run, tmp_path)
-    assert [_strip(r) for r in rows(run)] == [_strip(r) for r in reference]
+    assert [strip(r) for r in rows(run)] == [strip(r) for r in reference]
 
 
 @pytest.mark.faults
@@ -208,8 +187,7 @@ def test_the_same_stop_delivered_twice_is_not_an_abort(tmp_path):
 def test_python_api_returns_after_a_stop_and_restores_the_handlers(stopdir, tiny_model_dir, tmp_path, monkeypatch):
     """Trainer.run() returns the run dir after a graceful stop, with stopped_by set and a log line; the
     caller's handlers are back afterwards (a SIGTERM sent during the run did not kill this process)."""
-    cfg = cfg_for(stopdir, tiny_model_dir, "ema_pg", STEPS,
-                  **{"data.reward": f"{stopdir / 'rew.py'}:signals_self", "data.reward_timeout": 0})
+    cfg = tiny_config(stopdir, tiny_model_dir, "ema_pg", STEPS, reward="signals_self", **{"data.reward_timeout": 0})
     mine = lambda signum, frame: None  # noqa: E731
     before_int = signal.getsignal(signal.SIGINT)
     monkeypatch.setenv("TETHER_TEST_SIGNAL", "SIGTERM")
@@ -234,8 +212,7 @@ def test_python_api_returns_after_a_stop_and_restores_the_handlers(stopdir, tiny
 def test_ignored_signal_stays_ignored_and_threads_install_nothing(stopdir, tiny_model_dir, tmp_path, monkeypatch):
     """A process that ignores SIGINT (a background job, nohup) keeps ignoring it during a run; a run in a
     thread other than the main one (where Python allows no handlers) trains without touching signals."""
-    cfg = cfg_for(stopdir, tiny_model_dir, "ema_pg", 2,
-                  **{"data.reward": f"{stopdir / 'rew.py'}:signals_self", "data.reward_timeout": 0})
+    cfg = tiny_config(stopdir, tiny_model_dir, "ema_pg", 2, reward="signals_self", **{"data.reward_timeout": 0})
     monkeypatch.setenv("TETHER_TEST_SIGNAL", "SIGINT")
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -250,7 +227,7 @@ def test_ignored_signal_stays_ignored_and_threads_install_nothing(stopdir, tiny_
 
     def in_thread():
         try:
-            train(cfg_for(stopdir, tiny_model_dir, "ema_pg", 1), tmp_path / "thread", log=lambda *a: None)
+            train(tiny_config(stopdir, tiny_model_dir, "ema_pg", 1), tmp_path / "thread", log=lambda *a: None)
         except BaseException as e:  # noqa: BLE001  reported below
             errors.append(e)
 

@@ -1,12 +1,11 @@
 """End-to-end trainer tests on a tiny random model: every recipe, failures, resume, atomic checkpoints."""
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import DIGITS, rows, strip, tiny_config
 from tether.algo import RECIPES
 from tether.algo.recipes import ConfigError
 from tether.checkpoint import latest_checkpoint, load_checkpoint
@@ -14,11 +13,7 @@ from tether.config import load_config
 from tether.tasks.base import DataError
 from tether.train import Trainer, resume, train
 
-REWARD = '''
-def digits(completion, example):
-    """Trivially learnable: the fraction of characters that are digits."""
-    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
-
+REWARD = DIGITS + '''
 CALLS = {"n": 0}
 
 def half_constant(completion, example):
@@ -33,45 +28,14 @@ def flaky(completion, example):
         raise RuntimeError("boom from a user reward")
     return 0.5
 '''
-TIMING = ("time", "tokens_per_s", "peak_")
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory, tiny_model_dir):
-    d = tmp_path_factory.mktemp("train")
-    (d / "rew.py").write_text(REWARD)
-    with open(d / "prompts.jsonl", "w") as f:
-        for i in range(40):
-            f.write(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)}) + "\n")
-    return d
-
-
-def cfg_for(workdir, tiny_model_dir, recipe, steps, **over):
-    base = {
-        "model.name": str(tiny_model_dir), "data.task": str(workdir / "prompts.jsonl"),
-        "data.reward": f"{workdir / 'rew.py'}:digits", "train.steps": steps, "train.lr": 1e-2,
-        "rollout.max_new_tokens": 8, "rollout.prompts_per_step": 4, "rollout.n": 4,
-        "run.progress": False, "run.plot": False, "run.exact_kl_samples": 0, "run.save_every": 0,
-    }
-    base.update(over)
-    return load_config(None, base, recipe_name=recipe)
-
-
-def rows(run_dir):
-    return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+def workdir(make_workdir):
+    return make_workdir("train", REWARD)
 
 
 LEARNERS = ["grpo", "ema_pg", "rpg_reinforce_urkl", "atr_grpo"]
-
-
-@pytest.fixture
-def one_thread():
-    """The learning check follows one sampled trajectory; the thread count changes float rounding in the
-    matmuls and so, over 12 steps, which tokens get sampled. One thread makes it the same on every machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
@@ -81,7 +45,7 @@ def test_every_recipe_trains(recipe, workdir, tiny_model_dir, tmp_path, one_thre
     over = {}
     if recipe == "ema_pg":
         over["algo.anchor.every"] = 2  # let the EMA anchor move within the short run
-    cfg = cfg_for(workdir, tiny_model_dir, recipe, steps, **over)
+    cfg = tiny_config(workdir, tiny_model_dir, recipe, steps, **over)
     run = train(cfg, tmp_path / recipe, log=lambda *a: None)
     m = rows(run)
     assert len(m) == steps
@@ -101,7 +65,7 @@ def test_every_recipe_trains(recipe, workdir, tiny_model_dir, tmp_path, one_thre
 def test_anchor_every_counts_trainer_steps(workdir, tiny_model_dir, tmp_path):
     """anchor.every is in trainer steps: with 2 optimizer steps per trainer step (mini_batches=2)
     and every=2, 4 trainer steps move the EMA anchor exactly twice, at trainer steps 2 and 4."""
-    cfg = cfg_for(workdir, tiny_model_dir, "ema_pg", 4, **{"train.mini_batches": 2, "algo.anchor.every": 2})
+    cfg = tiny_config(workdir, tiny_model_dir, "ema_pg", 4, **{"train.mini_batches": 2, "algo.anchor.every": 2})
     m = rows(train(cfg, tmp_path / "run", log=lambda *a: None))
     assert [r["anchor_moved"] for r in m] == [False, True, False, True]
     assert m[-1]["anchor_updates"] == 2
@@ -114,7 +78,7 @@ def test_train_step_emits_no_future_warning(workdir, tiny_model_dir, tmp_path):
     FutureWarning for ``is_gradient_checkpointing`` at its first step)."""
     import warnings
 
-    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 1)
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 1)
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
@@ -125,7 +89,7 @@ def test_train_step_emits_no_future_warning(workdir, tiny_model_dir, tmp_path):
 def test_bad_row_fails_before_training(workdir, tiny_model_dir, tmp_path, monkeypatch):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "a", "answer": "1"}\n{"question": "b"}\n')
-    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"data.task": str(bad)})
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"data.task": str(bad)})
     import tether.models
     monkeypatch.setattr(tether.models, "load_model", lambda *a, **k: pytest.fail("model loaded before data check"))
     with pytest.raises(DataError, match=r"bad.jsonl.* 2.*answer"):
@@ -140,7 +104,7 @@ def test_yaml_then_overrides_and_saved_config(workdir, tiny_model_dir, tmp_path)
     cfg = load_config(str(y), {"train.lr": 0.25})
     assert cfg.recipe == "atr_grpo" and cfg.train.lr == 0.25 and cfg.algo.kl.beta == 0.01
     assert cfg.algo.name == "atr_grpo+custom" and cfg.algo.region.kind == "kl3"
-    cfg = cfg_for(workdir, tiny_model_dir, "dapo", 1)
+    cfg = tiny_config(workdir, tiny_model_dir, "dapo", 1)
     run = train(cfg, tmp_path / "run", log=lambda *a: None)
     saved = load_config(str(run / "config.yaml"))
     assert saved == cfg
@@ -148,7 +112,7 @@ def test_yaml_then_overrides_and_saved_config(workdir, tiny_model_dir, tmp_path)
 
 def test_raising_reward_scores_zero_and_training_goes_on(workdir, tiny_model_dir, tmp_path):
     logs = []
-    cfg = cfg_for(workdir, tiny_model_dir, "dapo", 2, **{"data.reward": f"{workdir / 'rew.py'}:flaky"})
+    cfg = tiny_config(workdir, tiny_model_dir, "dapo", 2, **{"data.reward": f"{workdir / 'rew.py'}:flaky"})
     run = train(cfg, tmp_path / "run", log=logs.append)
     m = rows(run)
     assert len(m) == 2 and m[-1]["reward_errors"] >= 5
@@ -172,7 +136,7 @@ def test_non_finite_loss_skips_the_update(workdir, tiny_model_dir, tmp_path, mon
         return out
 
     monkeypatch.setattr(train_mod, "compute_loss", poisoned)
-    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"train.micro_batch_size": 16})
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"train.micro_batch_size": 16})
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     before = [p.detach().clone() for p in t.params]
     m = t.train_step()
@@ -183,27 +147,23 @@ def test_non_finite_loss_skips_the_update(workdir, tiny_model_dir, tmp_path, mon
     assert m["skipped_updates"] == 1 and any(not torch.equal(a, p) for a, p in zip(before, t.params))
 
 
-def _strip(m):
-    return {k: v for k, v in m.items() if not any(s in k for s in TIMING)}
-
-
 @pytest.mark.parametrize("recipe", ["ema_pg", "rpg_reinforce_urkl"])
 def test_resume_is_exact(recipe, workdir, tiny_model_dir, tmp_path):
     over = {"run.save_every": 2, "algo.anchor.every": 1} if recipe == "ema_pg" else {"run.save_every": 2}
-    full = train(cfg_for(workdir, tiny_model_dir, recipe, 4, **over), tmp_path / "full", log=lambda *a: None)
-    part = cfg_for(workdir, tiny_model_dir, recipe, 2, **over)
+    full = train(tiny_config(workdir, tiny_model_dir, recipe, 4, **over), tmp_path / "full", log=lambda *a: None)
+    part = tiny_config(workdir, tiny_model_dir, recipe, 2, **over)
     train(part, tmp_path / "part", log=lambda *a: None)
     resume(tmp_path / "part", {"train.steps": 4}, log=lambda *a: None)
     a, b = rows(full), rows(tmp_path / "part")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for x, y in zip(a[2:], b[2:]):
-        assert _strip(x) == _strip(y)
+        assert strip(x) == strip(y)
 
 
 def test_interrupted_checkpoint_write_leaves_previous_loadable(workdir, tiny_model_dir, tmp_path, monkeypatch):
     import tether.checkpoint as ck
 
-    cfg = cfg_for(workdir, tiny_model_dir, "ema_pg", 1, **{"run.save_every": 1})
+    cfg = tiny_config(workdir, tiny_model_dir, "ema_pg", 1, **{"run.save_every": 1})
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     t.train_step()
     good = t.save()
@@ -244,7 +204,7 @@ def test_cli_bad_key_exit_code(capsys):
     ("rpg_reinforce_urkl", ["sampler"]),         # iterative anchor: the sampler pass is the anchor pass
 ])
 def test_needless_passes_are_skipped(recipe, want, workdir, tiny_model_dir, tmp_path, monkeypatch):
-    cfg = cfg_for(workdir, tiny_model_dir, recipe, 1)
+    cfg = tiny_config(workdir, tiny_model_dir, recipe, 1)
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     calls = []
     real = t.passes._pass
@@ -260,7 +220,7 @@ def test_needless_passes_are_skipped(recipe, want, workdir, tiny_model_dir, tmp_
     {"model.gradient_checkpointing": True},
 ])
 def test_lora_bf16_and_checkpointing(over, workdir, tiny_model_dir, tmp_path):
-    cfg = cfg_for(workdir, tiny_model_dir, "ema_pg", 2, **{"algo.anchor.every": 1, **over})
+    cfg = tiny_config(workdir, tiny_model_dir, "ema_pg", 2, **{"algo.anchor.every": 1, **over})
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     if "model.lora_r" in over:
         assert t.anchor.names and all("lora_" in n for n in t.anchor.names)
@@ -274,8 +234,8 @@ def test_lora_bf16_and_checkpointing(over, workdir, tiny_model_dir, tmp_path):
 def test_plot_cli_overlays_runs(workdir, tiny_model_dir, tmp_path):
     from tether.cli import main
 
-    a = train(cfg_for(workdir, tiny_model_dir, "dapo", 2), tmp_path / "a", log=lambda *x: None)
-    b = train(cfg_for(workdir, tiny_model_dir, "grpo", 2), tmp_path / "b", log=lambda *x: None)
+    a = train(tiny_config(workdir, tiny_model_dir, "dapo", 2), tmp_path / "a", log=lambda *x: None)
+    b = train(tiny_config(workdir, tiny_model_dir, "grpo", 2), tmp_path / "b", log=lambda *x: None)
     out = tmp_path / "cmp.png"
     assert main(["plot", str(a), str(b), "--out", str(out)]) == 0
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
@@ -284,8 +244,8 @@ def test_plot_cli_overlays_runs(workdir, tiny_model_dir, tmp_path):
 
 
 def test_dynamic_sampling_drops_zero_variance_groups_and_refills(workdir, tiny_model_dir, tmp_path):
-    cfg = cfg_for(workdir, tiny_model_dir, "dapo", 1, **{"data.reward": f"{workdir / 'rew.py'}:half_constant",
-                                                          "data.shuffle": False, "rollout.overlong_buffer_frac": 0.0})
+    cfg = tiny_config(workdir, tiny_model_dir, "dapo", 1, reward="half_constant",
+                      **{"data.shuffle": False, "rollout.overlong_buffer_frac": 0.0})
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     b, m = t._rollout()
     # prompts 0..3 give 2 informative groups; one refill round of 2 prompts (4, 5) gives 1 more, then 6, 7 ...
@@ -296,10 +256,10 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_refills(workdir, tiny_m
 
 
 def test_overlong_penalty_and_truncation_mask(workdir, tiny_model_dir, tmp_path):
-    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"rollout.overlong_buffer_frac": 0.5,
-                                                          "rollout.overlong_penalty": 2.0,
-                                                          "rollout.mask_truncated": True,
-                                                          "data.reward": f"{workdir / 'rew.py'}:flaky"})
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"rollout.overlong_buffer_frac": 0.5,
+                                                              "rollout.overlong_penalty": 2.0,
+                                                              "rollout.mask_truncated": True,
+                                                              "data.reward": f"{workdir / 'rew.py'}:flaky"})
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     b, _ = t._rollout()
     L = b.rb.response_mask.sum(-1).float()
@@ -314,7 +274,7 @@ def test_overlong_penalty_and_truncation_mask(workdir, tiny_model_dir, tmp_path)
 
 
 def test_evaluation_during_training(workdir, tiny_model_dir, tmp_path):
-    cfg = cfg_for(workdir, tiny_model_dir, "ema_pg", 2, **{
+    cfg = tiny_config(workdir, tiny_model_dir, "ema_pg", 2, **{
         "eval.every": 2, "eval.benchmarks": ["arithmetic", str(workdir / "prompts.jsonl")], "eval.limit": 3,
         "eval.max_new_tokens": 4, "eval.anchor": True, "algo.anchor.every": 1})
     run = train(cfg, tmp_path / "run", log=lambda *a: None)
@@ -335,8 +295,8 @@ def test_default_run_prints_held_out_accuracy_before_and_after(workdir, tiny_mod
     split before step 1 and after the last step, and ends by printing both accuracies; the numbers printed
     are the ones logged. A resumed run finds its 'before' in metrics.jsonl."""
     lines = []
-    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 2, **{"data.task": "arithmetic", "data.reward": "auto",
-                                                        "eval.limit": 4, "eval.max_new_tokens": 4})
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"data.task": "arithmetic", "data.reward": "auto",
+                                                            "eval.limit": 4, "eval.max_new_tokens": 4})
     run = train(cfg, tmp_path / "run", log=lambda *a: lines.append(" ".join(map(str, a))))
     m = rows(run)
     assert [r["step"] for r in m] == [0, 1, 2]
@@ -354,8 +314,8 @@ def test_default_run_prints_held_out_accuracy_before_and_after(workdir, tiny_mod
     assert f"{100 * before:.1f} % -> {100 * m[3]['eval/arithmetic/avg@1']:.1f} % (step 3)" in "\n".join(lines)
     # off: no step-0 row, no summary
     lines.clear()
-    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"data.task": "arithmetic", "data.reward": "auto",
-                                                        "eval.before": False, "eval.after": False})
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"data.task": "arithmetic", "data.reward": "auto",
+                                                            "eval.before": False, "eval.after": False})
     run = train(cfg, tmp_path / "off", log=lambda *a: lines.append(" ".join(map(str, a))))
     assert [r["step"] for r in rows(run)] == [1] and not any("held-out" in ln for ln in lines)
 
@@ -369,12 +329,12 @@ def test_auto_benchmarks_follow_the_task(workdir, tiny_model_dir, tmp_path):
     assert eval_benchmarks(load_config(None, {"data.task": "gsm8k", "eval.benchmarks": ["auto", "math500"]})) == \
         ["gsm8k", "math500"]
     lines = []
-    run = train(cfg_for(workdir, tiny_model_dir, "grpo", 1), tmp_path / "run",
+    run = train(tiny_config(workdir, tiny_model_dir, "grpo", 1), tmp_path / "run",
                 log=lambda *a: lines.append(" ".join(map(str, a))))
     assert [r["step"] for r in rows(run)] == [1]
     assert any("no held-out evaluation: data.task=" in ln and "prompts.jsonl" in ln for ln in lines), lines
     with pytest.raises(ConfigError, match="has no held-out set tether knows"):
-        cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"eval.every": 1})
+        tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"eval.every": 1})
     with pytest.raises(ConfigError, match="eval.every must be >= 0"):
         load_config(None, {"eval.every": -1})
 
@@ -392,7 +352,7 @@ def test_lockstep_helpers_are_the_identity_in_one_process():
 
 
 def test_exact_kl_sample_matches_full_logits(workdir, tiny_model_dir, tmp_path):
-    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 1, **{"run.exact_kl_samples": 2})
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"run.exact_kl_samples": 2})
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     with torch.no_grad():  # move the policy away from the fixed anchor so the KL is not zero
         for p in t.params:
@@ -419,8 +379,8 @@ def test_exact_kl_sample_matches_full_logits(workdir, tiny_model_dir, tmp_path):
 
 
 def test_exact_estimator_trains(workdir, tiny_model_dir, tmp_path):
-    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 2,
-                  **{"algo.kl.estimator": "exact_rev", "run.exact_kl_samples": 1})
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 2,
+                      **{"algo.kl.estimator": "exact_rev", "run.exact_kl_samples": 1})
     m = rows(train(cfg, tmp_path / "run", log=lambda *a: None))
     assert all(math.isfinite(r["kl"]) for r in m) and m[-1]["kl"] > 0
 
@@ -435,9 +395,9 @@ def test_shared_prompt_training_equals_unshared(recipe, workdir, tiny_model_dir,
     for share in (True, False):
         # temperature 1: a rounding-level difference in the logits can flip a sampled token, and at the
         # default 0.7 one does at step 3 (steps 1-2 agree exactly); at 1.0 the 3 steps sample the same tokens
-        cfg = cfg_for(workdir, tiny_model_dir, recipe, 3, **{"train.share_prompt": share,
-                                                           "rollout.share_prompt": share,
-                                                           "train.micro_batch_size": 4, "rollout.temperature": 1.0})
+        cfg = tiny_config(workdir, tiny_model_dir, recipe, 3, **{"train.share_prompt": share,
+                                                               "rollout.share_prompt": share,
+                                                               "train.micro_batch_size": 4, "rollout.temperature": 1.0})
         runs[share] = rows(train(cfg, tmp_path / f"share-{share}", log=lambda *a: None))
     for a, b in zip(runs[True], runs[False]):
         keys = [k for k in ("reward_mean", "pg_loss", "kl", "entropy", "response_len", "grad_norm") if k in a]
@@ -452,7 +412,7 @@ def test_sync_weights_is_called_once_per_trainer_step_as_documented(workdir, tin
     from tether.rollout.base import Engine
 
     assert "once per trainer step" in " ".join(Engine.sync_weights.__doc__.split())
-    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 2, **{"train.mini_batches": 2})
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"train.mini_batches": 2})
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     calls = []
     real = t.engine.sync_weights
@@ -495,7 +455,7 @@ def test_rollout_correction_with_an_engine_that_reports_logprobs(shift, trunc, w
     from tether.rollout import ENGINES
 
     monkeypatch.setitem(ENGINES, "logp", _logp_engine(shift))
-    cfg = cfg_for(workdir, tiny_model_dir, "grpo", 2, **{"rollout.engine": "logp", "algo.tis_cap": 2.0})
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"rollout.engine": "logp", "algo.tis_cap": 2.0})
     assert cfg.algo.name == "grpo+custom" and "tis=token(C=2)" in describe(cfg.algo)
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     calls = []
