@@ -8,12 +8,11 @@ reward, as a run that finishes with the failed calls counted in reward_errors.""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
-from test_errors import assert_clean_error, run_module
+from helpers import DIGITS, FAULTS, assert_clean_error, cli_args, rows, run_module
 
 pytestmark = pytest.mark.faults
 
@@ -131,11 +130,8 @@ def test_plot_prints_the_path_it_wrote(tmp_path):
 # ---------------------------------------------------------------- a tiny run through the CLI
 
 
-REWARDS = '''
+REWARDS = DIGITS + '''
 import os
-
-def digits(completion, example):
-    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
 
 def _called():
     with open(os.environ["TETHER_TEST_CALLS"], "a") as f:
@@ -156,26 +152,8 @@ def exit_on_x(completion, example):
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("faults_edges")
-    (d / "rew.py").write_text(REWARDS)
-    (d / "prompts.jsonl").write_text("".join(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)})
-                                             + "\n" for i in range(40)))
-    return d
-
-
-def train_argv(work, model_dir, out, steps, reward="digits", **over) -> list:
-    """`tether train` on the tiny random model: 2 prompts x 2 samples of 6 tokens a step, a checkpoint
-    every step, no evaluation (a file task has no held-out set), no progress bar or plot."""
-    vals = {"model.name": model_dir, "data.task": work / "prompts.jsonl", "data.reward": f"{work / 'rew.py'}:{reward}",
-            "train.lr": 1e-2, "rollout.max_new_tokens": 6, "rollout.prompts_per_step": 2, "rollout.n": 2,
-            "algo.anchor.every": 1, "run.progress": "false", "run.plot": "false", "run.exact_kl_samples": 0,
-            "run.save_every": 1, **over}
-    return ["train", "--recipe", "ema_pg", "--output-dir", out, "--steps", steps, *[f"{k}={v}" for k, v in vals.items()]]
-
-
-def metric_rows(run: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+def work(make_workdir):
+    return make_workdir("faults_edges", REWARDS)
 
 
 def test_resume_when_metrics_jsonl_is_a_directory(work, tiny_model_dir, tmp_path):
@@ -183,7 +161,7 @@ def test_resume_when_metrics_jsonl_is_a_directory(work, tiny_model_dir, tmp_path
     IsADirectoryError traceback. Now: one error naming the path, exit 2; the checkpoints are
     untouched, and once the directory is moved away the resume completes."""
     run = tmp_path / "run"
-    r = run_module(*train_argv(work, tiny_model_dir, run, 2))
+    r = run_module(*cli_args(work, tiny_model_dir, run, 2, **FAULTS))
     assert r.returncode == 0, r.stderr
     (run / "metrics.jsonl").unlink()
     (run / "metrics.jsonl").mkdir()
@@ -196,7 +174,7 @@ def test_resume_when_metrics_jsonl_is_a_directory(work, tiny_model_dir, tmp_path
     (run / "metrics.jsonl").rename(tmp_path / "moved_away")
     r = run_module("train", "--resume", run, "train.steps=3")
     assert r.returncode == 0, r.stderr
-    assert [row["step"] for row in metric_rows(run)] == [3]
+    assert [row["step"] for row in rows(run)] == [3]
 
 
 # ---------------------------------------------------------------- a reward that kills its worker
@@ -211,7 +189,7 @@ def test_reward_that_kills_its_worker_stops_being_restarted(work, tiny_model_dir
     warning at the first crash, one when it gives up after 3 in a row (2 restarts); the other calls
     score 0 unmade and count in reward_errors, and the run finishes."""
     run, calls = tmp_path / "run", tmp_path / "calls.txt"
-    r = run_module(*train_argv(work, tiny_model_dir, run, 2, reward="kill_own_worker", **{"run.save_every": 0}),
+    r = run_module(*cli_args(work, tiny_model_dir, run, 2, reward="kill_own_worker", **{**FAULTS, "run.save_every": 0}),
                    env={"TETHER_TEST_CALLS": str(calls)})
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
@@ -220,8 +198,8 @@ def test_reward_that_kills_its_worker_stops_being_restarted(work, tiny_model_dir
     assert sum(GAVE_UP_WARNING in w for w in warnings) == 1, r.stderr
     pids = calls.read_text().split()
     assert len(pids) == 3 and len(set(pids)) == 3  # three calls made, each in its own worker: 2 restarts
-    assert [(row["step"], row["reward_errors"]) for row in metric_rows(run)] == [(1, 4), (2, 8)]
-    assert all(row["reward_mean"] == 0 for row in metric_rows(run))
+    assert [(row["step"], row["reward_errors"]) for row in rows(run)] == [(1, 4), (2, 8)]
+    assert all(row["reward_mean"] == 0 for row in rows(run))
     log = (run / "reward_errors.log").read_text()
     assert "the reward worker process died" in log
 

@@ -8,7 +8,6 @@ Every case runs the real CLI in a subprocess (``python -m tether``) on the tiny 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,13 +16,14 @@ from pathlib import Path
 
 import pytest
 
-MARKER = ".tether.json"  # tether.owned.MARKER
+from helpers import (DIGITS, FAULTS, assert_clean_error, cli_args, copy_run, rows, run_module, subprocess_env,
+                     tiny_config)
 from tether.testing import make_tiny_model_dir
-
-from test_errors import assert_clean_error, run_module
-from test_faults_run import base_run, cli_args, copy_run, env, rows, work  # noqa: F401 (fixtures)
+from tether.train import train
 
 pytestmark = pytest.mark.faults
+
+MARKER = ".tether.json"  # tether.owned.MARKER
 
 SLOW_REWARD = '''
 import time
@@ -32,6 +32,18 @@ def slow_digits(completion, example):
     time.sleep(0.05)
     return float(any(c.isdigit() for c in completion))
 '''
+
+
+@pytest.fixture(scope="module")
+def work(make_workdir):
+    return make_workdir("faults_overwrite", DIGITS)
+
+
+@pytest.fixture(scope="module")
+def base_run(work, tiny_model_dir, tmp_path_factory):
+    """2 steps of the fault tests' tiny run (helpers.FAULTS), checkpoints step-1 and step-2."""
+    return train(tiny_config(work, tiny_model_dir, "ema_pg", 2, **FAULTS), tmp_path_factory.mktemp("base") / "run",
+                 log=lambda *a: None)
 
 
 def tree(d: Path) -> dict:
@@ -46,7 +58,7 @@ def export(*args):
 # ---------------------------------------------------------------- --overwrite: only what tether wrote
 
 
-def test_export_overwrite_refuses_a_directory_tether_did_not_write(base_run, tmp_path):  # noqa: F811
+def test_export_overwrite_refuses_a_directory_tether_did_not_write(base_run, tmp_path):
     """Item 1: ``tether export RUN OUT --overwrite`` deleted any non-empty OUT (thesis.tex and sub/ gone)."""
     mine = tmp_path / "u"
     (mine / "sub").mkdir(parents=True)
@@ -67,28 +79,28 @@ def test_export_overwrite_refuses_a_directory_tether_did_not_write(base_run, tmp
     assert (out / "notes.md").read_text() == "mine" and (out / "config.json").is_file()
 
 
-def test_train_overwrite_refuses_a_directory_with_only_a_config_of_yours(work, tiny_model_dir, tmp_path):  # noqa: F811
+def test_train_overwrite_refuses_a_directory_with_only_a_config_of_yours(work, tiny_model_dir, tmp_path):
     """Item 2: a user's config.yaml was enough for --overwrite to empty the directory (src/ gone)."""
     p = tmp_path / "p"
     (p / "src").mkdir(parents=True)
     (p / "config.yaml").write_text("train:\n  steps: 1\n")
     (p / "src" / "model.py").write_text("x")
     before = tree(p)
-    r = run_module(*cli_args(work, tiny_model_dir, p, 1), "--config", p / "config.yaml", "--overwrite")
+    r = run_module(*cli_args(work, tiny_model_dir, p, 1, **FAULTS), "--config", p / "config.yaml", "--overwrite")
     assert_clean_error(r.returncode, r.stderr, str(p), "not written by tether")
     assert tree(p) == before
 
 
-def test_train_overwrite_refuses_a_run_you_added_files_to(work, tiny_model_dir, base_run, tmp_path):  # noqa: F811
+def test_train_overwrite_refuses_a_run_you_added_files_to(work, tiny_model_dir, base_run, tmp_path):
     run = copy_run(base_run, tmp_path / "run")
     (run / "notes.txt").write_text("mine")
     before = tree(run)
-    r = run_module(*cli_args(work, tiny_model_dir, run, 1), "--overwrite")
+    r = run_module(*cli_args(work, tiny_model_dir, run, 1, **FAULTS), "--overwrite")
     assert_clean_error(r.returncode, r.stderr, "notes.txt", "did not write")
     assert tree(run) == before
 
 
-def test_failed_overwrite_keeps_the_old_run(work, tiny_model_dir, base_run, tmp_path):  # noqa: F811
+def test_failed_overwrite_keeps_the_old_run(work, tiny_model_dir, base_run, tmp_path):
     """Item 3: --overwrite deleted the old run before the new model loaded; a model that failed to load
     left an empty directory. Now the old run is set aside and put back."""
     run = copy_run(base_run, tmp_path / "run")
@@ -97,12 +109,12 @@ def test_failed_overwrite_keeps_the_old_run(work, tiny_model_dir, base_run, tmp_
     w = broken / "model.safetensors"
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])  # truncated
     before = tree(run)
-    r = run_module(*cli_args(work, broken, run, 1), "--overwrite")
+    r = run_module(*cli_args(work, broken, run, 1, **FAULTS), "--overwrite")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert tree(run) == before
     assert not [p for p in run.iterdir() if p.name.startswith(".tether-replaced-") or p.name == ".lock"]
     # and a good --overwrite replaces it
-    r = run_module(*cli_args(work, tiny_model_dir, run, 1), "--overwrite")
+    r = run_module(*cli_args(work, tiny_model_dir, run, 1, **FAULTS), "--overwrite")
     assert r.returncode == 0, r.stderr
     assert [x["step"] for x in rows(run)] == [1] and "deleted the previous run" in r.stdout + r.stderr
     assert sorted(p.name for p in run.iterdir()) == [MARKER, "checkpoints", "config.yaml", "metrics.jsonl",
@@ -112,7 +124,7 @@ def test_failed_overwrite_keeps_the_old_run(work, tiny_model_dir, base_run, tmp_
 # ---------------------------------------------------------------- explicit checkpoints are verified
 
 
-def test_an_explicit_damaged_checkpoint_is_refused_by_eval_and_export(work, base_run, tmp_path):  # noqa: F811
+def test_an_explicit_damaged_checkpoint_is_refused_by_eval_and_export(work, base_run, tmp_path):
     """Item 4: eval --model RUN/checkpoints/step-N and export --step N loaded a flipped byte silently."""
     run = copy_run(base_run, tmp_path / "run")
     ckpt = run / "checkpoints" / "step-000001"
@@ -133,13 +145,13 @@ def test_an_explicit_damaged_checkpoint_is_refused_by_eval_and_export(work, base
 # ---------------------------------------------------------------- eval --out
 
 
-def eval_args(work, model, out, *extra, bench=None):  # noqa: F811
+def eval_args(work, model, out, *extra, bench=None):
     return ["eval", "--model", model, "--benchmarks", bench or (work / "prompts.jsonl"), "--prompt-key", "question",
             "--answer-key", "answer", "--reward", f"{work / 'rew.py'}:digits", "--greedy", "--max-new-tokens", "4",
             "--no-progress", "--out", out, *extra]
 
 
-def test_eval_out_never_writes_into_a_run_or_a_directory_of_yours(work, base_run, tmp_path):  # noqa: F811
+def test_eval_out_never_writes_into_a_run_or_a_directory_of_yours(work, base_run, tmp_path):
     """Item 5: eval --out into a live run's directory overwrote its samples.jsonl (a benchmark named
     samples); --out was checked neither for emptiness nor for a lock."""
     run = copy_run(base_run, tmp_path / "run")
@@ -168,7 +180,7 @@ def test_eval_out_never_writes_into_a_run_or_a_directory_of_yours(work, base_run
     assert json.loads((ev / "results.json").read_text())["benchmarks"]["prompts"]["metrics"]["n_problems"] == 40
 
 
-def test_eval_out_paths_are_checked_before_the_model_loads(work, tmp_path):  # noqa: F811
+def test_eval_out_paths_are_checked_before_the_model_loads(work, tmp_path):
     """Item 11: eval --out onto an existing file or an unwritable place gave a traceback after the model
     loaded. The model named here does not exist: a check after the load would report the model instead."""
     missing_model = tmp_path / "no_model.gguf"
@@ -182,7 +194,7 @@ def test_eval_out_paths_are_checked_before_the_model_loads(work, tmp_path):  # n
     assert a_file.read_text() == "x"
 
 
-def test_sigterm_keeps_the_finished_problems_of_an_evaluation(work, base_run, tmp_path):  # noqa: F811
+def test_sigterm_keeps_the_finished_problems_of_an_evaluation(work, base_run, tmp_path):
     """Item 6: SIGTERM killed `tether eval` at once, saved nothing and left an empty --out. Now the batch
     in progress finishes, the finished problems are written (results.json marked incomplete), exit 143."""
     (tmp_path / "slow.py").write_text(SLOW_REWARD)
@@ -192,11 +204,12 @@ def test_sigterm_keeps_the_finished_problems_of_an_evaluation(work, base_run, tm
     args = eval_args(work, base_run, out, "--batch-size", "4", bench=bench)
     args[args.index("--reward") + 1] = f"{tmp_path / 'slow.py'}:slow_digits"
     p = subprocess.Popen([sys.executable, "-m", "tether", *map(str, args)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env())
+                         stderr=subprocess.PIPE, text=True, env=subprocess_env())
     try:
         deadline = time.time() + 240
         part = out / "many.jsonl"
-        while time.time() < deadline and p.poll() is None and not (part.is_file() and part.read_text().count("\n") >= 8):
+        while (time.time() < deadline and p.poll() is None
+               and not (part.is_file() and part.read_text().count("\n") >= 8)):
             time.sleep(0.1)
         assert p.poll() is None, p.communicate()
         p.send_signal(signal.SIGTERM)
@@ -217,7 +230,7 @@ def test_sigterm_keeps_the_finished_problems_of_an_evaluation(work, base_run, tm
 # ---------------------------------------------------------------- export paths, before the model loads
 
 
-def test_export_output_paths_are_clean_errors(base_run, tmp_path):  # noqa: F811
+def test_export_output_paths_are_clean_errors(base_run, tmp_path):
     """Item 11: export under a read-only parent or to a symlinked target gave a traceback."""
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
@@ -234,14 +247,14 @@ def test_export_output_paths_are_clean_errors(base_run, tmp_path):  # noqa: F811
     assert link.is_symlink() and list(real.iterdir()) == []
 
 
-def test_export_onto_a_full_disk_is_a_clean_error(base_run, tmp_path):  # noqa: F811
+def test_export_onto_a_full_disk_is_a_clean_error(base_run, tmp_path):
     """Item 11: a real write failure (RLIMIT_FSIZE, what safetensors reports as SafetensorError) gave a
     traceback; now one line, and no half-written export or temp directory is left."""
     out = tmp_path / "exp"
     code = ("import resource, sys; from tether.cli import main; "
             "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)); sys.exit(main(sys.argv[1:]))")
     r = subprocess.run([sys.executable, "-c", code, "export", str(base_run), str(out)], capture_output=True,
-                       text=True, env=env(), timeout=300)
+                       text=True, env=subprocess_env(), timeout=300)
     assert_clean_error(r.returncode, r.stderr, "cannot write the export", str(out))
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
@@ -249,7 +262,7 @@ def test_export_onto_a_full_disk_is_a_clean_error(base_run, tmp_path):  # noqa: 
 # ---------------------------------------------------------------- resume and the first checkpoint
 
 
-def test_resume_refuses_a_recipe_override(work, tiny_model_dir, base_run, tmp_path):  # noqa: F811
+def test_resume_refuses_a_recipe_override(work, tiny_model_dir, base_run, tmp_path):
     """Item 7: `--resume RUN recipe=grpo` exited 0 and silently kept the old recipe."""
     run = copy_run(base_run, tmp_path / "run")
     before = tree(run)
@@ -260,16 +273,16 @@ def test_resume_refuses_a_recipe_override(work, tiny_model_dir, base_run, tmp_pa
     assert tree(run) == before and not (tmp_path / "elsewhere").exists()
 
 
-def test_disk_full_at_the_first_checkpoint_advises_what_works(work, tiny_model_dir, tmp_path):  # noqa: F811
+def test_disk_full_at_the_first_checkpoint_advises_what_works(work, tiny_model_dir, tmp_path):
     """Item 14: a disk that filled at the first checkpoint advised --resume, which then refused (no
     checkpoint). The advice is now to start again with --overwrite, and that command works."""
     run = tmp_path / "run"
     code = ("import resource, sys; from tether.cli import main; "
             "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)); sys.exit(main(sys.argv[1:]))")
-    r = subprocess.run([sys.executable, "-c", code, *cli_args(work, tiny_model_dir, run, 2)], capture_output=True,
-                       text=True, env=env(), timeout=300)
+    r = subprocess.run([sys.executable, "-c", code, *cli_args(work, tiny_model_dir, run, 2, **FAULTS)],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=300)
     err = assert_clean_error(r.returncode, r.stderr, "File too large", "--overwrite", str(run))
     assert "--resume" not in err
-    r = run_module(*cli_args(work, tiny_model_dir, run, 2), "--overwrite")
+    r = run_module(*cli_args(work, tiny_model_dir, run, 2, **FAULTS), "--overwrite")
     assert r.returncode == 0, r.stderr
     assert [x["step"] for x in rows(run)] == [1, 2]

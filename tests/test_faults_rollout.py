@@ -7,16 +7,11 @@ Each test is bounded (a reward hang is cut by ``data.reward_timeout`` of a secon
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-import tether
-from tether.config import load_config
+from helpers import rows, run_module, tiny_config
 from tether.errors import GenerationError
 from tether.models import ModelConfig, load_model
 from tether.rollout import HFEngine, SamplingParams
@@ -58,36 +53,14 @@ def dies(completion, example):
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("faults")
-    (d / "rew.py").write_text(REWARDS)
-    with open(d / "prompts.jsonl", "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)}) + "\n")
-    return d
+def workdir(make_workdir):
+    return make_workdir("faults", REWARDS, n_rows=8)
 
 
 def cfg_for(workdir, tiny_model_dir, steps=1, **over):
-    base = {"model.name": str(tiny_model_dir), "data.task": str(workdir / "prompts.jsonl"), "data.shuffle": False,
-            "data.reward": f"{workdir / 'rew.py'}:hang_once", "data.format_weight": 0.0, "train.steps": steps,
-            "train.lr": 1e-3,
-            "rollout.max_new_tokens": 4, "rollout.prompts_per_step": 4, "rollout.n": 2,
-            "run.progress": False, "run.plot": False, "run.exact_kl_samples": 0, "run.save_every": 0}
-    base.update(over)
-    return load_config(None, base, recipe_name="grpo")
-
-
-def rows(run_dir):
-    return [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def run_module(*args, cwd=None):
-    """``python -m tether ARGS`` in a fresh interpreter that imports this checkout's tether."""
-    env = dict(os.environ)
-    src = str(Path(tether.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return subprocess.run([sys.executable, "-m", "tether", *args], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=cwd)
+    return tiny_config(workdir, tiny_model_dir, "grpo", steps, reward="hang_once",
+                       **{"data.shuffle": False, "data.format_weight": 0.0, "train.lr": 1e-3,
+                          "rollout.max_new_tokens": 4, "rollout.n": 2, **over})
 
 
 # ---------------------------------------------------------------- rewards

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import tether
+from helpers import DIGITS, FAULTS, cli_args, copy_run, rows, strip, subprocess_env, tiny_config
 from tether.algo.recipes import ConfigError
 from tether.checkpoint import latest_checkpoint
 from tether.cli import main
@@ -28,13 +28,8 @@ from tether.train import resume, train
 
 pytestmark = pytest.mark.faults
 
-SRC = str(Path(tether.__file__).resolve().parents[1])
-TIMING = ("time", "tokens_per_s", "peak_")
-REWARD = '''
+REWARD = DIGITS + '''
 import os, time
-
-def digits(completion, example):
-    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
 
 CALLS = {"n": 0}
 
@@ -50,44 +45,18 @@ def hold_after_first_step(completion, example):
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("faults_run")
-    (d / "rew.py").write_text(REWARD)
-    with open(d / "prompts.jsonl", "w") as f:
-        for i in range(40):
-            f.write(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)}) + "\n")
-    return d
-
-
-def settings(work, model_dir, steps, **over) -> dict:
-    base = {
-        "model.name": str(model_dir), "data.task": str(work / "prompts.jsonl"),
-        "data.reward": f"{work / 'rew.py'}:digits", "train.steps": steps, "train.lr": 1e-2,
-        "rollout.max_new_tokens": 6, "rollout.prompts_per_step": 2, "rollout.n": 2, "algo.anchor.every": 1,
-        "run.progress": False, "run.plot": False, "run.exact_kl_samples": 0, "run.save_every": 1,
-    }
-    base.update(over)
-    return base
+def work(make_workdir):
+    return make_workdir("faults_run", REWARD)
 
 
 def cfg_for(work, model_dir, steps, **over):
-    return load_config(None, settings(work, model_dir, steps, **over), recipe_name="ema_pg")
+    """The fault tests' tiny run (helpers.FAULTS) under ema_pg."""
+    return tiny_config(work, model_dir, "ema_pg", steps, **{**FAULTS, **over})
 
 
-def cli_args(work, model_dir, out, steps, **over) -> list[str]:
+def fault_args(work, model_dir, out, steps, **over) -> list[str]:
     """``tether train`` arguments for the same run as ``cfg_for``."""
-    vals = settings(work, model_dir, steps, **over)
-    vals.pop("train.steps")
-    return ["train", "--recipe", "ema_pg", "--output-dir", str(out), "--steps", str(steps),
-            *[f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in vals.items()]]
-
-
-def rows(run):
-    return [json.loads(ln) for ln in (Path(run) / "metrics.jsonl").read_text().splitlines()]
-
-
-def strip(m):
-    return {k: v for k, v in m.items() if not any(s in k for s in TIMING)}
+    return cli_args(work, model_dir, out, steps, **{**FAULTS, **over})
 
 
 def quiet(*a, **k):
@@ -123,17 +92,6 @@ def base_run(work, tiny_model_dir, tmp_path_factory):
     return train(cfg_for(work, tiny_model_dir, 2), tmp_path_factory.mktemp("base") / "run", log=quiet)
 
 
-def copy_run(src, dst):
-    shutil.copytree(src, dst)
-    return dst
-
-
-def env():
-    e = dict(os.environ)
-    e["PYTHONPATH"] = SRC + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
-    return e
-
-
 # ---------------------------------------------------------------- 1. metrics.jsonl / samples.jsonl
 
 
@@ -165,7 +123,8 @@ def test_trimming_on_resume_is_atomic(tmp_path):
     before = path.read_bytes()
     code = ("import resource, sys; from pathlib import Path; from tether.metrics import JsonlWriter; "
             "resource.setrlimit(resource.RLIMIT_FSIZE, (300, 300)); JsonlWriter(Path(sys.argv[1]), 5)")
-    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env(), timeout=120)
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=subprocess_env(),
+                       timeout=120)
     assert r.returncode != 0, r.stdout + r.stderr  # the limit stopped the rewrite
     assert path.read_bytes() == before  # ... and the file still holds all 6 rows (before: 1 row and a torn one)
     w = JsonlWriter(path, truncate_after_step=5)  # the next resume trims it
@@ -222,7 +181,7 @@ def test_fresh_run_refuses_a_non_empty_run_dir(work, tiny_model_dir, base_run, t
 
 def test_overwrite_replaces_the_old_run(work, tiny_model_dir, base_run, tmp_path, capsys):
     run = copy_run(base_run, tmp_path / "run")
-    assert main(cli_args(work, tiny_model_dir, run, 1) + ["--overwrite"]) == 0
+    assert main(fault_args(work, tiny_model_dir, run, 1) + ["--overwrite"]) == 0
     assert [r["step"] for r in rows(run)] == [1]
     assert sorted(p.name for p in run.iterdir()) == [".tether.json", "checkpoints", "config.yaml", "metrics.jsonl",
                                                      "samples.jsonl"]
@@ -233,7 +192,7 @@ def test_overwrite_replaces_the_old_run(work, tiny_model_dir, base_run, tmp_path
     other.mkdir()
     (other / "thesis.tex").write_text("keep me")
     capsys.readouterr()
-    assert main(cli_args(work, tiny_model_dir, other, 1) + ["--overwrite"]) == 2
+    assert main(fault_args(work, tiny_model_dir, other, 1) + ["--overwrite"]) == 2
     assert "not written by tether" in capsys.readouterr().err
     assert (other / "thesis.tex").read_text() == "keep me"
 
@@ -318,7 +277,8 @@ def test_stale_lock_of_a_killed_trainer_is_taken_over(tmp_path):
 
     code = ("import sys, time; from tether.rundir import RunLock; RunLock(sys.argv[1]).acquire(); "
             "print('locked', flush=True); time.sleep(120)")
-    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env())
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                         env=subprocess_env())
     try:
         assert p.stdout.readline().strip() == "locked"
         with pytest.raises(RunError, match=f"in use by another trainer \\(pid {p.pid} "):
@@ -373,7 +333,7 @@ def test_read_only_run_dir_is_a_clean_error(work, tiny_model_dir, tmp_path, monk
     no_model_load(monkeypatch)
     try:
         for out in (ro, ro / "run"):  # a read-only run directory, an unwritable parent
-            assert main(cli_args(work, tiny_model_dir, out, 1)) == 2
+            assert main(fault_args(work, tiny_model_dir, out, 1)) == 2
             assert str(out) in error_line(capsys.readouterr().err)
     finally:
         ro.chmod(0o700)
@@ -400,7 +360,7 @@ def test_unwritable_run_dir_is_a_clean_error_monkeypatched(work, tiny_model_dir,
     monkeypatch.setattr(Path, "mkdir", mkdir)
     no_model_load(monkeypatch)
     for out in (ro, ro / "run"):
-        assert main(cli_args(work, tiny_model_dir, out, 1)) == 2
+        assert main(fault_args(work, tiny_model_dir, out, 1)) == 2
         err = error_line(capsys.readouterr().err)
         assert err.startswith("tether: error: cannot use run directory") and str(out) in err
         assert "Permission denied" in err
@@ -568,7 +528,7 @@ def test_disk_full_stops_cleanly_and_resume_matches(where, work, tiny_model_dir,
     monkeypatch.setattr(ck, "save_file", save_file)
     monkeypatch.setattr(ck, "_write_text_atomic", write_text)
     monkeypatch.setattr(mt.JsonlWriter, "write", write)
-    assert main(cli_args(work, tiny_model_dir, run, 2)) == 2
+    assert main(fault_args(work, tiny_model_dir, run, 2)) == 2
     err = error_line(capsys.readouterr().err)
     assert err.startswith("tether: error: cannot write ") and str(run) in err and f"--resume {run}" in err
     assert "No space left on device" in err
@@ -589,8 +549,8 @@ def test_disk_full_for_real_in_a_subprocess(work, tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     code = ("import resource, sys; from tether.cli import main; "
             "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)); sys.exit(main(sys.argv[1:]))")
-    r = subprocess.run([sys.executable, "-c", code, *cli_args(work, tiny_model_dir, run, 2)], capture_output=True,
-                       text=True, env=env(), timeout=300)
+    r = subprocess.run([sys.executable, "-c", code, *fault_args(work, tiny_model_dir, run, 2)], capture_output=True,
+                       text=True, env=subprocess_env(), timeout=300)
     assert r.returncode == 2, r.stdout + r.stderr
     err = error_line(r.stderr)
     assert "File too large" in err and "policy.safetensors" in err and f"--output-dir {run} --overwrite" in err, err
@@ -605,8 +565,8 @@ def test_two_concurrent_trainers(work, tiny_model_dir, tmp_path):
     exits 2 at once naming the holder's pid; a --resume meanwhile is refused too; the survivor's run
     is intact. The reward holds the winner at step 2 until the test lets it go."""
     run, flag = tmp_path / "run", tmp_path / "go"
-    args = cli_args(work, tiny_model_dir, run, 3, **{"data.reward": f"{work / 'rew.py'}:hold_after_first_step"})
-    e = {**env(), "TETHER_TEST_FLAG": str(flag)}
+    args = fault_args(work, tiny_model_dir, run, 3, **{"data.reward": f"{work / 'rew.py'}:hold_after_first_step"})
+    e = {**subprocess_env(), "TETHER_TEST_FLAG": str(flag)}
     procs = [subprocess.Popen([sys.executable, "-m", "tether", *args], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=e) for _ in range(2)]
     try:

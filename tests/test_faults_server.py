@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
 import struct
 import subprocess
@@ -21,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-import tether
-
+from helpers import assert_clean_error, run_module, subprocess_env
 from search_helpers import synthetic_corpus
 
 pytestmark = pytest.mark.faults
@@ -32,39 +30,16 @@ REQUEST_TIMEOUT_S = 60  # per request; a hang guard, not a speed bar
 N_DOCS = 40
 
 
-def run_module(*args, cwd=None, env=None):
-    """``python -m tether ARGS`` in a fresh interpreter importing this checkout (as tests/test_errors.py)."""
-    full = dict(os.environ, **(env or {}))
-    src = str(Path(tether.__file__).resolve().parents[1])
-    full["PYTHONPATH"] = src + (os.pathsep + full["PYTHONPATH"] if full.get("PYTHONPATH") else "")
-    return subprocess.run([sys.executable, "-m", "tether", *map(str, args)], capture_output=True, text=True,
-                          env=full, cwd=cwd, timeout=300)
-
-
-def assert_clean_error(rc: int, stderr: str, *needles: str) -> str:
-    """Exit code 2, exactly one ``tether: error:`` line, no traceback; every needle in it (as tests/test_errors.py)."""
-    assert rc == 2, (rc, stderr)
-    assert "Traceback" not in stderr, stderr
-    lines = [ln for ln in stderr.splitlines() if ln.startswith("tether: error:")]
-    assert len(lines) == 1, stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
-
-
 class Served:
     """A `python -m tether retrieve serve` subprocess; stdout and stderr go to files (no pipe can fill)."""
 
     def __init__(self, d: Path):
         self.corpus = synthetic_corpus(d / "corpus.jsonl", n=N_DOCS)
         self.out, self.err = d / "stdout.txt", d / "stderr.txt"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        src = str(Path(tether.__file__).resolve().parents[1])
-        env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         cmd = [sys.executable, "-m", "tether", "retrieve", "serve", "--corpus", str(self.corpus), "--port", "0",
                "--host", "127.0.0.1", "--cache-dir", str(d / "cache")]
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=subprocess_env(PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             text = self.out.read_text(errors="replace")
@@ -205,13 +180,13 @@ def _serve_args(corpus: Path, *extra) -> list:
 @pytest.mark.parametrize("port", ["-1", "65536", "99999"])
 def test_port_out_of_range_is_a_clean_error(corpus, port):
     r = run_module(*_serve_args(corpus, "--port", port))
-    assert_clean_error(r.returncode, r.stderr, "--port", port, "0-65535")
+    assert_clean_error(r.returncode, r.stderr, "--port", port, "0-65535", line_only=True)
     assert not (corpus.parent / "cache").exists()  # checked before the index is built
 
 
 def test_unresolvable_host_is_a_clean_error(corpus):
     r = run_module(*_serve_args(corpus, "--host", "no.such.host.invalid", "--port", "0"))
-    assert_clean_error(r.returncode, r.stderr, "no.such.host.invalid")
+    assert_clean_error(r.returncode, r.stderr, "no.such.host.invalid", line_only=True)
     assert not (corpus.parent / "cache").exists()
 
 
@@ -221,5 +196,5 @@ def test_busy_port_is_a_clean_error(corpus):
         busy.listen(1)
         port = busy.getsockname()[1]
         r = run_module(*_serve_args(corpus, "--port", port))
-    assert_clean_error(r.returncode, r.stderr, f"127.0.0.1:{port}", "already in use")
+    assert_clean_error(r.returncode, r.stderr, f"127.0.0.1:{port}", "already in use", line_only=True)
     assert not (corpus.parent / "cache").exists()
