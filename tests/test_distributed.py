@@ -8,7 +8,6 @@ index, so rank r trains on exactly the rows a single process holds for its group
 parameters of both runs can be compared.
 """
 
-import json
 import os
 import shutil
 import signal
@@ -21,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import DIGITS, cli_args, rows
 from tether import distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,12 +29,6 @@ TIMEOUT = 480  # seconds per launch; a run takes 10-30 s on 2 idle CPU cores, mi
 TOL = 1e-5  # most weights of the single-process and the distributed run agree to this
 MAX_TOL = 1e-3  # and every weight to this (see _assert_close)
 FEW = 1e-3  # the fraction of elements allowed between TOL and MAX_TOL
-
-REWARD = '''
-def digits(completion, example):
-    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
-'''
-
 
 def _env() -> dict:
     env = dict(os.environ)
@@ -89,32 +83,27 @@ def _run(cmd, cwd) -> str:
     return _wait([_start(cmd, cwd)])[0]
 
 
+#: the distributed runs' settings over the tiny run's (helpers.TINY)
+DIST = {
+    "rollout.engine": "scripted",
+    # 2 mini-batches of 8 rows drawn from the global permutation: ranks hold different numbers
+    # of each one's rows, hence different numbers of micro-batches of 3
+    "train.mini_batches": 2, "train.micro_batch_size": 3,
+    # the single process forwards like the ranks do (see test_matches_single_process)
+    "train.share_prompt": False,
+    "algo.anchor.every": 1,  # the EMA anchor moves every step
+    "algo.advantage": "reinforce_pp",  # batch-level normalization: needs the whole batch's rewards
+    "run.save_every": 1,
+}
+
+
 def _train_args(work: Path, tiny_model_dir, out: str, steps: int = 2, **over) -> list[str]:
-    opts = {
-        "data.reward": f"{work / 'rew.py'}:digits", "train.steps": steps, "train.lr": 1e-2,
-        "rollout.engine": "scripted", "rollout.max_new_tokens": 8, "rollout.prompts_per_step": 4, "rollout.n": 4,
-        # 2 mini-batches of 8 rows drawn from the global permutation: ranks hold different numbers
-        # of each one's rows, hence different numbers of micro-batches of 3
-        "train.mini_batches": 2, "train.micro_batch_size": 3,
-        # the single process forwards like the ranks do (see test_matches_single_process)
-        "train.share_prompt": "false",
-        "algo.anchor.every": 1,  # the EMA anchor moves every step
-        "algo.advantage": "reinforce_pp",  # batch-level normalization: needs the whole batch's rewards
-        "run.progress": "false", "run.plot": "false", "run.exact_kl_samples": 0, "run.save_every": 1,
-    }
-    opts.update(over)
-    return ["train", "--recipe", "ema_pg", "--model", str(tiny_model_dir), "--data", str(work / "prompts.jsonl"),
-            "--output-dir", out, *[f"{k}={v}" for k, v in opts.items()]]
+    return cli_args(work, tiny_model_dir, out, steps, **{**DIST, **over})
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory):
-    d = tmp_path_factory.mktemp("dist")
-    (d / "rew.py").write_text(REWARD)
-    with open(d / "prompts.jsonl", "w") as f:
-        for i in range(40):
-            f.write(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)}) + "\n")
-    return d
+def work(make_workdir):
+    return make_workdir("dist", DIGITS)
 
 
 @pytest.fixture(scope="module")
@@ -152,10 +141,6 @@ def _assert_close(a: Path, b: Path, step: int = 2, names=("policy", "anchor", "o
     return out
 
 
-def _rows(run: Path) -> list[dict]:
-    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_matches_single_process(runs):
     """2 steps on 2 ranks = 2 steps of one process on the same global batch: policy, EMA anchor, AdamW.
 
@@ -168,7 +153,7 @@ def test_matches_single_process(runs):
     diffs = _assert_close(one, two)
     print(f"max |single - distributed| after 2 steps: {diffs}")
     # the logged metrics are the whole batch's, logged once (rank 0 only)
-    r1, r2 = _rows(one), _rows(two)
+    r1, r2 = rows(one), rows(two)
     assert [r["step"] for r in r2] == [1, 2]
     for a, b in zip(r1, r2):
         for k in ("reward_mean", "reward_std", "accuracy", "response_len", "gen_tokens", "train_tokens",
@@ -191,7 +176,7 @@ def test_resume_same_world_size(runs, work):
     resumed = _truncate_to_step_1(two, work / "two_resumed")
     _run(_torchrun(2, "train", "--resume", str(resumed)), work)
     _assert_close(two, resumed, max_tol=TOL)
-    assert [r["step"] for r in _rows(resumed)] == [1, 2]
+    assert [r["step"] for r in rows(resumed)] == [1, 2]
 
 
 def test_resume_other_world_size_reshards(runs, work):
@@ -214,12 +199,12 @@ def test_two_node_rendezvous_with_lora(work, tiny_model_dir):
     """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1) complete a 1-step run; with LoRA
     and gradient checkpointing (frozen sharded base, adapters trained), it equals one process."""
     port = _port()
-    lora = {"model.lora_r": 4, "model.gradient_checkpointing": "true"}
+    lora = {"model.lora_r": 4, "model.gradient_checkpointing": True}
     args = _train_args(work, tiny_model_dir, "two_nodes", steps=1, **lora)
     procs = [_start(_torchrun(1, *args, nnodes=2, node_rank=i, port=port, rdzv=True), work) for i in (0, 1)]
     procs.append(_start([sys.executable, MAIN, *_train_args(work, tiny_model_dir, "lora_one", steps=1, **lora)], work))
     _wait(procs)
-    assert [r["step"] for r in _rows(work / "two_nodes")] == [1]
+    assert [r["step"] for r in rows(work / "two_nodes")] == [1]
     _assert_close(work / "lora_one", work / "two_nodes", step=1)
     assert all("lora_" in k for k in load_file(str(work / "two_nodes/checkpoints/step-000001/policy.safetensors")))
 
