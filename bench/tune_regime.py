@@ -4,7 +4,8 @@ Trains one run with ``tether train``'s settings plus the overrides given, and ev
 trainer steps (and before the first) evaluates the policy greedily on a *validation slice*: the
 first ``--val`` problems of the synthetic arithmetic **train** split drawn with seed 10000, a
 stream that no training seed (0, 1, 2, ...) reads in that order, over the same training
-calculations (so it measures fit to the training distribution). The held-out test split
+calculations (so it measures fit to the training distribution), with the trainer's own agent and
+engine (``rollout.engine``), as training samples. The held-out test split
 (``eval.benchmarks=arithmetic``, what ``bench/compare_recipes.py`` and the default run report)
 is never touched, so a setting chosen here is not fitted to the numbers reported.
 
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     settings = dict(n=1, greedy=True, temperature=0.0, max_new_tokens=a.eval_tokens, batch_size=100, seed=0)
 
     def validate() -> dict:
-        res = evaluate_during_training(trainer.model, trainer.tokenizer, {"val": val}, {"val": reward}, settings)
+        res = evaluate_during_training(trainer.agent, {"val": val}, {"val": reward}, settings)  # as training samples
         return {"val_" + k.split("/")[-1]: v for k, v in res.items()
                 if k.split("/")[-1] in ("avg@1", "mean_response_tokens", "truncation_rate")}
 

@@ -3,6 +3,7 @@ evaluating a run's policy and anchor, and input errors caught before any generat
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -18,6 +19,7 @@ from tether.cli import main
 from tether.config import load_config
 from tether.eval import (
     EvalError,
+    EvalSettings,
     default_ks,
     evaluate,
     evaluate_during_training,
@@ -66,6 +68,15 @@ def work(tmp_path_factory):
 def tiny(tiny_model_dir):
     model, tok, desc = load_eval_model(str(tiny_model_dir))
     return model, tok
+
+
+def agent_for(model, tok, batch_size: int = 64, name: str = "single_turn", **options):
+    """The agent `tether eval` builds: make_agent on a transformers engine of ``batch_size`` sequences."""
+    from tether.agents import make_agent
+    from tether.config import RolloutConfig
+    from tether.rollout import make_engine
+
+    return make_agent(name, make_engine(RolloutConfig(batch_size=batch_size), model, tok), tok, **options)
 
 
 def _train_run(work, tiny_model_dir, run_dir, recipe, steps, **over):
@@ -161,8 +172,9 @@ def test_evaluate_sampling_metrics_match_rows(work, tiny):
                        reward=f"{work / 'rew.py'}:parity")
     assert [e.answer for e in b.examples] == GOLD and b.name == "custom"
     rng = torch.get_rng_state()
-    res = evaluate(model, tok, b.examples, b.reward_fn, n=4, temperature=1.0, top_p=1.0, max_new_tokens=12,
-                   greedy=False, batch_size=8, seed=3, show_progress=False)
+    agent = agent_for(model, tok, 8)
+    sampled = EvalSettings(n=4, temperature=1.0, top_p=1.0, max_new_tokens=12, batch_size=8, seed=3)
+    res = evaluate(agent, b.examples, b.reward_fn, sampled, show_progress=False)
     assert torch.equal(rng, torch.get_rng_state())  # sampling runs in a forked RNG
     m, rows = res.metrics, res.per_problem
     assert [r["id"] for r in rows] == [e.id for e in b.examples]
@@ -188,25 +200,26 @@ def test_evaluate_sampling_metrics_match_rows(work, tiny):
     assert m["gen_tokens"] == sum(x for r in rows for x in r["lengths"])
     assert m == pytest.approx(summarize(rows, 4) | {k: m[k] for k in m if k not in summarize(rows, 4)})
     # same seed and batch size -> same responses; another seed -> (almost surely) different ones
-    again = evaluate(model, tok, b.examples, b.reward_fn, n=4, temperature=1.0, top_p=1.0, max_new_tokens=12,
-                     greedy=False, batch_size=8, seed=3, show_progress=False)
+    again = evaluate(agent_for(model, tok, 8), b.examples, b.reward_fn, sampled, show_progress=False)
     assert [r["responses"] for r in again.per_problem] == [r["responses"] for r in rows]
-    other = evaluate(model, tok, b.examples, b.reward_fn, n=4, temperature=1.0, top_p=1.0, max_new_tokens=12,
-                     greedy=False, batch_size=8, seed=4, show_progress=False)
+    other = evaluate(agent, b.examples, b.reward_fn, dataclasses.replace(sampled, seed=4), show_progress=False)
     assert [r["responses"] for r in other.per_problem] != [r["responses"] for r in rows]
 
 
 def test_greedy_settings_are_checked(work, tiny):
     model, tok = tiny
     ex = load_benchmark(str(work / "custom.json"), prompt_key="q", answer_key="gold").examples
+    agent = agent_for(model, tok, 4)
     with pytest.raises(EvalError, match="greedy"):
-        evaluate(model, tok, ex, "math", n=4, temperature=1.0, top_p=1.0, max_new_tokens=4, greedy=True,
-                 batch_size=4, show_progress=False)
+        evaluate(agent, ex, "math", EvalSettings(n=4, temperature=1.0, max_new_tokens=4, greedy=True, batch_size=4),
+                 show_progress=False)
     with pytest.raises(EvalError, match="1 <= k <= n"):
-        evaluate(model, tok, ex, "math", n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, greedy=False,
-                 batch_size=4, show_progress=False, ks=[4])
-    res = evaluate(model, tok, ex, "math", n=1, temperature=0.7, top_p=1.0, max_new_tokens=4, greedy=True,
-                   batch_size=4, show_progress=False)
+        evaluate(agent, ex, "math", EvalSettings(n=2, temperature=1.0, max_new_tokens=4, batch_size=4, ks=[4]),
+                 show_progress=False)
+    with pytest.raises(EvalError, match="unknown eval setting"):
+        evaluate(agent, ex, "math", {"max_tokens": 4}, show_progress=False)
+    res = evaluate(agent, ex, "math", EvalSettings(n=1, temperature=0.7, max_new_tokens=4, greedy=True, batch_size=4),
+                   show_progress=False)
     assert res.settings["temperature"] == 0.0 and res.settings["n"] == 1 and "avg@1" in res.metrics
 
 
@@ -237,8 +250,9 @@ def test_cli_custom_benchmark_greedy(work, tiny_model_dir, tmp_path, capsys):
 
 
 def test_eval_generates_through_make_engine_and_make_agent(work, tiny, tiny_model_dir, tmp_path, monkeypatch):
-    """`tether eval` and evaluate() build the engine with tether.rollout.make_engine and run every
-    episode through the agent tether.agents.make_agent names (the seam a search agent plugs into)."""
+    """`tether eval` builds the engine with tether.rollout.make_engine and the agent with
+    tether.agents.make_agent once per run (the seam a search agent plugs into), and evaluate() runs
+    every episode through the agent it is given."""
     import tether.agents
     import tether.rollout
     from tether.agents import SingleTurnAgent
@@ -261,8 +275,9 @@ def test_eval_generates_through_make_engine_and_make_agent(work, tiny, tiny_mode
             self.episodes += len(examples) * params.n
             return super().rollout(examples, params)
 
-        def metrics(self):
-            return {"episodes": self.episodes}
+        def metrics(self):  # since the last call, as the Agent protocol says
+            n, self.episodes = self.episodes, 0
+            return {"episodes": n}
 
     monkeypatch.setitem(tether.rollout.ENGINES, "hf", counting_hf)
     monkeypatch.setitem(tether.agents.AGENTS._items, "single_turn", CountingAgent)  # the default agent
@@ -277,32 +292,44 @@ def test_eval_generates_through_make_engine_and_make_agent(work, tiny, tiny_mode
     res = json.loads((out / "results.json").read_text())
     assert res["benchmarks"]["custom"]["metrics"]["agent/episodes"] == 2 * len(GOLD)
 
-    # a named agent with options, through the Python API
+    # two benchmarks: one engine and one agent for the run
+    calls["engines"].clear(), calls["rollouts"].clear(), calls["system_prompts"].clear()
+    shutil.copy(work / "custom.json", tmp_path / "again.json")
+    assert main(["eval", "--model", str(tiny_model_dir), "--benchmarks", str(work / "custom.json"),
+                 str(tmp_path / "again.json"), "--prompt-key", "q", "--answer-key", "gold", "--reward",
+                 f"{work / 'rew.py'}:judge", "--greedy", "--max-new-tokens", "4", "--batch-size", "4", "--limit", "2",
+                 "--out", str(tmp_path / "two"), "--no-progress"]) == 0
+    assert calls["engines"] == [4] and calls["system_prompts"] == [""] and len(calls["rollouts"]) == 2
+    res = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert [b["metrics"]["agent/episodes"] for b in res["benchmarks"].values()] == [2, 2]  # each its own
+
+    # an agent with options, built by the caller, through the Python API
     monkeypatch.setitem(tether.agents.AGENTS._items, "counting_test", CountingAgent)
     model, tok = tiny
     ex = load_benchmark(str(work / "custom.json"), prompt_key="q", answer_key="gold").examples
     calls["rollouts"].clear()
-    r = evaluate(model, tok, ex, f"{work / 'rew.py'}:judge", n=1, greedy=True, temperature=0.0, max_new_tokens=4,
-                 batch_size=8, show_progress=False, agent="counting_test", agent_options={"tag": "search"})
+    agent = agent_for(model, tok, 8, "counting_test", tag="search")
+    agent.episodes = 5  # counters from before the evaluation are not its own: evaluate() drops them first
+    r = evaluate(agent, ex, f"{work / 'rew.py'}:judge", EvalSettings(max_new_tokens=4, batch_size=8),
+                 show_progress=False)
     assert calls["rollouts"] == [("search", len(GOLD), 1)] and calls["engines"][-1] == 8
-    assert r.settings["agent"] == "counting_test" and r.metrics["agent/episodes"] == len(GOLD)
-    with pytest.raises(ValueError, match="unknown agent 'nope'"):
-        evaluate(model, tok, ex, "math", n=1, greedy=True, temperature=0.0, max_new_tokens=4, show_progress=False,
-                 agent="nope")
+    assert r.settings["agent"] == "CountingAgent" and r.settings["engine"] == "HFEngine"
+    assert r.metrics["agent/episodes"] == len(GOLD)
 
 
 def test_evaluate_during_training(work, tiny):
     model, tok = tiny
     model.train()
     ex = load_benchmark(str(work / "custom.json"), prompt_key="q", answer_key="gold").examples
-    out = evaluate_during_training(model, tok, {"custom": ex}, {"custom": f"{work / 'rew.py'}:judge"},
+    agent = agent_for(model, tok, 4)
+    out = evaluate_during_training(agent, {"custom": ex}, {"custom": f"{work / 'rew.py'}:judge"},
                                    {"max_new_tokens": 4, "batch_size": 4})
     assert out["eval/custom/avg@1"] == pytest.approx(0.5) and out["eval/custom/n_problems"] == 6
     assert all(k.startswith("eval/custom/") and isinstance(v, float) for k, v in out.items())
     assert model.training  # mode restored
     model.eval()
     with pytest.raises(EvalError, match="unknown eval setting"):
-        evaluate_during_training(model, tok, {"custom": ex}, "math", {"max_tokens": 4})
+        evaluate_during_training(agent, {"custom": ex}, "math", {"max_tokens": 4})
 
 
 # ------------------------------------------------------------------ runs, checkpoints, anchors
@@ -330,8 +357,8 @@ def test_eval_run_anchor_and_policy(ema_run, work):
     assert all(torch.equal(p, named[k]) for k, p in cm.named_parameters())
     # and the anchor can be evaluated
     ex = load_benchmark(str(work / "custom.json"), prompt_key="q", answer_key="gold").examples[:2]
-    res = evaluate(am, tok, ex, f"{work / 'rew.py'}:judge", n=2, temperature=1.0, top_p=1.0, max_new_tokens=4,
-                   greedy=False, batch_size=4, show_progress=False)
+    res = evaluate(agent_for(am, tok, 4), ex, f"{work / 'rew.py'}:judge",
+                   EvalSettings(n=2, temperature=1.0, max_new_tokens=4, batch_size=4), show_progress=False)
     assert res.metrics["n_problems"] == 2 and res.metrics["avg@2"] == pytest.approx(0.5)
 
 
@@ -416,3 +443,38 @@ def test_named_gsm8k_plumbing(tiny_model_dir, tmp_path):
     rows = [json.loads(x) for x in (out / "gsm8k.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == ["gsm8k_test:0", "gsm8k_test:1", "gsm8k_test:2"]
     assert all(len(r["responses"]) == 2 for r in rows)
+
+
+def test_held_out_evaluation_runs_through_the_trainers_agent_and_engine(tiny_model_dir, tmp_path, monkeypatch):
+    """The trainer's held-out evaluation (tether.report.HeldOut) samples with the trainer's own agent
+    and engine (so rollout.engine=vllm evaluates with vLLM); with eval.anchor the engine is given the
+    anchor's weights for the anchor's evaluation and the policy's back after it (a no-op for
+    transformers, a reload for vLLM's copy)."""
+    from tether.train import Trainer
+
+    cfg = load_config(None, {
+        "model.name": str(tiny_model_dir), "data.task": "arithmetic", "train.steps": 1, "train.lr": 1e-2,
+        "rollout.max_new_tokens": 4, "rollout.prompts_per_step": 2, "rollout.n": 2, "run.progress": False,
+        "run.plot": False, "run.exact_kl_samples": 0, "run.save_every": 0, "eval.limit": 3, "eval.max_new_tokens": 4,
+        "eval.anchor": True, "algo.anchor.every": 1}, recipe_name="ema_pg")
+    trainer = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    rollouts, synced = [], []
+    real_rollout = trainer.agent.rollout
+
+    def rollout(examples, params):
+        rollouts.append(("eval" if params.greedy else "train", len(examples)))
+        return real_rollout(examples, params)
+
+    def weights(model) -> float:
+        return sum(float(p.detach().double().sum()) for p in model.parameters())
+
+    monkeypatch.setattr(trainer.agent, "rollout", rollout)
+    monkeypatch.setattr(trainer.engine, "sync_weights", lambda model: synced.append(weights(model)))
+    trainer.run()
+    # before training: policy, anchor (3 problems each); step 1: training; after it: policy, anchor
+    assert rollouts == [("eval", 3)] * 2 + [("train", 2)] + [("eval", 3)] * 2
+    policy = weights(trainer.model)
+    # syncs: anchor and policy back (before), the step's, anchor and policy back (after)
+    assert len(synced) == 5 and synced[2:5:2] == [policy, policy] and synced[3] != policy
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["eval/arithmetic/n_problems"] == rows[-1]["eval_anchor/arithmetic/n_problems"] == 3

@@ -18,12 +18,22 @@ def test_tune_regime_validates_on_the_train_split(tune, tiny_model_dir, tmp_path
     from tether.eval import runner
     from tether.tasks.arithmetic import ArithmeticTask
 
-    seen = []
+    import tether.train
+
+    seen, trainers = [], []
     real = runner.evaluate_during_training
 
-    def spy(model, tok, examples, rewards, settings):
+    class Recorded(tether.train.Trainer):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            trainers.append(self)
+
+    monkeypatch.setattr(tether.train, "Trainer", Recorded)
+
+    def spy(agent, examples, rewards, settings):
+        assert agent is trainers[0].agent  # the trainer's own agent (and engine): validated as training samples
         seen.extend(e for ex in examples.values() for e in ex)
-        return real(model, tok, examples, rewards, settings)
+        return real(agent, examples, rewards, settings)
 
     monkeypatch.setattr(runner, "evaluate_during_training", spy)
     out = tmp_path / "run"

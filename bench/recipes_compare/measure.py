@@ -40,11 +40,17 @@ def eval_set(a, task: str):
 
 
 def run_eval(model, tok, examples, reward_fn, a, task: str) -> dict:
-    """Greedy avg@1 and friends on the held-out set (the library's evaluate())."""
-    from tether.eval import evaluate
-    res = evaluate(model, tok, examples, reward_fn, n=1, greedy=True, temperature=0.0,
-                   max_new_tokens=a.eval_max_new_tokens[task], batch_size=a.eval_batch_size, seed=0,
-                   show_progress=a.progress, desc=f"eval {task}")
+    """Greedy avg@1 and friends on the held-out set (the library's evaluate(), with the single-turn
+    agent on a transformers engine of ``--eval-batch-size`` sequences, no system prompt)."""
+    from tether.agents import make_agent
+    from tether.config import RolloutConfig
+    from tether.eval import EvalSettings, evaluate
+    from tether.rollout import make_engine
+    engine = make_engine(RolloutConfig(batch_size=a.eval_batch_size), model, tok, show_progress=False)
+    settings = EvalSettings(n=1, greedy=True, temperature=0.0, max_new_tokens=a.eval_max_new_tokens[task],
+                            batch_size=a.eval_batch_size, seed=0)
+    res = evaluate(make_agent("single_turn", engine, tok), examples, reward_fn, settings, show_progress=a.progress,
+                   desc=f"eval {task}")
     keep = ("avg@1", "mean_response_tokens", "truncation_rate", "no_answer_rate", "n_problems", "gen_tokens",
             "wall_time_s", "reward_errors")
     out = {k: float(res.metrics[k]) for k in keep if k in res.metrics}

@@ -4,7 +4,8 @@ samples.jsonl.
 
 * `rollout_metrics(...)` -- reward, accuracy, lengths, throughput of a step's rollouts (all ranks').
 * `HeldOut` -- the held-out evaluation of ``eval.*``: its sets, when it is due, the policy's (and
-  the anchor's) scores, and the lines printed before and after training.
+  the anchor's) scores with the trainer's own agent and engine, and the lines printed before and
+  after training.
 * `accuracy_line(row)` -- ``arithmetic 22.0 % (100 problems)`` for a metrics row's held-out evals.
 * `before_after(run_dir, eval_cfg, names)` -- the before -> after line printed at the end of a run,
   read back from metrics.jsonl (so a resumed run finds its step-0 evaluation too).
@@ -78,31 +79,38 @@ class HeldOut:
         e, last = self.cfg.eval, step == self.cfg.train.steps
         return bool(((e.every and step % e.every == 0) or (last and (e.after or e.every))) and self.sets)
 
-    def evaluate(self, model, tokenizer, anchor) -> dict:
+    def evaluate(self, model, agent, engine, anchor) -> dict:
         """eval/<bench>/<metric> for the policy (and eval_anchor/... for the anchor with ``eval.anchor``),
-        and time_eval_s."""
+        and time_eval_s. ``agent`` and ``engine`` are the trainer's own (``rollout.agent``,
+        ``rollout.engine``): held-out problems are encoded, run and sampled as training's are. For the
+        anchor the engine gets the anchor's weights for the evaluation, and the policy's back after it
+        (``sync_weights``: nothing to do for transformers, a reload for vLLM's copy)."""
         from .eval.runner import evaluate_during_training
         t0 = time.perf_counter()
         e = self.cfg.eval
         settings = dict(n=e.n, greedy=e.greedy, temperature=0.0 if e.greedy else e.temperature,
-                        max_new_tokens=e.max_new_tokens, system_prompt=self.cfg.data.system_prompt,
-                        batch_size=self.cfg.rollout.batch_size, seed=self.cfg.train.seed)
+                        max_new_tokens=e.max_new_tokens, batch_size=self.cfg.rollout.batch_size,
+                        seed=self.cfg.train.seed)
         examples = {k: v[0] for k, v in self.sets.items()}
         rewards = {k: v[1] for k, v in self.sets.items()}
         with dist.gathered(model):
-            out = evaluate_during_training(model, tokenizer, examples, rewards, settings)
+            out = evaluate_during_training(agent, examples, rewards, settings)
         if e.anchor:
-            with anchor.applied(model), dist.gathered(model):
-                res = evaluate_during_training(model, tokenizer, examples, rewards, settings)
+            try:
+                with anchor.applied(model), dist.gathered(model):
+                    engine.sync_weights(model)
+                    res = evaluate_during_training(agent, examples, rewards, settings)
+            finally:
+                engine.sync_weights(model)  # the policy's weights again
             out.update({"eval_anchor/" + k[len("eval/"):]: v for k, v in res.items()})
         out["time_eval_s"] = time.perf_counter() - t0
         return out
 
-    def before(self, model, tokenizer, anchor) -> dict:
+    def before(self, model, agent, engine, anchor) -> dict:
         """The initial policy's row (logged at step 0), announced and summed up on the console."""
         self.log("[tether] evaluating the initial policy on the held-out set: "
                  + ", ".join(f"{k} ({len(v[0])} problems)" for k, v in self.sets.items()))
-        m = self.evaluate(model, tokenizer, anchor)
+        m = self.evaluate(model, agent, engine, anchor)
         self.log(f"[tether] held-out before training: {accuracy_line(m)}")
         return m
 

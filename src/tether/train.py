@@ -314,13 +314,13 @@ class Trainer:
         bar = Progress(cfg.train.steps, self.step, f"tether {cfg.recipe}", enabled=cfg.run.progress and main)
         try:
             if self.held_out.due_before(self.step):  # the initial policy, logged at step 0
-                m = self.held_out.before(self.model, self.tokenizer, self.anchor)
+                m = self.held_out.before(self.model, self.agent, self.engine, self.anchor)
                 if logger is not None:
                     logger.log(0, m)
             while self.step < cfg.train.steps:
                 m = self.train_step()
                 if self.held_out.due(self.step):
-                    m.update(self.held_out.evaluate(self.model, self.tokenizer, self.anchor))
+                    m.update(self.held_out.evaluate(self.model, self.agent, self.engine, self.anchor))
                 if logger is not None:
                     logger.log(self.step, m)
                     logger.log_samples(self.step, sample_rows(self._last_batch, cfg.run.log_samples))

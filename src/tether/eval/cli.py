@@ -22,9 +22,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..errors import EvalError
 from ..runs import RunCheckpoint, RunDir, check_anchor, is_checkpoint_dir, is_run_dir, load_run_model
-from ..tasks.benchmarks import load_benchmarks, slug
+from ..tasks.benchmarks import load_benchmarks, slug  # noqa: F401  (load_benchmarks: called as this.load_benchmarks)
 from .metrics import default_ks
-from .runner import _check_sampling, evaluate
+from .runner import EvalSettings, _check_sampling, evaluate  # noqa: F401  (evaluate: called as this.evaluate)
 
 __all__ = ["EvalError", "EvalModelSpec", "add_eval_parser", "format_table", "load_eval_model", "resolve_eval_spec",
            "run_eval_cli"]
@@ -308,10 +308,11 @@ def _drop_out(out: Path, created: bool, files: Sequence[str]) -> None:
             out.rmdir()
 
 
-def _evaluate_bench(this, b, model, tok, out: Path, report: dict, table: dict, stopper, *, search: bool,
-                    agent_options: dict, n: int, temperature: float, greedy: bool, system_prompt: str, ks, args) -> bool:
-    """Evaluate one benchmark; rows go to ``OUT/<bench>.jsonl`` as each batch finishes (a kill keeps them),
-    then in problem order with ``results.json``. Returns True if a stop signal ended it early."""
+def _evaluate_bench(this, b, agent, out: Path, report: dict, table: dict, stopper, *, search: bool,
+                    settings: EvalSettings, args) -> bool:
+    """Evaluate one benchmark with the run's ``agent``; rows go to ``OUT/<bench>.jsonl`` as each batch
+    finishes (a kill keeps them), then in problem order with ``results.json``. Returns True if a stop
+    signal ended it early."""
     from ..metrics import json_safe, write_json_atomic, write_text_atomic
 
     path = out / f"{b.name}.jsonl"
@@ -321,11 +322,8 @@ def _evaluate_bench(this, b, model, tok, out: Path, report: dict, table: dict, s
         with open(path, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(json_safe(r), ensure_ascii=False) + "\n" for r in rows)
 
-    res = this.evaluate(model, tok, b.examples, b.reward_fn, n=n, temperature=temperature, top_p=args.top_p,
-                        max_new_tokens=args.max_new_tokens, greedy=greedy, batch_size=args.batch_size,
-                        system_prompt=system_prompt, seed=args.seed, show_progress=args.progress, ks=ks,
-                        desc=f"eval {b.name}", agent="search" if search else "single_turn",
-                        agent_options=agent_options, should_stop=lambda: bool(stopper.signum), on_rows=append)
+    res = this.evaluate(agent, b.examples, b.reward_fn, settings, show_progress=args.progress, desc=f"eval {b.name}",
+                        should_stop=lambda: bool(stopper.signum), on_rows=append)
     if search:
         from .search import search_metrics
         res.metrics.update({f"search/{k}": v for k, v in search_metrics(res.per_problem, b.examples).items()})
@@ -343,11 +341,9 @@ def _evaluate_bench(this, b, model, tok, out: Path, report: dict, table: dict, s
     return res.stopped
 
 
-def run_eval_cli(args) -> int:
-    """``tether eval``: load and validate every benchmark, then the model, then evaluate each
-    benchmark, writing ``OUT/<bench>.jsonl`` and (after every benchmark) ``OUT/results.json``,
-    and print the table. Errors in the inputs raise :class:`EvalError` / ``DataError``."""
-    this = sys.modules[__name__]  # look functions up at call time (tests patch them)
+def _eval_settings(args) -> EvalSettings:
+    """The sampling settings of the command line, checked (and the other numeric / device options)
+    before anything is loaded."""
     greedy = bool(args.greedy)
     if greedy and args.n is not None and args.n > 1:
         raise EvalError(f"--greedy decodes one deterministic response per problem; drop --n {args.n} "
@@ -367,7 +363,16 @@ def run_eval_cli(args) -> int:
         raise EvalError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
     for problem in check_device(args.device, "--device"):
         raise EvalError(problem)
-    ks = default_ks(n)
+    return EvalSettings(n=n, temperature=temperature, top_p=float(args.top_p), max_new_tokens=int(args.max_new_tokens),
+                        greedy=greedy, batch_size=int(args.batch_size), seed=int(args.seed), ks=default_ks(n))
+
+
+def run_eval_cli(args) -> int:
+    """``tether eval``: load and validate every benchmark, then the model, then evaluate each
+    benchmark, writing ``OUT/<bench>.jsonl`` and (after every benchmark) ``OUT/results.json``,
+    and print the table. Errors in the inputs raise :class:`EvalError` / ``DataError``."""
+    this = sys.modules[__name__]  # look functions up at call time (tests patch them)
+    settings = _eval_settings(args)
 
     # 1. every benchmark, fully validated (and the search agent's corpus), before any model is touched
     search = getattr(args, "agent", "single_turn") == "search"
@@ -397,7 +402,7 @@ def run_eval_cli(args) -> int:
         out = Path("evals") / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     files = [f"{b.name}.jsonl" for b in benches] + ["results.json"]
     created = _open_out(out, files, overwrite=bool(getattr(args, "overwrite", False)))  # before the model loads
-    from ..stop import GracefulStop, Interrupted, exit_code  # imports torch: not at parser-building time
+    from ..stop import GracefulStop, Interrupted  # imports torch: not at parser-building time
 
     # SIGINT / SIGTERM from here on: the batch in progress finishes, the finished problems are kept
     stopper = GracefulStop(out, doing="stopping after the batch in progress and saving the finished problems",
@@ -406,12 +411,21 @@ def run_eval_cli(args) -> int:
     try:
         with stopper:
             table = _run_benches(this, args, benches, info, out, stopper, search=search, agent_options=agent_options,
-                                 n=n, temperature=temperature, greedy=greedy, system_prompt=system_prompt, ks=ks)
+                                 settings=settings, system_prompt=system_prompt)
     except BaseException:
         if not any((out / f).is_file() and (out / f).stat().st_size for f in files):
             _drop_out(out, created, files)  # nothing finished: leave no empty --out behind
         raise
+    return _finish(table, stopper, out, created, files, settings, search)
+
+
+def _finish(table: dict, stopper, out: Path, created: bool, files: Sequence[str], settings: EvalSettings,
+            search: bool) -> int:
+    """Print the table (and say what a stop signal kept); returns the exit code."""
+    from ..stop import exit_code
+
     desc = table.pop("_desc")
+    s = settings
     if stopper.signum:
         name = signal.Signals(stopper.signum).name
         done = sum(int(m.get("n_problems", 0)) for m in table.values())
@@ -419,52 +433,58 @@ def run_eval_cli(args) -> int:
             _drop_out(out, created, files)
             print(f"tether: stopped by {name} before any problem finished; nothing was written", file=sys.stderr)
         else:
-            print(format_table(table, n, ks))
+            print(format_table(table, s.n, s.ks))
             print(f"tether: stopped by {name}: {done} finished problem(s) kept in {out / 'results.json'} "
                   f"(marked incomplete)", file=sys.stderr)
         return exit_code(name)
-    print(f"{desc}\n{'greedy' if greedy else f'n={n} T={temperature:g} top_p={args.top_p:g}'}, "
-          f"max_new_tokens={args.max_new_tokens}; accuracies in %, len in tokens")
-    print(format_table(table, n, ks))
+    print(f"{desc}\n{'greedy' if s.greedy else f'n={s.n} T={s.temperature:g} top_p={s.top_p:g}'}, "
+          f"max_new_tokens={s.max_new_tokens}; accuracies in %, len in tokens")
+    print(format_table(table, s.n, s.ks))
     if search:
         print(format_search_table(table))
     print(f"results: {out / 'results.json'}")
     return 0
 
 
-def _run_benches(this, args, benches, info, out: Path, stopper, *, search: bool, agent_options: dict, n: int,
-                 temperature: float, greedy: bool, system_prompt: str, ks) -> dict:
-    """Load the model, then evaluate every benchmark until the end or a stop signal. Returns the table
-    (benchmark -> metrics) with the model's description under ``"_desc"``."""
+def _run_benches(this, args, benches, info, out: Path, stopper, *, search: bool, agent_options: dict,
+                 settings: EvalSettings, system_prompt: str) -> dict:
+    """Load the model, build its engine (`tether.rollout.make_engine`, transformers, ``--batch-size``
+    sequences per generate call) and the agent (`tether.agents.make_agent`: ``single_turn`` or
+    ``search``, with the system prompt) once, then evaluate every benchmark with them until the end or
+    a stop signal. Returns the table (benchmark -> metrics) with the model's description under ``"_desc"``."""
     from .. import __version__
+    from ..agents import make_agent
+    from ..config import RolloutConfig
+    from ..rollout import make_engine
 
     print(f"[tether] loading {args.model!r}{' (anchor)' if args.anchor else ''}", file=sys.stderr)
     model, tok, desc = this.load_eval_model(info, anchor=args.anchor, dtype=args.dtype, device=args.device)
+    engine = make_engine(RolloutConfig(engine="hf", batch_size=settings.batch_size), model, tok, show_progress=False)
+    agent = make_agent("search" if search else "single_turn", engine, tok, system_prompt=system_prompt,
+                       **agent_options)
     print(f"[tether] evaluating {desc}\n[tether] writing to {out}", file=sys.stderr)
     if search:
         print(f"[tether] search agent: {args.retriever} retriever, top-{args.topk}, up to {args.max_searches} "
               f"searches", file=sys.stderr)
-    settings = dict(n=n, temperature=temperature, top_p=float(args.top_p), max_new_tokens=int(args.max_new_tokens),
-                    greedy=greedy, batch_size=int(args.batch_size), seed=int(args.seed), system_prompt=system_prompt,
-                    limit=args.limit, ks=ks, dtype=args.dtype, device=args.device, data_dir=args.data_dir,
-                    split=args.split, prompt_key=args.prompt_key, answer_key=args.answer_key, reward=args.reward,
-                    agent=getattr(args, "agent", "single_turn"),
-                    search={k: getattr(args, k) for k in ("retriever", "url", "corpus", "topk", "max_searches",
-                                                            "max_obs_tokens", "max_context")} if search else None)
+    s = settings
     report: dict[str, Any] = {
         "model": {"spec": str(args.model), "description": desc, "anchor": bool(args.anchor), "kind": info.kind,
                   "run_dir": str(info.run_dir) if info.run_dir else None,
                   "checkpoint": str(info.checkpoint) if info.checkpoint else None, "step": info.step,
                   "recipe": info.recipe},
-        "settings": settings,
+        "settings": dict(n=s.n, temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens,
+                         greedy=s.greedy, batch_size=s.batch_size, seed=s.seed, system_prompt=system_prompt,
+                         limit=args.limit, ks=s.ks, dtype=args.dtype, device=args.device, data_dir=args.data_dir,
+                         split=args.split, prompt_key=args.prompt_key, answer_key=args.answer_key, reward=args.reward,
+                         agent=getattr(args, "agent", "single_turn"),
+                         search={k: getattr(args, k) for k in ("retriever", "url", "corpus", "topk", "max_searches",
+                                                                 "max_obs_tokens", "max_context")} if search else None),
         "benchmarks": {},
         "created": datetime.now().isoformat(timespec="seconds"),
         "tether_version": __version__,
     }
     table: dict[str, Any] = {"_desc": desc}
     for b in benches:
-        if _evaluate_bench(this, b, model, tok, out, report, table, stopper, search=search,
-                           agent_options=agent_options, n=n, temperature=temperature, greedy=greedy,
-                           system_prompt=system_prompt, ks=ks, args=args):
+        if _evaluate_bench(this, b, agent, out, report, table, stopper, search=search, settings=settings, args=args):
             break
     return table
