@@ -2,8 +2,8 @@
 
 * :mod:`tether.eval.metrics` -- :func:`pass_at_k`, :func:`majority_vote`, :func:`summarize`
   (pure Python: the numbers from scored samples);
-* :mod:`tether.eval.runner` -- :func:`evaluate` (one benchmark, one model: generation through
-  ``tether.rollout.make_engine`` + ``tether.agents.make_agent``, then scoring) and
+* :mod:`tether.eval.runner` -- :func:`evaluate` (one benchmark through an agent the caller built:
+  ``tether eval``'s own, or the trainer's with its engine, vLLM included; then scoring) and
   :func:`evaluate_during_training` (flat ``eval/<bench>/<metric>`` numbers for a trainer);
 * :mod:`tether.eval.cli` -- the ``tether eval`` command (:func:`run_eval_cli`, :func:`load_eval_model`);
   not re-exported here: the library never imports its command-line layer.
