@@ -54,4 +54,5 @@ def read_utf8(path, label: str, error: type[Exception]) -> str:
 
 USER_ERRORS = (EvalError, RunError, OutputError, ModelLoadError, RewardError, GenerationError)
 
-__all__ = ["EvalError", "GenerationError", "ModelLoadError", "OutputError", "RewardError", "RunError", "USER_ERRORS", "read_utf8"]
+__all__ = ["EvalError", "GenerationError", "ModelLoadError", "OutputError", "RewardError", "RunError", "USER_ERRORS",
+           "read_utf8"]

@@ -278,7 +278,8 @@ class UpdateStats:
                 + [torch.as_tensor(entropy) / torch.as_tensor(entropy_tokens).clamp_min(1),
                    torch.as_tensor(train_tokens)])
         dev = next((v.device for v in vals if isinstance(v, torch.Tensor)), "cpu")
-        out = dict(zip(names, torch.stack([torch.as_tensor(v, dtype=torch.float64, device=dev) for v in vals]).tolist()))
+        out = dict(zip(names, torch.stack([torch.as_tensor(v, dtype=torch.float64, device=dev)
+                                           for v in vals]).tolist()))
         out["entropy"], out["train_tokens"] = out.pop("_entropy"), int(out.pop("_tokens"))
         out["grad_norm"] = max(self.grad_norms) if self.grad_norms else float("nan")
         return out

@@ -411,7 +411,8 @@ def column_major_linear_weights(model: torch.nn.Module) -> int:
 
 
 def _apply_lora(model, cfg: ModelConfig):
-    """``model`` as a ``peft.PeftModel`` with LoRA from ``cfg.lora_*``; ModelLoadError without peft or on a bad config."""
+    """``model`` as a ``peft.PeftModel`` with LoRA from ``cfg.lora_*``; ModelLoadError without peft or on a bad
+    config."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as e:

@@ -95,7 +95,8 @@ def plot_runs(run_dirs: Sequence[Path], out: Union[str, Path], smooth: int = 1) 
                 continue
             xs, ys = zip(*pts)
             if smooth > 1:
-                ys = [sum(ys[max(0, i - smooth + 1):i + 1]) / len(ys[max(0, i - smooth + 1):i + 1]) for i in range(len(ys))]
+                ys = [sum(ys[max(0, i - smooth + 1):i + 1]) / len(ys[max(0, i - smooth + 1):i + 1])
+                      for i in range(len(ys))]
             ax.plot(xs, ys, label=d.name if key == keys[0] else f"{d.name} ({key})")
         ax.set_title(title)
         ax.set_xlabel("step")

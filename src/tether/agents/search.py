@@ -13,8 +13,8 @@ decoded and re-tokenized); observations and the invalid-action message are token
 appended. After ``max_searches`` turns, one final turn runs with searching disabled (it stops
 only at ``</answer>``, and a search there is not executed).
 
-Budgets: ``params.max_new_tokens`` (``rollout.max_new_tokens``) new tokens per turn, ``max_obs_tokens`` per observation (cut,
-keeping the closing tag), ``max_context`` tokens of prompt + response in all; a trajectory that
+Budgets: ``params.max_new_tokens`` (``rollout.max_new_tokens``) new tokens per turn, ``max_obs_tokens``
+per observation (cut, keeping the closing tag), ``max_context`` tokens of prompt + response in all; a trajectory that
 reaches the context cap ends with finish reason ``"length"``. The cap is never more than the
 model's context (``max_position_embeddings``): a larger ``max_context`` is lowered to it, with a
 warning, so an episode can never run past what the model can attend to. Since every turn is cut
@@ -32,7 +32,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..rollout.base import RolloutBatch, SamplingParams
-from ..search.protocol import INVALID_ACTION_MESSAGE, STOP_STRINGS, parse_action, render_observation, render_search_error
+from ..search.protocol import (INVALID_ACTION_MESSAGE, STOP_STRINGS, parse_action, render_observation,
+                               render_search_error)
 from ..search.retrievers import RetrievalError
 from ..search.reward import golden_answers, score_response
 from ..tasks.base import Example
@@ -251,7 +252,8 @@ class SearchAgent:
         n = max(c.get("episodes", 0), 1)
         if not c:
             return {}
-        return {"search/em": c["em"] / n, "search/f1": c["f1"] / n, "search/searches": c["searches"] / n, "search/answered_rate": c["answered"] / n,
+        return {"search/em": c["em"] / n, "search/f1": c["f1"] / n, "search/searches": c["searches"] / n,
+                "search/answered_rate": c["answered"] / n,
                 "search/invalid_action_rate": c["invalid"] / max(c["turns"], 1),
                 "search/turns": c["turns"] / n, "search/obs_tokens": c["obs_tokens"] / n,
                 "search/failures": c["search_failures"], "search/retrieval_s": c["retrieval_s"]}

@@ -23,6 +23,7 @@ __all__ = [
     "ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "REGIONS", "RECIPES",
     "SURROGATES", "AlgoConfig", "AnchorConfig", "ConfigError", "KLConfig", "KLInputs", "KLOptions", "LossInputs",
     "LossNeeds", "LossOut", "RegionConfig", "loss_needs",
-    "aggregate", "compute_advantages", "overlong_penalty", "compute_loss", "describe", "kl3_bounds", "lambert_w", "policy_term",
+    "aggregate", "compute_advantages", "overlong_penalty", "compute_loss", "describe", "kl3_bounds", "lambert_w",
+    "policy_term",
     "recipe", "validate", "zero_variance_groups",
 ]

@@ -28,7 +28,8 @@ def aggregate(loss: Tensor, mask: Tensor, mode: str, *, max_len: int = 0,
     """
     mask = mask.bool()
     m = mask.to(loss.dtype)
-    lm = torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))  # inf/NaN at masked positions never leak
+    # inf/NaN at masked positions never leak
+    lm = torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
     if mode == "token-mean":
         n = m.sum() if num_tokens is None else num_tokens
         return lm.sum() / max(float(n), 1.0)
@@ -39,6 +40,7 @@ def aggregate(loss: Tensor, mask: Tensor, mode: str, *, max_len: int = 0,
         return lm.sum() / max(b, 1.0)
     if mode == "seq-mean-token-sum-norm":
         if max_len <= 0:
-            raise ValueError("aggregation 'seq-mean-token-sum-norm' needs max_len > 0 (a fixed length, e.g. max_new_tokens)")
+            raise ValueError("aggregation 'seq-mean-token-sum-norm' needs max_len > 0 "
+                             "(a fixed length, e.g. max_new_tokens)")
         return lm.sum() / (max(b, 1.0) * max_len)
     raise ValueError(unknown_choice("aggregation", mode, AGGREGATIONS))

@@ -221,13 +221,15 @@ def _topk(inp: KLInputs, opt: KLOptions, name: str, reverse: bool, tail: Callabl
 
 @KL_ESTIMATORS.register("topk_rev", inputs="sampler_topk")
 def topk_rev(inp: KLInputs, opt: KLOptions) -> Tensor:
-    """sum_{q} pi (log pi - log pi_a) + s 1[y not in q] (r sg(d) + r - 1); q = sampler's top-k. Unbiased KL(pi||pi_a), value and gradient."""
+    """sum_{q} pi (log pi - log pi_a) + s 1[y not in q] (r sg(d) + r - 1); q = sampler's top-k.
+    Unbiased KL(pi||pi_a), value and gradient."""
     return _topk(inp, opt, "topk_rev", True, _tail_rev)
 
 
 @KL_ESTIMATORS.register("topk_fwd", inputs="anchor_topk")
 def topk_fwd(inp: KLInputs, opt: KLOptions) -> Tensor:
-    """sum_{q} pi_a (log pi_a - log pi) + s 1[y not in q] (sg(w) log w + log r - r + 1); q = anchor's top-k. Unbiased KL(pi_a||pi)."""
+    """sum_{q} pi_a (log pi_a - log pi) + s 1[y not in q] (sg(w) log w + log r - r + 1); q = anchor's top-k.
+    Unbiased KL(pi_a||pi)."""
     return _topk(inp, opt, "topk_fwd", False, _tail_fwd)
 
 

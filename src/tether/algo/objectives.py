@@ -75,7 +75,8 @@ class LossInputs:
     mask: Tensor  # bool: the tokens that enter the loss (the policy's own response tokens)
     adv: Tensor  # [B] per sequence or [B, T] per token
     old_logp: Optional[Tensor] = None  # log pi_old of the sampler; None = exactly on-policy (pi_old = sg(pi))
-    sampler_logp: Optional[Tensor] = None  # log pi_vllm the rollout engine reported (rollout correction, AlgoConfig.tis_cap)
+    sampler_logp: Optional[Tensor] = None  # log pi_vllm the rollout engine reported
+    # (rollout correction, AlgoConfig.tis_cap)
     ref_logp: Optional[Tensor] = None  # log pi_a of the anchor (needed when the KL term is on)
     head_logp: Optional[Tensor] = None  # [B, T, k] log pi at the top-k head ids (top-k estimators)
     head_ref_logp: Optional[Tensor] = None  # [B, T, k] log pi_a at the head ids
@@ -91,7 +92,8 @@ class LossInputs:
 class LossNeeds:
     """Which inputs an algorithm's loss needs, read from the registries' metadata (no name parsing)."""
 
-    head: Optional[str]  # None | "sampler" (sampler's top-k ids) | "anchor" (anchor's top-k ids) | "all" (full vocabulary)
+    head: Optional[str]  # None | "sampler" (sampler's top-k ids) | "anchor" (anchor's top-k ids)
+    # | "all" (full vocabulary)
     k: int  # head size (the vocabulary size for "all"; 0 without a head)
     ref_logp: bool  # the anchor's log-probs at the sampled tokens
     old_logp: bool  # the sampler's log-probs (read only when the update is off-policy)

@@ -27,9 +27,11 @@ PLACEMENTS = ("loss", "reward", "advantage")
 class KLConfig:
     """The KL term that ties the policy to the anchor (see tether.algo.kl for every estimator's equation)."""
 
-    estimator: str = "none"  # none | k1 | k2 | k3 | k3pp | k4 | k5 | exact_rev | exact_fwd | topk_rev | topk_fwd | topk_*_legacy | grpo_k3 | grpo_k3_corrected | rpg_fkl | rpg_rkl | rpg_ufkl | rpg_urkl
+    estimator: str = "none"  # none | k1 | k2 | k3 | k3pp | k4 | k5 | exact_rev | exact_fwd | topk_rev | topk_fwd |
+    # topk_*_legacy | grpo_k3 | grpo_k3_corrected | rpg_fkl | rpg_rkl | rpg_ufkl | rpg_urkl
     beta: float = 0.0  # KL coefficient (> 0 whenever estimator != none)
-    placement: str = "loss"  # loss: + beta*KL in the loss | reward: per-token penalty-to-go in the advantage | advantage: RPG's A' = A - beta*C_KL (rpg_rkl/rpg_urkl)
+    placement: str = "loss"  # loss: + beta*KL in the loss | reward: per-token penalty-to-go in the advantage |
+    # advantage: RPG's A' = A - beta*C_KL (rpg_rkl/rpg_urkl)
     topk: int = 32  # top-k estimators: head size k (EMA-PG: 32); 0 = pure sampled tail; >= |V| = exact
     truncated: bool = False  # top-k estimators: drop the tail, KL over the head only (a biased, distillation-style KL)
     s_min: float = 0.0  # sampled and top-k estimators: lower clip of s = sg(pi/pi_old) (0 = none; a documented bias)
@@ -40,9 +42,11 @@ class KLConfig:
 class AnchorConfig:
     """Which policy the KL term ties to, and how it moves (tether.anchor)."""
 
-    kind: str = "none"  # none (no KL) | fixed (initial policy; GRPO) | ema (EMA-PG) | iterative (= sampler; RPG) | reset (copy every N) | kl_reset (copy when KL > kappa)
+    kind: str = "none"  # none (no KL) | fixed (initial policy; GRPO) | ema (EMA-PG) | iterative (= sampler; RPG) |
+    # reset (copy every N) | kl_reset (copy when KL > kappa)
     eta: float = 0.95  # ema: theta_a <- eta*theta_a + (1-eta)*theta (EMA-PG: 0.9-0.95)
-    every: int = 10  # ema, reset: update every N trainer steps (one rollout + its update; not optimizer steps; EMA-PG: 10)
+    every: int = 10  # ema, reset: update every N trainer steps (one rollout + its update;
+    # not optimizer steps; EMA-PG: 10)
     kappa: float = 0.0  # kl_reset: reset when the moving average of the token KL exceeds kappa (> 0)
     kl_smoothing: float = 0.9  # kl_reset: the moving average's factor m in kl_ma <- m*kl_ma + (1-m)*kl
 
@@ -60,8 +64,12 @@ class AlgoConfig:
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     agg_max_len: int = 0  # seq-mean-token-sum-norm: the fixed length L (0 = the rollout's max_new_tokens)
-    tis_cap: float = 0.0  # rollout correction (truncated importance sampling) for an engine that reports its log-probs (vLLM): cap C on the weight pi_old/pi_vllm of the policy-gradient term; pi_old is recomputed by the trainer (0 = off; else >= 1; tether.algo.correction)
-    tis_mode: str = "token"  # tis_cap > 0: token (w_t = min(r_t, C)) | sequence (w = min(prod_t r_t, C) on the whole response; exact IS as C -> inf) | mask (token, and responses whose geometric-mean ratio exceeds C are masked)
+    tis_cap: float = 0.0  # rollout correction (truncated importance sampling) for an engine that reports its
+    # log-probs (vLLM): cap C on the weight pi_old/pi_vllm of the policy-gradient term; pi_old is recomputed by the
+    # trainer (0 = off; else >= 1; tether.algo.correction)
+    tis_mode: str = "token"  # tis_cap > 0: token (w_t = min(r_t, C)) | sequence
+    # (w = min(prod_t r_t, C) on the whole response; exact IS as C -> inf)
+    # | mask (token, and responses whose geometric-mean ratio exceeds C are masked)
 
     def copy(self) -> "AlgoConfig":
         return copy.deepcopy(self)
@@ -146,9 +154,11 @@ def _kl_errors(cfg: AlgoConfig) -> list[str]:
         errs.append(unknown_choice("anchor", a.kind, ANCHORS))
     if k.estimator == "none":
         if k.beta:
-            errs.append("kl.beta is set but kl.estimator is 'none'; pick an estimator: " + ", ".join(KL_ESTIMATORS.names()))
+            errs.append("kl.beta is set but kl.estimator is 'none'; pick an estimator: "
+                        + ", ".join(KL_ESTIMATORS.names()))
         if a.kind != "none":
-            errs.append(f"anchor {a.kind!r} has no effect without a KL term (kl.estimator is 'none'); set anchor.kind=none")
+            errs.append(f"anchor {a.kind!r} has no effect without a KL term (kl.estimator is 'none'); "
+                        "set anchor.kind=none")
         for f in ("placement", "topk", "truncated", "s_min", "s_max"):
             if getattr(k, f) != getattr(d_kl, f):
                 errs.append(f"kl.{f} has no effect without a KL term")

@@ -39,7 +39,8 @@ class RegionConfig:
     kind: str = "ratio"  # none | ratio | dual | rpg_clip | kl3 | tv | binary_kl | cispo | gspo
     eps_low: float = 0.2  # ratio, dual, rpg_clip, gspo: lower bound 1 - eps_low
     eps_high: float = 0.2  # ratio, dual, rpg_clip, gspo, cispo: upper bound 1 + eps_high (DAPO: 0.28)
-    clip_c: float = 0.0  # dual, rpg_clip (required, > 1; RPG: 3); optional for ratio, kl3, tv, binary_kl, gspo: for A < 0 no gradient once rho > c. 0 = off
+    clip_c: float = 0.0  # dual, rpg_clip (required, > 1; RPG: 3); optional for ratio, kl3, tv, binary_kl, gspo:
+    # for A < 0 no gradient once rho > c. 0 = off
     delta: float = 0.0  # kl3, tv, binary_kl: the divergence radius (> 0)
 
 
@@ -110,8 +111,8 @@ def kl3_delta_for(eps_low: float, eps_high: float) -> float:
     target = (1.0 - eps_low, 1.0 + eps_high)
 
     def err(d: float) -> float:
-        l, u = kl3_bounds(d)
-        return (l - target[0]) ** 2 + (u - target[1]) ** 2
+        low, up = kl3_bounds(d)
+        return (low - target[0]) ** 2 + (up - target[1]) ** 2
 
     for _ in range(200):  # golden-section search; err is unimodal in delta
         a = hi - (hi - lo) / 1.618033988749895

@@ -38,7 +38,8 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus sampling mass; 1.0 = disabled
     top_k: int = 0  # keep the k most likely tokens; 0 = disabled
     max_new_tokens: int = 256  # response length cap; responses that reach it finish with "length"
-    stop: list[str] = field(default_factory=list)  # stop strings; the response is cut right after the stop string's last token
+    stop: list[str] = field(default_factory=list)  # stop strings; the response is cut right after
+    # the stop string's last token
     seed: int | None = None  # seed for this call's sampling (same call + seed -> same output); None = global RNG
     greedy: bool = False  # argmax decoding (same as temperature 0); n copies are then identical
     min_new_tokens: int = 0  # EOS is banned before this many new tokens (vLLM's min_tokens); 0 = no floor
@@ -91,12 +92,16 @@ class RolloutBatch:
     prompt_ids: torch.Tensor = _laid_out("prompt")  # [B, P] long, left-padded with pad id; rows of a prompt contiguous
     prompt_mask: torch.Tensor = _laid_out("prompt")  # [B, P] bool, True on real prompt tokens
     response_ids: torch.Tensor = _laid_out("response")  # [B, T] long, right-padded with pad id
-    response_mask: torch.Tensor = _laid_out("response")  # [B, T] bool, True on every response token (EOS and tool observations included)
+    response_mask: torch.Tensor = _laid_out("response")  # [B, T] bool, True on every response token
+    # (EOS and tool observations included)
     finish_reason: list = _laid_out("list")  # per row: "stop" (EOS or stop string) | "length" (hit max_new_tokens)
-    group: torch.Tensor = _laid_out("row")  # [B] long, index of the prompt (example) in the call (after concat: made distinct per batch)
-    texts: list = _laid_out("list")  # decoded responses (special tokens skipped, ending right after the stop string if one was hit)
+    group: torch.Tensor = _laid_out("row")  # [B] long, index of the prompt (example) in the call
+    # (after concat: made distinct per batch)
+    texts: list = _laid_out("list")  # decoded responses (special tokens skipped,
+    # ending right after the stop string if one was hit)
     gen_time_s: float = _laid_out("total")  # wall-clock seconds spent generating (summed over concat; kept by select)
-    gen_tokens: int = _laid_out("total")  # generated (response) tokens (summed over concat; kept by select, see num_response_tokens)
+    gen_tokens: int = _laid_out("total")  # generated (response) tokens (summed over concat;
+    # kept by select, see num_response_tokens)
     pad_token_id: int = field(default=0, metadata={"layout": "const"})  # id used for the padding positions
     # [B, T] bool: the response tokens the policy produced, the only ones the loss sees. Tool
     # observations and other inserted text are False. None (the default) = response_mask.

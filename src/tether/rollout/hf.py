@@ -23,10 +23,10 @@ argmax when greedy). The draw itself is `_InverseCDFSampler`, a logits processor
 one token per row by inverse-CDF search, and leaves a one-hot score that ``generate``'s argmax
 picks. The law is the same as ``do_sample=True``, but ``torch.multinomial`` draws one
 exponential per vocabulary entry where this draws one uniform per row (the cost of each is
-measured by ``bench/decode_speed.py``, docs/benchmarks.md). Knobs that a checkpoint's ``generation_config.json`` may set and that
-would change the distribution the policy-gradient assumes (repetition penalty, n-gram
-blocking, min-p, typical-p, epsilon/eta cutoffs, a default top-k of 50) are explicitly
-neutralized, because transformers 5.x fills every generate argument left unset from the
+measured by ``bench/decode_speed.py``, docs/benchmarks.md). Knobs that a checkpoint's
+``generation_config.json`` may set and that would change the distribution the policy-gradient
+assumes (repetition penalty, n-gram blocking, min-p, typical-p, epsilon/eta cutoffs, a default top-k of
+50) are explicitly neutralized, because transformers 5.x fills every generate argument left unset from the
 model's generation config.
 
 Stop strings. A stopping criterion decodes each unfinished row's *response* tokens (special

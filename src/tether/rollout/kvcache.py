@@ -7,8 +7,8 @@ attention itself (``bench/decode_speed.py`` measures both paths; docs/benchmarks
 
 `GrowingLayer` keeps each layer's keys and values in a buffer with spare capacity along the
 sequence axis, writes new positions into it, and hands attention a view of the filled part.
-Attention kernels read the strided view as fast as a contiguous tensor. When the buffer is full it is reallocated once to
-``reserve`` positions (the caller's known final length) or, without one, to twice its size, so
+Attention kernels read the strided view as fast as a contiguous tensor. When the buffer is full it
+is reallocated once to ``reserve`` positions (the caller's known final length) or, without one, to twice its size, so
 copying is amortized O(1) per token.
 
 Every other operation of ``DynamicLayer`` (batch selection when rows are dropped, reordering

@@ -37,7 +37,6 @@ naming the file and line, before anything is returned.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +117,8 @@ def _iter_hub(hub_id: str, config: str | None, split: str) -> Iterator[tuple[str
         import datasets
     except ImportError:
         raise DataError(f"loading {hub_id!r} from the hub needs the optional `datasets` package "
-                        f"(pip install datasets), or set ${SEARCH_DATA_DIR_ENV} to a directory with the files") from None
+                        f"(pip install datasets), or set ${SEARCH_DATA_DIR_ENV} to a directory "
+                        "with the files") from None
     try:
         ds = datasets.load_dataset(hub_id, config, split=split)
     except Exception as e:
@@ -133,7 +133,8 @@ def _row_to_example(row: Any, where: str, example_id: str, qkey: str, akey: str 
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     q = row.get(qkey)
     if not isinstance(q, str) or not q.strip():
-        what = "missing" if qkey not in row else ("empty" if isinstance(q, str) else f"not a string ({type(q).__name__})")
+        what = ("missing" if qkey not in row
+                else "empty" if isinstance(q, str) else f"not a string ({type(q).__name__})")
         raise DataError(f"{where}: field {qkey!r} is {what}")
     keys = (akey,) if akey else _ANSWER_KEYS
     ak = next((k for k in keys if k in row), None)

@@ -92,7 +92,8 @@ class DenseRetriever:
             tmp.mkdir(parents=True)
             np.save(tmp / "embeddings.npy", emb)
             (tmp / "meta.json").write_text(json.dumps(
-                {"corpus_sha256": self.corpus.sha256, "num_docs": len(self.corpus), "settings": self.settings}, indent=1))
+                {"corpus_sha256": self.corpus.sha256, "num_docs": len(self.corpus), "settings": self.settings},
+                indent=1))
             _publish(tmp, self.index_dir, stale=True)
             self.build_seconds = time.perf_counter() - t0
         else:

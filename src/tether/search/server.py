@@ -212,7 +212,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - stdlib name
         owner = self.server.owner
         if self.path.rstrip("/") == "/health":
-            self._send(200, {"status": "ok", "retriever": getattr(owner.retriever, "kind", type(owner.retriever).__name__),
+            self._send(200, {"status": "ok",
+                             "retriever": getattr(owner.retriever, "kind", type(owner.retriever).__name__),
                              "num_docs": owner.num_docs})
         else:
             self._send(404, {"error": f"unknown path {self.path!r}; POST /retrieve or GET /health"})
@@ -439,9 +440,11 @@ def add_retrieve_parser(sub) -> None:
     s = rsub.add_parser("serve", help="serve a Search-R1-compatible POST /retrieve API over a local corpus",
                         description="Build (or load from cache) an index over a JSONL corpus ({id, contents}) and "
                         "serve POST /retrieve {queries, topk, return_scores} like Search-R1's retrieval server.")
-    s.add_argument("--corpus", required=True, help="JSONL corpus file, rows {\"id\", \"contents\": \"\\\"Title\\\"\\ntext\"}")
+    s.add_argument("--corpus", required=True,
+                   help="JSONL corpus file, rows {\"id\", \"contents\": \"\\\"Title\\\"\\ntext\"}")
     s.add_argument("--retriever", choices=["bm25", "dense"], default="bm25", help="index kind (default bm25)")
-    s.add_argument("--model", default=None, help="dense only: sentence-transformers model (default intfloat/e5-base-v2)")
+    s.add_argument("--model", default=None,
+                   help="dense only: sentence-transformers model (default intfloat/e5-base-v2)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; the API has no auth)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one, printed)")
     s.add_argument("--topk", type=int, default=3, help="topk when a request gives none (default 3)")

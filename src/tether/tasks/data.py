@@ -157,7 +157,8 @@ def _iter_hub(hub_id: str, config: str | None, split: str, label: str) -> Iterat
     try:
         ds = datasets.load_dataset(hub_id, config, split=split)
     except Exception as e:
-        raise DataError(f"{label}: could not load hub dataset {hub_id!r} (config={config!r}, split={split!r}): {e}") from e
+        raise DataError(f"{label}: could not load hub dataset {hub_id!r} "
+                        f"(config={config!r}, split={split!r}): {e}") from e
     for i, row in enumerate(ds, start=1):
         yield i, dict(row)
 
