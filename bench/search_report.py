@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 CURVES = [("accuracy", "exact match (train samples)"), ("search/answered_rate", "answered rate"),
-          ("search/invalid_action_rate", "invalid-action rate (per turn)"), ("search/searches", "searches per response")]
+          ("search/invalid_action_rate", "invalid-action rate (per turn)"),
+          ("search/searches", "searches per response")]
 DEV = [("search/em", "EM"), ("search/f1", "F1"), ("search/answered_rate", "answered"), ("search/searches", "searches"),
        ("search/gold_recall", "gold recall")]
 

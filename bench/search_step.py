@@ -82,7 +82,8 @@ def main(argv=None) -> int:
     print(f"search: {statistics.mean(r['search/searches'] for r in s):.2f} searches/response, "
           f"{statistics.mean(r['search/turns'] for r in s):.2f} turns, "
           f"{statistics.mean(r['search/retrieval_s'] for r in s):.2f} s retrieval per step")
-    print(f"ratio step time search/single_turn = {med['search']['time_step_s'] / med['single_turn']['time_step_s']:.2f}")
+    ratio = med['search']['time_step_s'] / med['single_turn']['time_step_s']
+    print(f"ratio step time search/single_turn = {ratio:.2f}")
     return 0
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -342,8 +341,8 @@ def report(a, results: dict, errors: dict, info: dict) -> tuple[str, list[str]]:
     for name, err in errors.items():
         notes.append(f"- {name} failed: `{err.strip().splitlines()[0] if err.strip() else 'unknown error'}`")
     body = "\n".join([
-        f"tether against TRL's `GRPOTrainer` on the same GRPO job, and tether's `ema_pg` (top-k KL, k=32, EMA "
-        f"anchor) and `rpg_reinforce_urkl` at the same budget. Written by `bench/vs_trl.py`.",
+        "tether against TRL's `GRPOTrainer` on the same GRPO job, and tether's `ema_pg` (top-k KL, k=32, EMA "
+        "anchor) and `rpg_reinforce_urkl` at the same budget. Written by `bench/vs_trl.py`.",
         "",
         *bu.machine_lines(info, bu.command_line()),
         f"- job: {settings}",

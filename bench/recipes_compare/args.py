@@ -20,10 +20,12 @@ RECIPES = ("grpo", "dapo", "ema_pg", "rpg_reinforce_urkl", "atr_grpo")
 TASKS = ("arithmetic", "gsm8k")
 SCRIPT = "bench/compare_recipes.py"
 # full-mode and --quick defaults of the budget flags (a flag given on the command line wins)
-FULL = dict(steps={"arithmetic": 16, "gsm8k": 8}, prompts_per_step=6, samples=8, max_new_tokens={"arithmetic": 64, "gsm8k": 256},
+FULL = dict(steps={"arithmetic": 16, "gsm8k": 8}, prompts_per_step=6, samples=8,
+            max_new_tokens={"arithmetic": 64, "gsm8k": 256},
             eval_limit_synthetic=500, eval_limit_gsm8k=200,
             eval_max_new_tokens={"arithmetic": 96, "gsm8k": 256}, kl_prompts=32)
-QUICK = dict(steps={"arithmetic": 2, "gsm8k": 2}, prompts_per_step=2, samples=2, max_new_tokens={"arithmetic": 16, "gsm8k": 16},
+QUICK = dict(steps={"arithmetic": 2, "gsm8k": 2}, prompts_per_step=2, samples=2,
+             max_new_tokens={"arithmetic": 16, "gsm8k": 16},
              eval_limit_synthetic=8, eval_limit_gsm8k=8,
              eval_max_new_tokens={"arithmetic": 16, "gsm8k": 32}, kl_prompts=4)
 # settings that must match for --resume to reuse earlier runs
@@ -101,7 +103,8 @@ def _add_budget_flags(p, f: dict, q: dict) -> None:
                    help="AdamW learning rate, the same for every recipe (default 1e-05)")
     p.add_argument("--temperature", type=float, default=0.7,
                    help="sampling temperature of the training rollouts (default 0.7: at 1.0 SmolLM2 answers the "
-                        "arithmetic task correctly about a quarter as often as greedily, so most groups carry no signal)")
+                        "arithmetic task correctly about a quarter as often as greedily, so most groups carry "
+                        "no signal)")
     p.add_argument("--format-weight", type=float, default=0.0,
                    help="data.format_weight, the reward bonus for an answer in the requested '####' format "
                         "(default 0: correctness only; a 0.2 bonus was gamed by lists of '####' lines)")
@@ -255,7 +258,8 @@ def settings_of(a) -> dict:
         "eval_max_new_tokens": {t: a.eval_max_new_tokens[t] for t in a.tasks}, "eval_batch_size": a.eval_batch_size,
         "eval_seed": 0, "kl_prompts": a.kl_prompts, "kl_max_new_tokens": {t: a.kl_max_new_tokens[t] for t in a.tasks},
         "rollout_batch_size": RolloutConfig().batch_size, "micro_batch_size": TrainConfig().micro_batch_size,
-        "recipes": list(a.recipes), "variants": dict(a.variants), "seeds": list(a.seeds), "tasks": list(a.tasks), "data_dir": str(a.data_dir),
+        "recipes": list(a.recipes), "variants": dict(a.variants), "seeds": list(a.seeds), "tasks": list(a.tasks),
+        "data_dir": str(a.data_dir),
         "quick": bool(a.quick),
     }
 

@@ -70,7 +70,8 @@ def recipe_trainer_text(settings: dict) -> str:
         return "none"
     text = "; ".join(parts)
     if any(s.get("rollout.dynamic_sampling") for s in settings.values()):
-        text += ". Dynamic sampling generates more than the other recipes; the generated tokens of every run are in Table 4"
+        text += (". Dynamic sampling generates more than the other recipes; the generated tokens of every run "
+                 "are in Table 4")
     return text
 
 
