@@ -29,7 +29,8 @@ def test_ema_closed_form_after_n_updates():
     theta0 = flat(model.parameters())
     eta, every = 0.9, 3
     anchor = Anchor(AnchorConfig("ema", eta=eta, every=every), model)
-    want = theta0.clone()
+    want = theta0.clone()  # the EMA run step by step: theta_a <- eta*theta_a + (1-eta)*theta at every move
+    assert torch.allclose(flat(anchor.master), want, atol=1e-6)
     thetas = []
     for step in range(1, 13):
         set_params(model, step)
@@ -37,6 +38,8 @@ def test_ema_closed_form_after_n_updates():
         assert moved == (step % every == 0)
         if moved:
             thetas.append(flat(model.parameters()))
+            want = eta * want + (1 - eta) * thetas[-1]
+        assert torch.allclose(flat(anchor.master), want, atol=1e-6), step  # unmoved between updates
     n = len(thetas)
     closed = eta**n * theta0 + sum((1 - eta) * eta ** (n - 1 - i) * t for i, t in enumerate(thetas))
     assert anchor.num_updates == n == 4

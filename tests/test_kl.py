@@ -5,7 +5,6 @@ At one state, the "batch" holds every possible sampled token y as its own positi
 is an exact finite sum, and autograd of that sum is the exact expected gradient.
 """
 
-import itertools
 import math
 
 import pytest
@@ -13,7 +12,8 @@ import torch
 
 from tether.algo.kl import KL_DIRECTION, KL_ESTIMATORS, KLInputs, KLOptions, TOPK_ESTIMATORS
 
-pytestmark = [pytest.mark.usefixtures("float64"), pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")]
+pytestmark = [pytest.mark.usefixtures("float64"),
+              pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")]
 V = 6
 ATOL = 1e-12
 
@@ -89,7 +89,10 @@ def test_every_estimator_has_a_claim_or_topk_test():
 def test_estimator_value_and_gradient_claims(name, setting):
     _, theta, anchor, sampler = setting
     value_claim, grad_claim = CLAIMS[name]
-    est = lambda: expected(name, theta, anchor, sampler)
+
+    def est():
+        return expected(name, theta, anchor, sampler)
+
     if value_claim:
         assert float(est().detach()) == pytest.approx(float(exact_kl(theta, anchor, value_claim)), abs=ATOL)
     g = grad(est, theta)
@@ -114,7 +117,10 @@ def test_topk_unbiased_in_value_and_gradient_at_every_k(direction, k, setting):
     _, theta, anchor, sampler = setting
     name = f"topk_{direction}"
     full = "reverse" if direction == "rev" else "forward"
-    est = lambda: expected(name, theta, anchor, sampler, k=k)
+
+    def est():
+        return expected(name, theta, anchor, sampler, k=k)
+
     assert float(est().detach()) == pytest.approx(float(exact_kl(theta, anchor, full)), abs=ATOL)
     g, g_true = grad(est, theta), grad(lambda: exact_kl(theta, anchor, full), theta)
     assert torch.allclose(g, g_true, atol=ATOL), (k, g - g_true)
@@ -128,7 +134,10 @@ def test_legacy_topk_value_unbiased_gradient_biased(direction, setting):
     full = "reverse" if direction == "rev" else "forward"
     g_true = grad(lambda: exact_kl(theta, anchor, full), theta)
     for k in range(V + 1):
-        est = lambda: expected(name, theta, anchor, sampler, k=k)
+
+        def est():
+            return expected(name, theta, anchor, sampler, k=k)
+
         assert float(est().detach()) == pytest.approx(float(exact_kl(theta, anchor, full)), abs=ATOL)
         err = (grad(est, theta) - g_true).abs().max()
         if 0 < k < V:
@@ -186,7 +195,9 @@ def test_k3_equals_unnormalized_kl_in_expectation(p_mass, a_mass, sampler):
     theta = logits(0).requires_grad_(True)
     la = logits(1).log_softmax(-1) + math.log(a_mass)
     lo = (theta.detach() if sampler == "on_policy" else logits(2, 1.5)).log_softmax(-1)
-    log_pi = lambda: theta.log_softmax(-1) + math.log(p_mass)
+
+    def log_pi():
+        return theta.log_softmax(-1) + math.log(p_mass)
 
     def expected_k3():  # position y of the one-row batch is the sampled token y
         inp = KLInputs(logp=log_pi()[None], ref_logp=la[None], old_logp=None if sampler == "on_policy" else lo[None])
@@ -215,7 +226,8 @@ def test_grpo_k3_uncorrected_off_policy_gradient_is_wrong_corrected_is_ukl():
     assert torch.allclose(g_cor, g_ukl, atol=ATOL)
     # on-policy the uncorrected term is plain k3 (value = reverse KL)
     on = theta.detach().clone()
-    assert float(expected("grpo_k3", theta, anchor, on)) == pytest.approx(float(exact_kl(theta, anchor, "reverse")), abs=ATOL)
+    assert float(expected("grpo_k3", theta, anchor, on)) == pytest.approx(float(exact_kl(theta, anchor, "reverse")),
+                                                                          abs=ATOL)
 
 
 def test_estimators_work_on_batched_shapes():

@@ -113,7 +113,8 @@ def test_lora(tiny_model_dir):
 def test_lora_with_gradient_checkpointing(tiny_model_dir):
     pytest.importorskip("peft")
     model, tok = load_model(
-        ModelConfig(name=str(tiny_model_dir), lora_r=2, gradient_checkpointing=True, lora_target_modules=["q_proj", "v_proj"])
+        ModelConfig(name=str(tiny_model_dir), lora_r=2, gradient_checkpointing=True,
+                    lora_target_modules=["q_proj", "v_proj"])
     )
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(("q_proj" in n or "v_proj" in n) and "lora_" in n for n in trainable)

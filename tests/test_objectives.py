@@ -18,9 +18,7 @@ import torch
 from tether.algo import AlgoConfig, KLConfig, LossInputs, RegionConfig, compute_loss, loss_needs, recipe
 from tether.algo.aggregation import aggregate
 from tether.algo.kl import KL_ESTIMATORS, KLInputs, KLOptions, rpg_score_coef
-from tether.algo.objectives import policy_term
 from tether.algo.recipes import AnchorConfig
-from tether.algo.trust_region import REGIONS
 
 pytestmark = pytest.mark.usefixtures("float64")
 V, L = 3, 2
@@ -116,7 +114,8 @@ def test_rpg_with_iterative_anchor_matches_paper_formulas(bandit):
     paper = {"rpg_fkl": -lp + lo, "rpg_rkl": w * w.log(), "rpg_ufkl": w - w.log() - 1, "rpg_urkl": w * w.log() - w + 1}
     for name, want in paper.items():
         assert torch.allclose(KL_ESTIMATORS[name](inp, KLOptions())[0], want), name
-    paper_coef = {"rpg_fkl": -torch.ones_like(w), "rpg_rkl": w * (w.log() + 1), "rpg_ufkl": w - 1, "rpg_urkl": w * w.log()}
+    paper_coef = {"rpg_fkl": -torch.ones_like(w), "rpg_rkl": w * (w.log() + 1), "rpg_ufkl": w - 1,
+                  "rpg_urkl": w * w.log()}
     for name, want in paper_coef.items():
         assert torch.allclose(rpg_score_coef(name, inp)[0], want.detach()), name
 
@@ -135,7 +134,8 @@ def random_batch(seed=0, B=4, T=7):
 
 @pytest.mark.parametrize("variant", ["fkl", "rkl", "ufkl", "urkl"])
 def test_rpg_recipes_full_and_reinforce_forms_have_equal_gradients(variant):
-    """With no trust region, rpg_X (ratio form) and rpg_reinforce_X (REINFORCE form, incl. A' folding) agree per token."""
+    """With no trust region, rpg_X (ratio form) and rpg_reinforce_X (REINFORCE form, incl. A' folding) agree per
+    token."""
     b = random_batch()
     grads_ = []
     for name in (f"rpg_{variant}", f"rpg_reinforce_{variant}"):
@@ -272,7 +272,8 @@ def test_masked_positions_never_leak_inf_or_nan(name, bad):
         cfg = recipe(name)
         if cfg.anchor.kind == "iterative":
             args["ref_logp"] = args["old_logp"]
-        extra = dict(head_logp=hl, head_ref_logp=hl.detach() + 0.1, in_head=in_head) if cfg.kl.estimator.startswith("topk") else {}
+        extra = (dict(head_logp=hl, head_ref_logp=hl.detach() + 0.1, in_head=in_head)
+                 if cfg.kl.estimator.startswith("topk") else {})
         out = compute_loss(cfg, LossInputs(**args, **extra, max_len=7))
         (gr,) = torch.autograd.grad(out.loss, args["logp"])
         return out, gr

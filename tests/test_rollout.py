@@ -233,7 +233,8 @@ def test_greedy_matches_unpadded_reference(tiny):
     reference = [_reference_greedy(model, p, 12, tok.eos_token_id) for p in prompts]
     model.train()
     for bs in (2, 16):
-        batch = HFEngine(model, tok, batch_size=bs).generate(prompts, SamplingParams(n=1, max_new_tokens=12, greedy=True))
+        params = SamplingParams(n=1, max_new_tokens=12, greedy=True)
+        batch = HFEngine(model, tok, batch_size=bs).generate(prompts, params)
         assert _rows(batch) == reference
     # temperature 0 is greedy too; n copies are identical
     batch = HFEngine(model, tok).generate(prompts, SamplingParams(n=2, max_new_tokens=12, temperature=0.0))
@@ -433,7 +434,8 @@ def test_gradient_checkpointing_generation_uses_cache(tiny_model_dir):
     assert lengths[0] > 1 and all(n == 1 for n in lengths[1:])  # KV cache: one new token per step
     assert model.training and model.config.use_cache is False
     plain, _ = load_model(ModelConfig(name=str(tiny_model_dir)))
-    assert _rows(batch) == _rows(HFEngine(plain, tok).generate(prompts, SamplingParams(n=1, max_new_tokens=6, greedy=True)))
+    want = HFEngine(plain, tok).generate(prompts, SamplingParams(n=1, max_new_tokens=6, greedy=True))
+    assert _rows(batch) == _rows(want)
     # training forward/backward after generation still works with checkpointing
     ids, mask = batch.input_ids()
     model(input_ids=ids, attention_mask=mask.long()).logits.sum().backward()

@@ -168,7 +168,8 @@ def test_import_reader_on_a_synthetic_package(tmp_path):
     (pkg / "b.py").write_text("def f():\n    from .a import g\n")  # lazy: still an edge, and a cycle
     (pkg / "sub" / "__init__.py").write_text("CONST = 1\nfrom .. import a\n")
     (pkg / "sub" / "c.py").write_text(
-        "import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import x\nelse:\n    import json\n")
+        "import os\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import x\n"
+        "else:\n    import json\n")
     g = import_graph(pkg)
     assert g == {"pkg": set(), "pkg.a": {"pkg.b", "pkg.sub.c", "pkg.sub"}, "pkg.b": {"pkg.a"},
                  "pkg.sub": {"pkg.a"}, "pkg.sub.c": set()}

@@ -32,18 +32,18 @@ def pg_grad(kind, cfg, surrogate="ratio"):
 @pytest.mark.parametrize("delta,lo,hi", [(0.005, 0.903, 1.103), (0.01, 0.865, 1.148), (0.0231, 0.800, 1.231),
                                          (0.05, 0.716, 1.350), (0.1, 0.617, 1.516)])
 def test_kl3_bounds_match_table(delta, lo, hi):
-    l, u = kl3_bounds(delta)
-    assert round(l, 3) == lo and round(u, 3) == hi
-    for t in (l, u):  # both are roots of t - log t = 1 + delta
+    low, up = kl3_bounds(delta)
+    assert round(low, 3) == lo and round(up, 3) == hi
+    for t in (low, up):  # both are roots of t - log t = 1 + delta
         assert t - math.log(t) == pytest.approx(1 + delta, abs=1e-12)
-    assert l < 1 < u and (u - 1) > (1 - l)  # asymmetric toward clip-higher
+    assert low < 1 < up and (up - 1) > (1 - low)  # asymmetric toward clip-higher
 
 
 def test_kl3_bounds_near_one_expansion():
     d = 1e-4
-    l, u = kl3_bounds(d)
-    assert l == pytest.approx(1 - math.sqrt(2 * d) + 2 * d / 3, abs=1e-5)
-    assert u == pytest.approx(1 + math.sqrt(2 * d) + 2 * d / 3, abs=1e-5)
+    low, up = kl3_bounds(d)
+    assert low == pytest.approx(1 - math.sqrt(2 * d) + 2 * d / 3, abs=1e-5)
+    assert up == pytest.approx(1 + math.sqrt(2 * d) + 2 * d / 3, abs=1e-5)
 
 
 @pytest.mark.parametrize("z", [-1 / math.e + 1e-12, -0.3, -0.1, -1e-3, -1e-8])
@@ -59,11 +59,11 @@ def test_lambert_w_both_branches(z):
 
 def test_kl3_mask_equals_ratio_mask_with_lambert_bounds():
     delta = 0.05
-    l, u = kl3_bounds(delta)
+    low, up = kl3_bounds(delta)
     g3, o3, rho, adv = pg_grad("kl3", RegionConfig("kl3", delta=delta))
-    gr, orr, _, _ = pg_grad("ratio", RegionConfig("ratio", eps_low=1 - l, eps_high=u - 1))
+    gr, orr, _, _ = pg_grad("ratio", RegionConfig("ratio", eps_low=1 - low, eps_high=up - 1))
     assert torch.equal(o3.keep, orr.keep) and torch.equal(g3, gr)
-    # and it is the k3 test itself: k3(rho) <= delta  <=>  l <= rho <= u
+    # and it is the k3 test itself: k3(rho) <= delta  <=>  low <= rho <= up
     k3 = rho - 1 - rho.log()
     outside = k3 > delta
     assert torch.equal(~o3.keep[0], outside & (((adv > 0) & (rho > 1)) | ((adv < 0) & (rho < 1))))
@@ -71,8 +71,8 @@ def test_kl3_mask_equals_ratio_mask_with_lambert_bounds():
 
 def test_atr_default_delta_is_closest_to_clip_higher(monkeypatch):
     d = kl3_delta_for(0.2, 0.28)
-    l, u = kl3_bounds(d)
-    assert abs(l - 0.8) < 0.03 and abs(u - 1.28) < 0.03
+    low, up = kl3_bounds(d)
+    assert abs(low - 0.8) < 0.03 and abs(up - 1.28) < 0.03
     # The constant the recipe uses is that fit, rounded as documented (docs/algorithms.md:
     # delta = 0.03, kl3_delta_for(0.2, 0.28) = 0.0295) ...
     from tether.algo import recipe, recipes
