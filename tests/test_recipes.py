@@ -15,7 +15,8 @@ SPEC = {  # ALGORITHMS.md section 6
     "cispo": ("grpo", "cispo", "none", "none"),
     "gspo": ("grpo", "gspo", "none", "none"),
     **{f"rpg_{v}": ("group_mean", "dual", f"rpg_{v}", "iterative") for v in ("fkl", "rkl", "ufkl", "urkl")},
-    **{f"rpg_reinforce_{v}": ("group_mean", "rpg_clip", f"rpg_{v}", "iterative") for v in ("fkl", "rkl", "ufkl", "urkl")},
+    **{f"rpg_reinforce_{v}": ("group_mean", "rpg_clip", f"rpg_{v}", "iterative")
+       for v in ("fkl", "rkl", "ufkl", "urkl")},
 }
 
 
@@ -106,3 +107,13 @@ def test_algo_layer_imports_only_torch():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_anchor_kinds_of_the_config_are_the_registered_ones():
+    """tether.algo (which imports nothing else) lists anchor.kind's choices for validation; the anchor kinds
+    themselves are registered in tether.anchor.ANCHOR_KINDS with their rules: the two must name the same kinds."""
+    from tether.algo.recipes import ANCHORS
+    from tether.anchor import ANCHOR_KINDS
+
+    assert ANCHORS == ("none", *ANCHOR_KINDS)
+    assert ANCHOR_KINDS.where(needs_forward=False) == ("iterative",)

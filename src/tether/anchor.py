@@ -34,16 +34,64 @@ re-sharded), so checkpoints do not depend on the number of ranks.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
 from . import distributed as dist
 from .algo.recipes import AnchorConfig
-from .algo.registry import unknown_choice
+from .algo.registry import Registry
 
-ANCHOR_KINDS = ("fixed", "ema", "iterative", "reset", "kl_reset")
+#: anchor kind -> its rule ``rule(anchor, params, step, token_kl) -> bool`` (whether it moved the anchor's
+#: tensors, given the policy's local parameters after trainer step ``step``), with metadata ``needs_forward``
+#: (it has its own weights, which a forward pass computes with; the iterative anchor is the sampler) and
+#: ``moves`` (it changes after the first step). ``anchor.kind=none`` is no anchor at all.
+ANCHOR_KINDS: Registry[Callable[..., bool]] = Registry("anchor", required=("needs_forward", "moves"))
+
+
+def _never(anchor: "Anchor", params: list, step: int, token_kl: Optional[float]) -> bool:
+    return False
+
+
+ANCHOR_KINDS.register("fixed", needs_forward=True, moves=False)(_never)
+
+
+@ANCHOR_KINDS.register("ema", needs_forward=True, moves=True)
+def _ema(anchor: "Anchor", params: list, step: int, token_kl: Optional[float]) -> bool:
+    c = anchor.cfg
+    if step % c.every:
+        return False
+    if all(p.dtype == m.dtype for m, p in zip(anchor.master, params)):
+        torch._foreach_lerp_(anchor.master, [p.detach() for p in params], 1.0 - c.eta)
+    else:  # per tensor, so only one upcast temporary exists at a time
+        for m, p in zip(anchor.master, params):
+            m.lerp_(p.detach().to(m.dtype), 1.0 - c.eta)
+    return True
+
+
+ANCHOR_KINDS.register("iterative", needs_forward=False, moves=False)(_never)
+
+
+@ANCHOR_KINDS.register("reset", needs_forward=True, moves=True)
+def _reset(anchor: "Anchor", params: list, step: int, token_kl: Optional[float]) -> bool:
+    if step % anchor.cfg.every:
+        return False
+    torch._foreach_copy_(anchor.master, [p.detach() for p in params])
+    return True
+
+
+@ANCHOR_KINDS.register("kl_reset", needs_forward=True, moves=True)
+def _kl_reset(anchor: "Anchor", params: list, step: int, token_kl: Optional[float]) -> bool:
+    c = anchor.cfg
+    if token_kl is None:
+        raise ValueError("anchor 'kl_reset' needs the step's token KL")
+    anchor.kl_ma = c.kl_smoothing * anchor.kl_ma + (1.0 - c.kl_smoothing) * float(token_kl)
+    if anchor.kl_ma <= c.kappa:
+        return False
+    torch._foreach_copy_(anchor.master, [p.detach() for p in params])
+    anchor.kl_ma = 0.0
+    return True
 
 
 def tracked_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -58,11 +106,9 @@ class Anchor:
     """An anchor over a module's tracked parameters. ``needs_forward`` is False for the iterative anchor."""
 
     def __init__(self, cfg: AnchorConfig, model: Optional[nn.Module] = None):
-        if cfg.kind not in ANCHOR_KINDS:
-            raise ValueError(unknown_choice("anchor", cfg.kind, ANCHOR_KINDS))
+        self.needs_forward = ANCHOR_KINDS.meta(cfg.kind)["needs_forward"]  # an unknown kind: the did-you-mean error
         self.cfg = cfg
         self.kind = cfg.kind
-        self.needs_forward = cfg.kind != "iterative"
         self.num_updates = 0  # EMA updates or resets applied so far
         self.kl_ma = 0.0  # kl_reset: moving average of the token KL
         self.names: list[str] = []
@@ -111,31 +157,13 @@ class Anchor:
 
     @torch.no_grad()
     def update(self, model: nn.Module, step: int, token_kl: Optional[float] = None) -> bool:
-        """Apply the anchor rule after trainer step ``step`` (1-based; not optimizer steps). Returns True if the anchor moved."""
-        c = self.cfg
-        if self.kind in ("fixed", "iterative"):
+        """Apply the anchor rule after trainer step ``step`` (1-based; not optimizer steps).
+        Returns True if the anchor moved."""
+        if not ANCHOR_KINDS.meta(self.kind)["moves"]:
             return False
         params = [dist.local(p) for p in self._params(model)]
-        if self.kind == "ema":
-            if step % c.every:
-                return False
-            if all(p.dtype == m.dtype for m, p in zip(self.master, params)):
-                torch._foreach_lerp_(self.master, [p.detach() for p in params], 1.0 - c.eta)
-            else:  # per tensor, so only one upcast temporary exists at a time
-                for m, p in zip(self.master, params):
-                    m.lerp_(p.detach().to(m.dtype), 1.0 - c.eta)
-        elif self.kind == "reset":
-            if step % c.every:
-                return False
-            torch._foreach_copy_(self.master, [p.detach() for p in params])
-        elif self.kind == "kl_reset":
-            if token_kl is None:
-                raise ValueError("anchor 'kl_reset' needs the step's token KL")
-            self.kl_ma = c.kl_smoothing * self.kl_ma + (1.0 - c.kl_smoothing) * float(token_kl)
-            if self.kl_ma <= c.kappa:
-                return False
-            torch._foreach_copy_(self.master, [p.detach() for p in params])
-            self.kl_ma = 0.0
+        if not ANCHOR_KINDS[self.kind](self, params, step, token_kl):
+            return False
         self._sync_compute(params)
         self.num_updates += 1
         return True
@@ -204,7 +232,8 @@ class Anchor:
         tensors = state["tensors"]
         if set(tensors) != set(self.names):
             missing = sorted(set(self.names) - set(tensors))[:3]
-            raise ValueError(f"checkpoint anchor does not match the model's trainable parameters (missing e.g. {missing})")
+            raise ValueError("checkpoint anchor does not match the model's trainable parameters "
+                             f"(missing e.g. {missing})")
         with torch.no_grad():
             for m, n, p in zip(self.master, self.names, self._layout):
                 m.copy_(dist.shard_like(tensors[n], p) if self.sharded else tensors[n])

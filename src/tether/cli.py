@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a policy (no arguments: SmolLM2-135M on synthetic arithmetic with ema_pg)",
                        description="Train. Settings resolve as: recipe -> --config YAML -> key=value overrides "
-                       "(e.g. train.lr=1e-5 algo.kl.beta=0.01 rollout.n=8). Every key: docs/config.md or `tether config --reference`.",
+                       "(e.g. train.lr=1e-5 algo.kl.beta=0.01 rollout.n=8). Every key: docs/config.md or "
+                       "`tether config --reference`.",
                        epilog="Stopping: SIGINT (Ctrl-C) or SIGTERM (a scheduler's stop) finishes the step in "
                        "progress, writes a checkpoint, prints how to continue (tether train --resume RUN_DIR) and "
                        "exits with 130 (SIGINT) or 143 (SIGTERM). A second signal (a second or more after the "
@@ -110,7 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=50")
     t.add_argument("--config", help="YAML config file")
     t.add_argument("--recipe", help="named algorithm (tether recipes lists them); default ema_pg")
-    t.add_argument("--task", choices=["math", "search"],
+    from .tasks.registry import task_presets
+
+    t.add_argument("--task", choices=list(task_presets()),
                    help="math (default: single-turn, arithmetic / GSM8K / MATH data) | search (the multi-turn search "
                    "agent on the closed-pool multi-hop set with BM25; tether.config.TASK_PRESETS)")
     t.add_argument("--model", help="hub id, local directory, .gguf file, or 'smollm2' (the embedded default)")

@@ -8,6 +8,8 @@ and, for a multi-turn agent, interleaves tool observations, marking them False i
 * ``search`` (:class:`~tether.agents.search.SearchAgent`): Search-R1's multi-turn protocol
   with a retriever (``tether.search``).
 
+Agents register in :data:`AGENTS` with how a config configures them (metadata ``options``,
+``tools``, ``reads``); ``rollout.agent`` also takes a user's ``module:name`` / ``file.py:name``.
 ``make_agent(name, engine, tokenizer, **options)`` builds one by name;
 ``agent_from_config(cfg, engine, tokenizer)`` builds the one ``rollout.agent`` names, with its
 options from the config. ``agent_tools(cfg)`` builds its tools (e.g. the retriever, which loads
@@ -41,17 +43,26 @@ class Agent(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
+def _options(cfg) -> dict[str, Any]:
+    """The options every agent takes from a tether Config (an agent's default ``options``)."""
+    return {"system_prompt": cfg.data.system_prompt, "prompt_overflow": cfg.rollout.prompt_overflow}
+
+
+def _no_tools(cfg) -> dict[str, Any]:
+    return {}
+
+
+def _search_options(cfg) -> dict[str, Any]:
+    s = cfg.search
+    return {**_options(cfg), "topk": s.topk, "max_searches": s.max_searches, "max_obs_tokens": s.max_obs_tokens,
+            "max_context": s.max_context}
+
+
 def _search_tools(cfg) -> dict[str, Any]:
     """The retriever of ``cfg.search`` (bm25 / dense load and check the corpus here)."""
-    from ..search.data import corpus_path
-    from ..search.retrievers import make_retriever
+    from ..search.retrievers import retriever_from_config
 
-    s = cfg.search
-    if s.retriever == "http":
-        return {"retriever": make_retriever("http", url=s.url, timeout=s.timeout, retries=s.retries)}
-    corpus = s.corpus or corpus_path(s.data_dir or None)
-    opts = {"model": s.dense_model} if s.retriever == "dense" else {}
-    return {"retriever": make_retriever(s.retriever, corpus=corpus, **opts)}
+    return {"retriever": retriever_from_config(cfg.search)}
 
 
 def _search(engine, tokenizer, **options) -> Agent:
@@ -60,37 +71,32 @@ def _search(engine, tokenizer, **options) -> Agent:
     return SearchAgent(engine, tokenizer, **options)
 
 
-#: agent name -> builder(engine, tokenizer, **options)
-AGENTS: Registry[Callable[..., Agent]] = Registry("agent")
+#: agent name -> builder(engine, tokenizer, **options), with metadata: ``options(cfg) -> dict`` and
+#: ``tools(cfg) -> dict`` (how a tether Config configures it; tools such as a retriever are built on
+#: their own, before the model) and ``reads``, the config section it reads besides data/rollout (its
+#: keys are errors with any other agent). A user's agent (``rollout.agent=module:name``) carries any of
+#: them as attributes; by default it gets ``system_prompt`` and ``prompt_overflow`` and no tools.
+AGENTS: Registry[Callable[..., Agent]] = Registry("agent", defaults={"options": _options, "tools": _no_tools,
+                                                                     "reads": None})
 AGENTS.register("single_turn")(SingleTurnAgent)
-AGENTS.register("search")(_search)
-
-#: agent name -> (options(cfg) -> dict, tools(cfg) -> dict): how a tether Config configures it
-AGENT_CONFIG: dict[str, tuple[Callable[[Any], dict], Callable[[Any], dict]]] = {
-    "single_turn": (lambda cfg: {"system_prompt": cfg.data.system_prompt,
-                                 "prompt_overflow": cfg.rollout.prompt_overflow}, lambda cfg: {}),
-    "search": (lambda cfg: {"system_prompt": cfg.data.system_prompt, "prompt_overflow": cfg.rollout.prompt_overflow,
-                            "topk": cfg.search.topk,
-                            "max_searches": cfg.search.max_searches, "max_obs_tokens": cfg.search.max_obs_tokens,
-                            "max_context": cfg.search.max_context}, _search_tools),
-}
+AGENTS.register("search", options=_search_options, tools=_search_tools, reads="search")(_search)
 
 
 def make_agent(name: str, engine, tokenizer, **options: Any) -> Agent:
-    """The agent registered as ``name``, driving ``engine`` (``options`` go to its constructor)."""
-    return AGENTS[name](engine, tokenizer, **options)
+    """The agent registered as ``name`` (or a user's ``module:name``), driving ``engine`` (``options`` go
+    to its constructor)."""
+    return AGENTS.resolve(name)[0](engine, tokenizer, **options)
 
 
 def agent_tools(cfg) -> dict[str, Any]:
     """The tools the agent ``cfg.rollout.agent`` needs, e.g. a retriever (build once, before the model)."""
-    return AGENT_CONFIG[cfg.rollout.agent][1](cfg)
+    return AGENTS.resolve(cfg.rollout.agent)[1]["tools"](cfg)
 
 
 def agent_from_config(cfg, engine, tokenizer, tools: Optional[dict[str, Any]] = None) -> Agent:
     """The agent ``cfg.rollout.agent`` names, configured from a ``tether.config.Config``."""
-    options, make_tools = AGENT_CONFIG[cfg.rollout.agent]
-    return make_agent(cfg.rollout.agent, engine, tokenizer, **options(cfg),
-                      **(make_tools(cfg) if tools is None else tools))
+    build, meta = AGENTS.resolve(cfg.rollout.agent)
+    return build(engine, tokenizer, **meta["options"](cfg), **(meta["tools"](cfg) if tools is None else tools))
 
 
-__all__ = ["AGENTS", "AGENT_CONFIG", "Agent", "SingleTurnAgent", "agent_from_config", "agent_tools", "make_agent"]
+__all__ = ["AGENTS", "Agent", "SingleTurnAgent", "agent_from_config", "agent_tools", "make_agent"]

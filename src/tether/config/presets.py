@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..tasks.registry import task_presets
+
 # Trainer settings a recipe brings along (the algorithm alone does not define them).
 RECIPE_TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
     "dapo": {"rollout.dynamic_sampling": True, "rollout.overlong_buffer_frac": 0.25},
@@ -13,10 +15,7 @@ RECIPE_TRAINER_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-# `tether train --task NAME`: settings a task brings (after the recipe, before YAML and overrides).
-TASK_PRESETS: dict[str, dict[str, Any]] = {
-    "math": {},  # the default: single-turn math with the arithmetic / GSM8K / MATH data
-    # Search-R1's setting: multi-turn search agent on the closed-pool multi-hop set, exact match only
-    "search": {"rollout.agent": "search", "data.task": "multihop", "data.format_weight": 0.0,
-               "rollout.n": 5, "rollout.max_new_tokens": 128},
-}
+# `tether train --task NAME`: settings a task brings (after the recipe, before YAML and overrides): the
+# ``preset`` of each task registered in tether.tasks.registry.TASKS that has one (math: the default,
+# single-turn math with the arithmetic / GSM8K / MATH data; search: Search-R1's setting)
+TASK_PRESETS: dict[str, dict[str, Any]] = task_presets()

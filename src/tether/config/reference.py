@@ -66,6 +66,28 @@ def keys(cls: type = Config) -> list[tuple[str, object, str]]:
     return out
 
 
+def registered() -> dict[str, str]:
+    """Config key -> the names its registry holds (appended to the key's meaning in the reference)."""
+    from ..agents import AGENTS
+    from ..anchor import ANCHOR_KINDS
+    from ..rollout import ENGINES
+    from ..search.retrievers import RETRIEVERS
+    from ..tasks.registry import TASKS
+    from ..tasks.rewards import REWARDS
+
+    def names(extra, registry, where, user=True):
+        spec = ", or module:function / path.py:function" if user else ""
+        return f"Registered: {', '.join([*extra, *registry])} (`{where}`){spec}."
+
+    return {"data.task": names((), TASKS, "tether.tasks.registry.TASKS") + " A registered name picks its task; "
+            "any other value is a dataset of task `math`.",
+            "data.reward": names(("auto",), REWARDS, "tether.tasks.rewards.REWARDS"),
+            "rollout.engine": names((), ENGINES, "tether.rollout.ENGINES", user=False),
+            "rollout.agent": names((), AGENTS, "tether.agents.AGENTS"),
+            "search.retriever": names((), RETRIEVERS, "tether.search.retrievers.RETRIEVERS"),
+            "algo.anchor.kind": names(("none",), ANCHOR_KINDS, "tether.anchor.ANCHOR_KINDS", user=False)}
+
+
 def reference() -> str:
     """Markdown reference of every config key, generated from the comments at their declarations."""
     out = ["# Configuration keys", "",
@@ -75,6 +97,7 @@ def reference() -> str:
            "(the `algo.*` defaults below are the bare field defaults: each recipe, the default `ema_pg` included,",
            "overrides some of them; `tether config --recipe NAME` prints a recipe's resolved values).", ""]
     rows = keys()
+    reg = registered()
     for prefix, section in sections():
         own = [r for r in rows if r[0].startswith(prefix) and "." not in r[0][len(prefix):]]
         if not own:
@@ -83,6 +106,11 @@ def reference() -> str:
         summary = " ".join(inspect.cleandoc(section.__doc__ or "").split("\n\n")[0].split())  # its first paragraph
         out += [f"## {title}", "", summary, "",
                 "| key | default | meaning |", "| --- | --- | --- |"]
-        out += [f"| `{key}` | `{value!r}` | {comment.replace('|', '/')} |" for key, value, comment in own]
+        out += [f"| `{key}` | `{value!r}` | {_meaning(key, comment, reg)} |" for key, value, comment in own]
         out.append("")
     return "\n".join(out)
+
+
+def _meaning(key: str, comment: str, reg: dict[str, str]) -> str:
+    text = f"{comment}. {reg[key]}" if key in reg else comment
+    return text.replace("|", "/")

@@ -9,6 +9,7 @@ from typing import Optional
 
 from ..algo.recipes import AlgoConfig, recipe
 from ..models import ModelConfig
+from ..tasks.registry import TASKS, held_out_benchmark
 
 DEFAULT_RECIPE = "ema_pg"
 
@@ -17,7 +18,9 @@ DEFAULT_RECIPE = "ema_pg"
 class DataConfig:
     """Where prompts come from and how responses are scored."""
 
-    task: str = "arithmetic"  # arithmetic (synthetic, no files) | gsm8k | math500 | aime24 | amc | minerva | olympiadbench | a .jsonl/.json/.parquet file | a hub dataset id
+    task: str = "arithmetic"  # arithmetic (synthetic, no files) | gsm8k | math500 | aime24 | amc | minerva |
+    # olympiadbench | a .jsonl/.json/.parquet file | a hub dataset id | a user's task module:function /
+    # path.py:function (docs/extending.md); with rollout.agent=search, a QA set of the search data dir
     split: str = "train"  # dataset split (named and hub datasets)
     prompt_key: Optional[str] = None  # files/hub: the prompt field (default: first of prompt, question, problem)
     answer_key: Optional[str] = None  # files/hub: the answer field (default: answer)
@@ -25,9 +28,14 @@ class DataConfig:
     limit: int = 0  # use only the first N examples (0 = all)
     shuffle: bool = True  # files/datasets: visit examples in a seeded random order (train.seed)
     difficulty: int = 1  # arithmetic: number of steps per problem (1-4)
-    reward: str = "auto"  # auto (by task) | arithmetic | gsm8k | math | module:function | path.py:function
-    reward_timeout: float = 10.0  # user rewards (module:function, path.py:function) run in a worker process, at most this many seconds per call: a call that runs longer is stopped, scores 0 and counts in reward_errors (0 = no limit, the reward runs in the trainer process, as the built-in rewards always do)
-    format_weight: float = 0.0  # reward += format_weight when the answer is in the requested format (0 = correctness only, the default: a 0.2 bonus was gamed by responses of repeated "####" lines that collect it without a correct answer, see docs/results.md)
+    reward: str = "auto"  # auto (the task's own) | a registered reward | a user's module:function /
+    # path.py:function (docs/extending.md)
+    reward_timeout: float = 10.0  # user rewards (module:function, path.py:function) run in a worker process, at most
+    # this many seconds per call: a call that runs longer is stopped, scores 0 and counts in reward_errors (0 = no
+    # limit, the reward runs in the trainer process, as the built-in rewards always do)
+    format_weight: float = 0.0  # reward += format_weight when the answer is in the requested format (0 = correctness
+    # only, the default: a 0.2 bonus was gamed by responses of repeated "####" lines that collect it without a correct
+    # answer, see docs/results.md)
     system_prompt: str = ""  # system message prepended through the model's chat template ("" = none)
 
 
@@ -35,41 +43,62 @@ class DataConfig:
 class RolloutConfig:
     """Generation: how many responses per step and how they are sampled."""
 
-    engine: str = "hf"  # hf: transformers generate on the training model | vllm: an in-process vLLM engine (its own venv: scripts/setup.sh --vllm; options rollout.vllm_*; reports log-probs for algo.tis_cap) (engines register in tether.rollout.ENGINES)
-    agent: str = "single_turn"  # how an episode runs: single_turn (prompt -> one response); agents register in tether.agents.AGENTS
+    engine: str = "hf"  # hf: transformers generate on the training model | vllm: an in-process vLLM engine (its own
+    # venv: scripts/setup.sh --vllm; options rollout.vllm_*; reports log-probs for algo.tis_cap)
+    agent: str = "single_turn"  # how an episode runs: single_turn (prompt -> one response) | search (multi-turn with
+    # a retriever, docs/search_agents.md) | a user's agent module:function / path.py:function (docs/extending.md)
     prompts_per_step: int = 6  # prompts per trainer step
     n: int = 8  # samples per prompt (the group size G; 8 makes fewer groups all-wrong, which carry no signal)
-    temperature: float = 0.7  # sampling temperature; log-probs are taken at the same temperature (0.7: at 1.0 SmolLM2-135M is right about 4x less often than greedily, so most groups carry no signal)
+    temperature: float = 0.7  # sampling temperature; log-probs are taken at the same temperature (0.7: at 1.0
+    # SmolLM2-135M is right about 4x less often than greedily, so most groups carry no signal)
     top_p: float = 1.0  # nucleus sampling (1 = off)
     top_k: int = 0  # top-k sampling (0 = off)
-    max_new_tokens: int = 64  # response length cap; longer responses are truncated (search agent: the cap of each policy turn)
-    prompt_overflow: str = "error"  # a prompt of more than (the model's context - max_new_tokens) tokens (search agent: more than search.max_context - 1, each turn being cut to the room left): error (a GenerationError naming the example and the lengths; dataset rows are checked before the first step) | truncate (keep its last tokens; warns once)
-    min_new_tokens: int = 0  # EOS is banned before this many new tokens (0 = off; benchmarks use it for fixed-length decoding)
+    max_new_tokens: int = 64  # response length cap; longer responses are truncated (search agent: the cap of each
+    # policy turn)
+    prompt_overflow: str = "error"  # a prompt of more than (the model's context - max_new_tokens) tokens (search agent:
+    # more than search.max_context - 1, each turn being cut to the room left): error (a GenerationError naming the
+    # example and the lengths; dataset rows are checked before the first step) | truncate (keep its last tokens; warns
+    # once)
+    min_new_tokens: int = 0  # EOS is banned before this many new tokens (0 = off; benchmarks use it for fixed-length
+    # decoding)
     stop: list = field(default_factory=list)  # stop strings; the response ends right after one
     batch_size: int = 32  # sequences per generate call
-    share_prompt: bool = True  # pre-fill each distinct prompt once per generate call and copy its KV cache to its n samples
-    prune_every: int = 64  # decode in segments of N tokens and drop finished rows between them (0 = never; generate alone decodes finished rows until the longest ends)
+    share_prompt: bool = True  # pre-fill each distinct prompt once per generate call and copy its KV cache to its n
+    # samples
+    prune_every: int = 64  # decode in segments of N tokens and drop finished rows between them (0 = never; generate
+    # alone decodes finished rows until the longest ends)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and refill with new prompts
     max_refill_rounds: int = 3  # dynamic_sampling: at most this many extra generation rounds per step
-    overlong_buffer_frac: float = 0.0  # DAPO soft overlong penalty: linear penalty over the last frac of max_new_tokens (0 = off)
+    overlong_buffer_frac: float = 0.0  # DAPO soft overlong penalty: linear penalty over the last frac of max_new_tokens
+    # (0 = off)
     overlong_penalty: float = 1.0  # overlong_buffer_frac > 0: penalty at (and beyond) max_new_tokens
     mask_truncated: bool = False  # exclude responses cut at max_new_tokens from the loss (DAPO overlong filtering)
-    vllm_dtype: str = "auto"  # engine=vllm: the engine's weights dtype: auto (the training model's) | float32 | bfloat16 | float16
-    vllm_max_model_len: int = 0  # engine=vllm: longest prompt + response the engine serves (0 = the model's max_position_embeddings)
-    vllm_enforce_eager: bool = False  # engine=vllm: run the model eagerly (no torch.compile / CUDA graphs: faster start, slower decode)
-    vllm_gpu_memory_utilization: float = 0.5  # engine=vllm, GPU only: fraction of GPU memory vLLM takes for its weights and KV cache (the rest is the trainer's; an error on CPU)
-    vllm_kv_cache_gb: int = 0  # engine=vllm, CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE; 0 = vLLM's default; an error on GPU, where vllm_gpu_memory_utilization sizes it)
-    vllm_sleep: bool = False  # engine=vllm, GPU only: sleep mode between generations (weights offloaded to CPU, KV cache freed, woken for the next rollout; an error on CPU)
-    vllm_sync_bucket_mb: int = 256  # engine=vllm: weights are sent to the engine after each trainer step in buckets of at most this many MB
+    vllm_dtype: str = "auto"  # engine=vllm: the engine's weights dtype: auto (the training model's) | float32 |
+    # bfloat16 | float16
+    vllm_max_model_len: int = 0  # engine=vllm: longest prompt + response the engine serves (0 = the model's
+    # max_position_embeddings)
+    vllm_enforce_eager: bool = False  # engine=vllm: run the model eagerly (no torch.compile / CUDA graphs: faster
+    # start, slower decode)
+    vllm_gpu_memory_utilization: float = 0.5  # engine=vllm, GPU only: fraction of GPU memory vLLM takes for its weights
+    # and KV cache (the rest is the trainer's; an error on CPU)
+    vllm_kv_cache_gb: int = 0  # engine=vllm, CPU only: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE; 0 = vLLM's
+    # default; an error on GPU, where vllm_gpu_memory_utilization sizes it)
+    vllm_sleep: bool = False  # engine=vllm, GPU only: sleep mode between generations (weights offloaded to CPU, KV
+    # cache freed, woken for the next rollout; an error on CPU)
+    vllm_sync_bucket_mb: int = 256  # engine=vllm: weights are sent to the engine after each trainer step in buckets of
+    # at most this many MB
 
 
 @dataclass
 class SearchConfig:
     """The search agent (rollout.agent=search): retriever and budgets. Defaults follow Search-R1."""
 
-    retriever: str = "bm25"  # bm25 (bm25s over search.corpus) | dense (sentence-transformers + faiss; extra tether[dense]) | http (a Search-R1 retrieval server at search.url)
-    corpus: str = ""  # bm25, dense: a JSONL corpus of {"id", "contents"} rows ("" = corpus.jsonl of the search data dir)
-    data_dir: str = ""  # the search data directory for named sets and the corpus ("" = $TETHER_SEARCH_DATA_DIR, else <$TETHER_DATA_DIR>/../search)
+    retriever: str = "bm25"  # bm25 (bm25s over search.corpus) | dense (sentence-transformers + faiss; extra
+    # tether[dense]) | http (a Search-R1 retrieval server at search.url)
+    corpus: str = ""  # bm25, dense: a JSONL corpus of {"id", "contents"} rows ("" = corpus.jsonl of the search data
+    # dir)
+    data_dir: str = ""  # the search data directory for named sets and the corpus ("" = $TETHER_SEARCH_DATA_DIR, else
+    # <$TETHER_DATA_DIR>/../search)
     url: str = ""  # http: the server's base URL; queries go to POST <url>/retrieve
     dense_model: str = "intfloat/e5-base-v2"  # dense: a sentence-transformers model name or local directory
     topk: int = 3  # passages per search
@@ -77,25 +106,31 @@ class SearchConfig:
     max_obs_tokens: int = 512  # tokens per observation; longer ones are cut (the closing tag is kept)
     max_context: int = 4096  # prompt + response tokens per episode; an episode that reaches it ends ("length")
     timeout: float = 30.0  # http: seconds per request
-    retries: int = 2  # http: extra attempts after a failed request; a search that still fails becomes an observation saying so
+    retries: int = 2  # http: extra attempts after a failed request; a search that still fails becomes an observation
+    # saying so
 
 
 @dataclass
 class TrainConfig:
     """Optimization: the update over one rollout batch."""
 
-    steps: int = 10  # trainer steps (rollout + update); the default run, with its held-out evaluation before and after, fits 20 minutes on 2 CPU cores. Raised on --resume it extends the run (see train.schedule)
-    lr: float = 1e-5  # AdamW learning rate, >= 0 (0: no update, a baseline; EMA-PG used 1e-6 for hundreds of steps; the short CPU default needs more); set on --resume, it applies from the next step
+    steps: int = 10  # trainer steps (rollout + update); the default run, with its held-out evaluation before and after,
+    # fits 20 minutes on 2 CPU cores. Raised on --resume it extends the run (see train.schedule)
+    lr: float = 1e-5  # AdamW learning rate, >= 0 (0: no update, a baseline; EMA-PG used 1e-6 for hundreds of steps; the
+    # short CPU default needs more); set on --resume, it applies from the next step
     weight_decay: float = 0.0  # AdamW weight decay
     betas: list = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
     warmup_steps: int = 0  # linear warm-up, in optimizer steps
-    schedule: str = "constant"  # constant | cosine | linear (after warm-up, to 0 at the last optimizer step). The LR never jumps on --resume: when train.steps (or the schedule) changes, the decay is re-laid from the multiplier reached to 0 at the new end; a run already decayed to 0 cannot be extended except with constant (train.lr)
+    schedule: str = "constant"  # constant | cosine | linear (after warm-up, to 0 at the last optimizer step). The LR
+    # never jumps on --resume: when train.steps (or the schedule) changes, the decay is re-laid from the multiplier
+    # reached to 0 at the new end; a run already decayed to 0 cannot be extended except with constant (train.lr)
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     epochs: int = 1  # passes over each rollout batch (> 1 makes the update off-policy)
     mini_batches: int = 1  # optimizer steps per epoch; each sees 1/mini_batches of the batch
     micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
     logprob_chunk: int = 1024  # tokens per chunk in the log-prob engine (peak memory ~ chunk x vocab)
-    share_prompt: bool = True  # forward each group's prompt once per micro-batch and reuse its KV cache for the G responses (exact; off under gradient checkpointing)
+    share_prompt: bool = True  # forward each group's prompt once per micro-batch and reuse its KV cache for the G
+    # responses (exact; off under gradient checkpointing)
     seed: int = 0  # seeds data order, sampling and initialization
 
 
@@ -103,10 +138,13 @@ class TrainConfig:
 class RunConfig:
     """Outputs: run directory, checkpoints, logs."""
 
-    output_dir: str = ""  # run directory ("" = runs/<recipe>-<task>-<timestamp>); a fresh run refuses a non-empty one (see run.overwrite) and locks it (RUN/.lock) while it trains
-    overwrite: bool = False  # a fresh run into a non-empty run.output_dir first deletes its contents (config, logs, checkpoints); false refuses it (CLI: --overwrite; needs run.output_dir; not with --resume)
+    output_dir: str = ""  # run directory ("" = runs/<recipe>-<task>-<timestamp>); a fresh run refuses a non-empty one
+    # (see run.overwrite) and locks it (RUN/.lock) while it trains
+    overwrite: bool = False  # a fresh run into a non-empty run.output_dir first deletes its contents (config, logs,
+    # checkpoints); false refuses it (CLI: --overwrite; needs run.output_dir; not with --resume)
     save_every: int = 10  # checkpoint every N trainer steps (0 = only at the end)
-    final_checkpoint: bool = True  # write a checkpoint after the last step (false: the final weights stay in memory only, e.g. for a benchmark that evaluates them in process; a stop signal still writes one)
+    final_checkpoint: bool = True  # write a checkpoint after the last step (false: the final weights stay in memory
+    # only, e.g. for a benchmark that evaluates them in process; a stop signal still writes one)
     keep_checkpoints: int = 2  # keep the newest N checkpoints (-1 = keep every checkpoint)
     log_samples: int = 2  # prompts/responses per step written to samples.jsonl
     exact_kl_samples: int = 1  # responses per step whose exact full-vocabulary KL to the anchor is logged (0 = off)
@@ -126,7 +164,9 @@ class EvalConfig:
     before: bool = True  # evaluate the initial policy before the first trainer step (fresh runs; logged at step 0)
     after: bool = True  # evaluate after the last trainer step; the run then prints the accuracy before -> after
     every: int = 0  # also evaluate every N trainer steps (0 = only before / after)
-    benchmarks: list = field(default_factory=lambda: ["auto"])  # auto (the training task's held-out set: arithmetic -> its test split, gsm8k -> GSM8K test; other tasks have none, and nothing is evaluated) | arithmetic | gsm8k | math500 | ... | a file
+    benchmarks: list = field(default_factory=lambda: ["auto"])  # auto (the training task's held-out set: arithmetic ->
+    # its test split, gsm8k -> GSM8K test; other tasks have none, and nothing is evaluated) | arithmetic | gsm8k |
+    # math500 | ... | a file
     limit: int = 100  # problems per benchmark (100: a standard error of about 4-5 points on accuracy)
     n: int = 1  # samples per problem
     greedy: bool = True  # temperature 0 (n must be 1); false samples at eval.temperature
@@ -135,8 +175,9 @@ class EvalConfig:
     anchor: bool = False  # also evaluate the anchor (fixed / ema / reset / kl_reset), as eval_anchor/...
 
 
-# eval.benchmarks=auto: the held-out set of a training task (tasks not listed have none)
-HELD_OUT = {"arithmetic": "arithmetic", "gsm8k": "gsm8k"}
+# eval.benchmarks=auto: the held-out set of a training task (tasks not listed have none), from the tasks'
+# registered ``held_out`` (tether.tasks.registry.TASKS)
+HELD_OUT = {k: v for n in TASKS for k, v in TASKS.meta(n)["held_out"].items()}
 
 
 def eval_benchmarks(cfg: "Config") -> list[str]:
@@ -145,8 +186,8 @@ def eval_benchmarks(cfg: "Config") -> list[str]:
     for b in cfg.eval.benchmarks:
         if b != "auto":
             out.append(b)
-        elif cfg.rollout.agent == "single_turn" and cfg.data.task in HELD_OUT:
-            out.append(HELD_OUT[cfg.data.task])
+        elif held_out_benchmark(cfg) is not None:
+            out.append(held_out_benchmark(cfg))
     return list(dict.fromkeys(out))
 
 

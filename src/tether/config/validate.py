@@ -49,26 +49,34 @@ def _check_algo(cfg: Config) -> list[str]:
 
 
 def _check_data(cfg: Config) -> list[str]:
-    """data.*: the arithmetic task's own keys, and the reward timeout."""
+    """data.*: the keys the task has no use for and its own checks (its registered metadata), and the
+    reward timeout."""
+    from ..algo.registry import is_spec
+    from ..tasks.registry import TASKS, task_name
+
     d, dd, errs = cfg.data, DataConfig(), []
-    if d.task != "arithmetic" and d.difficulty != dd.difficulty:
-        errs.append("data.difficulty only applies to data.task=arithmetic")
-    if d.task == "arithmetic":
-        for k in ("prompt_key", "answer_key", "data_dir", "split", "limit", "shuffle"):
+    name = task_name(cfg)
+    if name is None:
+        errs.extend(_check_spec("data.task", d.task, TASKS))
+    else:
+        meta = TASKS.meta(name)
+        for k in meta["ignores"]:
             if getattr(d, k) != getattr(dd, k):
-                errs.append(f"data.{k} has no effect with the synthetic arithmetic task (an endless seeded stream)")
-        if not 1 <= d.difficulty <= 4:
-            errs.append(f"data.difficulty must be 1-4, got {d.difficulty}")
+                users = [n for n in TASKS if k not in TASKS.meta(n)["ignores"]]
+                errs.append(f"data.{k} has no effect with {meta['about']}" if meta["about"] else
+                            f"data.{k} only applies to data.task={' or '.join(users)}")
+        errs.extend(meta["check"](cfg) if meta["check"] else [])
     if not (d.reward_timeout >= 0 and d.reward_timeout != float("inf")):
         errs.append(f"data.reward_timeout must be >= 0 seconds (0 = no limit), got {d.reward_timeout}")
-    elif d.reward_timeout != dd.reward_timeout and (d.reward == "auto" or ":" not in d.reward):
+    elif d.reward_timeout != dd.reward_timeout and (d.reward == "auto" or not is_spec(d.reward)):
         errs.append("data.reward_timeout only applies to a user reward (data.reward=module:function or "
                     "path.py:function); the built-in rewards run in the trainer process")
     return errs
 
 
 def _check_rollout_choices(cfg: Config) -> list[str]:
-    """rollout.prompt_overflow, the engine (and its options) and the agent."""
+    """rollout.prompt_overflow, the engine (and its options) and the agent (a name in tether.agents.AGENTS
+    or a user's module:function)."""
     from ..agents import AGENTS
     from ..rollout import ENGINES
 
@@ -79,37 +87,44 @@ def _check_rollout_choices(cfg: Config) -> list[str]:
         errs.append(unknown_choice("rollout.engine", r.engine, ENGINES))
     errs.extend(_check_engine(cfg))
     if r.agent not in AGENTS:
-        errs.append(unknown_choice("rollout.agent", r.agent, AGENTS))
+        errs.extend(_check_spec("rollout.agent", r.agent, AGENTS))
     return errs
 
 
+def _agent_reads(cfg: Config) -> str | None:
+    """The config section the agent reads besides data/rollout (its metadata ``reads``), None if unknown."""
+    from ..agents import AGENTS
+
+    return AGENTS.meta(cfg.rollout.agent)["reads"] if cfg.rollout.agent in AGENTS else None
+
+
 def _check_search(cfg: Config) -> list[str]:
-    """search.*: only with the search agent; the retriever's own keys; ranges."""
-    r, sc, ds, errs = cfg.rollout, cfg.search, SearchConfig(), []
-    if r.agent != "search":
+    """search.*: only with an agent that reads them; the retriever's own keys; ranges."""
+    from ..agents import AGENTS
+    from ..search.retrievers import RETRIEVERS
+
+    sc, ds, errs = cfg.search, SearchConfig(), []
+    if _agent_reads(cfg) != "search":
         for k in ("retriever", "corpus", "data_dir", "url", "dense_model", "topk", "max_searches", "max_obs_tokens",
                   "max_context", "timeout", "retries"):
             if getattr(sc, k) != getattr(ds, k):
-                errs.append(f"search.{k} only applies with rollout.agent=search")
+                errs.append(f"search.{k} only applies with rollout.agent={' or '.join(AGENTS.where(reads='search'))}")
+        return errs
+    if sc.retriever not in RETRIEVERS:
+        errs.extend(_check_spec("search.retriever", sc.retriever, RETRIEVERS))
     else:
-        if sc.retriever not in ("bm25", "dense", "http"):
-            errs.append(unknown_choice("search.retriever", sc.retriever, ("bm25", "dense", "http")))
-        if sc.retriever == "http" and not sc.url:
-            errs.append("search.retriever=http needs search.url (the retrieval server's base URL)")
-        if sc.retriever != "http" and sc.url:
-            errs.append("search.url only applies with search.retriever=http")
-        if sc.retriever == "http" and sc.corpus:
-            errs.append("search.corpus does not apply with search.retriever=http (the server holds the corpus)")
-        if sc.retriever != "dense" and sc.dense_model != ds.dense_model:
-            errs.append("search.dense_model only applies with search.retriever=dense")
-        for k in ("timeout", "retries"):
-            if sc.retriever != "http" and getattr(sc, k) != getattr(ds, k):
-                errs.append(f"search.{k} only applies with search.retriever=http")
-        for k in ("topk", "max_obs_tokens", "max_context"):
-            if getattr(sc, k) < 1:
-                errs.append(f"search.{k} must be >= 1")
-        if sc.max_searches < 0 or sc.retries < 0 or sc.timeout <= 0:
-            errs.append("search.max_searches and search.retries must be >= 0 and search.timeout > 0")
+        meta = RETRIEVERS.meta(sc.retriever)
+        errs += [f"search.retriever={sc.retriever} needs search.{k}" + (
+            " (the retrieval server's base URL)" if k == "url" else "") for k in meta["needs"] if not getattr(sc, k)]
+        for k in dict.fromkeys(k for n in RETRIEVERS for k in RETRIEVERS.meta(n)["keys"]):
+            if k not in meta["keys"] and getattr(sc, k) != getattr(ds, k):
+                users = [n for n in RETRIEVERS if k in RETRIEVERS.meta(n)["keys"]]
+                errs.append(f"search.{k} only applies with search.retriever={' or '.join(users)}")
+    for k in ("topk", "max_obs_tokens", "max_context"):
+        if getattr(sc, k) < 1:
+            errs.append(f"search.{k} must be >= 1")
+    if sc.max_searches < 0 or sc.retries < 0 or sc.timeout <= 0:
+        errs.append("search.max_searches and search.retries must be >= 0 and search.timeout > 0")
     return errs
 
 
@@ -165,7 +180,7 @@ def _check_eval(cfg: Config) -> list[str]:
             errs.append("eval.greedy=true gives n identical samples; set eval.n=1 or eval.greedy=false")
         if e.greedy and e.temperature != de.temperature:
             errs.append("eval.temperature has no effect with eval.greedy=true")
-        if e.anchor and cfg.algo.anchor.kind in ("none", "iterative"):
+        if e.anchor and not _anchor_has_weights(cfg.algo.anchor.kind):
             errs.append(f"eval.anchor=true needs an anchor with its own weights, not {cfg.algo.anchor.kind!r}")
         if not e.benchmarks:
             errs.append("eval.benchmarks is empty")
@@ -173,6 +188,13 @@ def _check_eval(cfg: Config) -> list[str]:
             errs.append(f"eval.benchmarks=auto: data.task={d.task!r} has no held-out set tether knows "
                         f"(auto knows {', '.join(HELD_OUT)}); name the benchmarks, e.g. eval.benchmarks=[gsm8k]")
     return errs
+
+
+def _anchor_has_weights(kind: str) -> bool:
+    """Whether anchor ``kind`` has its own weights (its registered ``needs_forward``; not none nor iterative)."""
+    from ..anchor import ANCHOR_KINDS
+
+    return kind in ANCHOR_KINDS and ANCHOR_KINDS.meta(kind)["needs_forward"]
 
 
 def _check_run(cfg: Config) -> list[str]:

@@ -184,13 +184,18 @@ def format_search_table(results: Mapping[str, Mapping[str, float]]) -> str:
 
 def add_eval_parser(sub) -> None:
     """Register the ``eval`` subcommand on an ``argparse`` subparsers object."""
+    from ..agents import AGENTS
+    from ..search.retrievers import RETRIEVERS
+    from ..tasks.rewards import REWARDS
+
     e = sub.add_parser(
         "eval", help="evaluate a model, a run's policy or its anchor on benchmarks (avg@n, pass@k, maj@n)",
         description="Sample --n responses per problem and report avg@n (mean accuracy), pass@k (unbiased) and "
         "maj@n (majority vote) per benchmark. Writes OUT/results.json, OUT/<benchmark>.jsonl and prints a table.")
     e.add_argument("--model", required=True, help="hub id, local directory, .gguf, 'smollm2', a run directory "
                    "(its latest checkpoint) or a checkpoint directory RUN/checkpoints/step-N")
-    e.add_argument("--anchor", action="store_true", help="evaluate the run's anchor (EMA/fixed/reset) instead of its policy")
+    e.add_argument("--anchor", action="store_true",
+                   help="evaluate the run's anchor (EMA/fixed/reset) instead of its policy")
     e.add_argument("--benchmarks", nargs="+", required=True, metavar="BENCH",
                    help="gsm8k math500 aime24 amc minerva olympiadbench, or .jsonl/.json/.parquet files")
     e.add_argument("--n", type=int, default=None, help="samples per problem (default 4; 1 with --greedy)")
@@ -199,7 +204,8 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=512, help="response cap (default 512)")
     e.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
     e.add_argument("--greedy", action="store_true", help="argmax decoding, one sample (temperature 0, n = 1)")
-    e.add_argument("--batch-size", dest="batch_size", type=int, default=64, help="sequences per generate call (default 64)")
+    e.add_argument("--batch-size", dest="batch_size", type=int, default=64,
+                   help="sequences per generate call (default 64)")
     e.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     e.add_argument("--system-prompt", dest="system_prompt", default=None,
                    help="system message (default: the run's data.system_prompt for runs, else none)")
@@ -208,7 +214,7 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--split", default=None, help="split to load (default: test for named benchmarks)")
     e.add_argument("--prompt-key", dest="prompt_key", default=None, help="field holding the prompt (files)")
     e.add_argument("--answer-key", dest="answer_key", default=None, help="field holding the answer (files)")
-    e.add_argument("--reward", default=None, help="math | gsm8k | arithmetic | module:function | file.py:function "
+    e.add_argument("--reward", default=None, help=" | ".join(REWARDS) + " | module:function | file.py:function "
                    "(default: gsm8k for GSM8K, math otherwise)")
     e.add_argument("--out", default=None, help="output directory, absent or empty (default "
                    "evals/<model>-<timestamp>); checked and created before the model loads")
@@ -221,9 +227,9 @@ def add_eval_parser(sub) -> None:
     g = e.add_argument_group("search agent", "--agent search runs the multi-turn search agent (docs/search_agents.md) "
                              "on QA benchmarks: multihop_dev, multihop, nq, triviaqa, popqa, hotpotqa, "
                              "2wikimultihopqa, musique, bamboogle, or .jsonl files with question/golden_answers")
-    g.add_argument("--agent", default="single_turn", choices=["single_turn", "search"],
+    g.add_argument("--agent", default="single_turn", choices=AGENTS.names(),
                    help="how an episode runs (default single_turn: prompt -> one response)")
-    g.add_argument("--retriever", default="bm25", choices=["bm25", "dense", "http"],
+    g.add_argument("--retriever", default="bm25", choices=RETRIEVERS.names(),
                    help="search: bm25 or dense over --corpus, or http to a Search-R1 retrieval server at --url")
     g.add_argument("--url", default=None, help="search, http: the retrieval server's base URL (POST URL/retrieve)")
     g.add_argument("--corpus", default=None, help="search, bm25/dense: corpus JSONL (default: corpus.jsonl of the "
@@ -243,11 +249,11 @@ def add_eval_parser(sub) -> None:
 
 def _search_setup(args):
     """--agent search: the QA benchmarks (search reward) and the agent's options, retriever built."""
-    from ..agents import AGENT_CONFIG
+    from ..agents import AGENTS
     from ..config import load_config
     from ..search.data import load_search_examples
-    from ..search.reward import SearchReward
     from ..tasks.benchmarks import Benchmark, slug
+    from ..tasks.rewards import load_reward
 
     if args.url and args.retriever != "http":
         raise EvalError("--url needs --retriever http")
@@ -265,9 +271,9 @@ def _search_setup(args):
                                   limit=args.limit, question_key=args.prompt_key or "question",
                                   answers_key=args.answer_key)
         benches.append(Benchmark(name=slug(Path(src).stem if src.endswith(".jsonl") else src), source=src,
-                                 split=None, examples=ex, reward="search", reward_fn=SearchReward()))
-    options, tools = AGENT_CONFIG["search"]
-    return benches, {k: v for k, v in options(cfg).items() if k != "system_prompt"} | tools(cfg)
+                                 split=None, examples=ex, reward="search", reward_fn=load_reward("search")))
+    meta = AGENTS.meta("search")
+    return benches, {k: v for k, v in meta["options"](cfg).items() if k != "system_prompt"} | meta["tools"](cfg)
 
 
 def _open_out(out: Path, files: Sequence[str], overwrite: bool) -> bool:

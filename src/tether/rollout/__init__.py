@@ -10,8 +10,9 @@ only when ``rollout.engine=vllm`` builds it. `make_engine` is the one place an e
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+from ..algo.registry import Registry
 from .base import Engine, RolloutBatch, SamplingParams
 
 __all__ = ["ENGINES", "Engine", "HFEngine", "RolloutBatch", "SamplingParams", "engine_reports_logp", "make_engine"]
@@ -41,29 +42,25 @@ def _vllm(cfg, model, tokenizer, **overrides: Any) -> Engine:
     return VLLMEngine(model, tokenizer, **opts)
 
 
-_hf.reports_logp = False
-_vllm.reports_logp = True  # fills RolloutBatch.sampler_logp (rollout correction, algo.tis_cap)
-
-#: engine name -> builder(cfg, model, tokenizer, **overrides); a builder's ``reports_logp``
-#: says whether its engine fills ``RolloutBatch.sampler_logp``.
-ENGINES = {"hf": _hf, "vllm": _vllm}
+#: engine name -> builder(cfg, model, tokenizer, **overrides); metadata ``reports_logp``: whether the
+#: engine fills ``RolloutBatch.sampler_logp`` (rollout correction, ``algo.tis_cap``)
+ENGINES: Registry[Callable[..., Engine]] = Registry("rollout.engine", required=("reports_logp",))
+ENGINES.register("hf", reports_logp=False)(_hf)
+ENGINES.register("vllm", reports_logp=True)(_vllm)
 
 
 def engine_reports_logp(name: str) -> bool:
     """Whether engine ``name`` reports the sampled tokens' log-probs (``RolloutBatch.sampler_logp``)."""
-    return bool(getattr(ENGINES[name], "reports_logp", False))
+    return bool(ENGINES.meta(name)["reports_logp"])
 
 
 def make_engine(cfg, model, tokenizer, **overrides: Any) -> Engine:
     """The engine ``cfg.engine`` names, for ``model``.
 
     ``cfg`` is a ``tether.config.RolloutConfig`` (or any object with its engine fields);
-    ``overrides`` replace single engine options (e.g. ``show_progress=True``).
+    ``overrides`` replace single engine options (e.g. ``show_progress=True``). An unknown name is a
+    ValueError with a did-you-mean.
     """
-    if cfg.engine not in ENGINES:
-        from ..algo.registry import unknown_choice
-
-        raise ValueError(unknown_choice("rollout.engine", cfg.engine, ENGINES))
     return ENGINES[cfg.engine](cfg, model, tokenizer, **overrides)
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..algo.registry import Registry
 from .bm25 import BM25Retriever
 from .dense import DenseRetriever, default_prefixes
 from .http_retriever import HTTPRetriever
@@ -56,6 +57,7 @@ __all__ = [
     "HTTPRetriever",
     "RETRIEVERS",
     "make_retriever",
+    "retriever_from_config",
     "register_retriever",
     "default_cache_root",
     "default_prefixes",
@@ -67,22 +69,41 @@ __all__ = [
 # registry
 # --------------------------------------------------------------------------------------
 
-#: Retriever factories by name; :func:`make_retriever` calls ``RETRIEVERS[kind](**options)``.
-RETRIEVERS: dict[str, Callable[..., Retriever]] = {
-    "bm25": BM25Retriever,
-    "dense": DenseRetriever,
-    "http": HTTPRetriever,
-}
+def _corpus(s) -> dict[str, Any]:
+    """The corpus option of a local retriever: ``search.corpus``, else the search data dir's corpus.jsonl."""
+    from .data import corpus_path
+
+    return {"corpus": s.corpus or corpus_path(s.data_dir or None)}
 
 
-def register_retriever(name: str, factory: Callable[..., Retriever]) -> None:
-    """Make ``make_retriever(name, ...)`` call ``factory(...)``."""
-    RETRIEVERS[name] = factory
+#: Retriever factories by name; :func:`make_retriever` calls ``RETRIEVERS[kind](**options)``. Metadata:
+#: ``options(search_cfg) -> dict``, the options a ``tether.config.SearchConfig`` gives the factory, and
+#: ``keys``, the ``search.*`` keys it reads (the others are errors with it; ``needs``: those it cannot do
+#: without). A user's retriever (``search.retriever=module:name``) carries any of them as attributes; by
+#: default it gets ``corpus=`` like bm25.
+RETRIEVERS: Registry[Callable[..., Retriever]] = Registry(
+    "retriever", defaults={"options": _corpus, "keys": ("corpus",), "needs": ()}, error=RetrievalError)
+RETRIEVERS.register("bm25")(BM25Retriever)
+RETRIEVERS.register("dense", options=lambda s: {**_corpus(s), "model": s.dense_model},
+                    keys=("corpus", "dense_model"))(DenseRetriever)
+RETRIEVERS.register("http", options=lambda s: {"url": s.url, "timeout": s.timeout, "retries": s.retries},
+                    keys=("url", "timeout", "retries"), needs=("url",))(HTTPRetriever)
+
+
+def register_retriever(name: str, factory: Callable[..., Retriever], **meta: Any) -> None:
+    """Make ``make_retriever(name, ...)`` call ``factory(...)`` (``meta``: see :data:`RETRIEVERS`)."""
+    if name in RETRIEVERS:
+        del RETRIEVERS[name]
+    RETRIEVERS.register(name, **meta)(factory)
 
 
 def make_retriever(kind: str = "bm25", **options: Any) -> Retriever:
-    """Build a retriever by name: ``bm25`` / ``dense`` need ``corpus=PATH`` (plus their
-    options), ``http`` needs ``url=...``. Raises :class:`RetrievalError` for an unknown name."""
-    if kind not in RETRIEVERS:
-        raise RetrievalError(f"unknown retriever {kind!r} (known: {', '.join(RETRIEVERS)})")
-    return RETRIEVERS[kind](**options)
+    """Build a retriever by name (or a user's ``module:name``): ``bm25`` / ``dense`` need ``corpus=PATH``
+    (plus their options), ``http`` needs ``url=...``. Raises :class:`RetrievalError` for an unknown name."""
+    return RETRIEVERS.resolve(kind)[0](**options)
+
+
+def retriever_from_config(s) -> Retriever:
+    """The retriever ``s.retriever`` names, with its options from ``s`` (a ``tether.config.SearchConfig``)."""
+    factory, meta = RETRIEVERS.resolve(s.retriever)
+    return factory(**meta["options"](s))

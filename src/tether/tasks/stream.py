@@ -5,9 +5,9 @@
   fits the task (``data.reward=auto``), and ``examples`` holds a finite dataset's rows (None for a
   generated task) so that they can be checked before the first step.
 * `prompt_stream(cfg)` / `held_out_sets(cfg, names)` -- build them from a config, and
-  `training_reward(cfg, stream)` scores the stream's responses. These are the only places that know
-  task names (the synthetic ``arithmetic`` task, the search agent's QA
-  data); the trainer never branches on one.
+  `training_reward(cfg, stream)` scores the stream's responses. They look the task up in the task
+  registry (`tether.tasks.registry.TASKS`: the synthetic ``arithmetic`` task, datasets, the search
+  agent's QA data, or a user's ``module:function``); nothing here or in the trainer branches on a name.
 
 The stream is name-agnostic: a generated task gives it ``generate(i) -> Example``, a dataset its
 rows (wrapped around, reshuffled each pass with a seed of ``train.seed`` and the pass).
@@ -56,23 +56,18 @@ class PromptStream:
 
 
 def prompt_stream(cfg) -> PromptStream:
-    """The training stream of ``cfg.data`` (a `tether.config.Config`); every row is validated here,
-    before the (slow) model load."""
-    d, seed = cfg.data, cfg.train.seed
-    if d.task == "arithmetic":
-        from .arithmetic import ArithmeticTask
-        task = ArithmeticTask(seed=seed, difficulty=d.difficulty, split="train")
-        return PromptStream(generate=task.example, reward_name="arithmetic", seed=seed, shuffle=d.shuffle)
-    if cfg.rollout.agent == "search":  # QA for the search agent: the prompt carries the protocol's instruction
-        from ..search.data import load_search_examples
-        examples = load_search_examples(d.task, data_dir=cfg.search.data_dir or None,
-                                        question_key=d.prompt_key or "question", answers_key=d.answer_key,
-                                        max_searches=cfg.search.max_searches, limit=d.limit or None)
-        return PromptStream(examples=examples, reward_name="search", seed=seed, shuffle=d.shuffle)
-    from .data import default_reward_name, load_examples
-    examples = load_examples(d.task, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                             data_dir=d.data_dir, limit=d.limit or None)
-    return PromptStream(examples=examples, reward_name=default_reward_name(d.task), seed=seed, shuffle=d.shuffle)
+    """The training stream of the task ``cfg`` picks (`tether.tasks.registry`; ``cfg`` is a
+    `tether.config.Config`); every row is validated here, before the (slow) model load."""
+    from .registry import resolve_task
+
+    build, meta = resolve_task(cfg)
+    rows = build(cfg)
+    reward = meta["reward"]
+    reward = (reward(cfg) if callable(reward) else reward) or "math"
+    seed, shuffle = cfg.train.seed, cfg.data.shuffle
+    if callable(rows):
+        return PromptStream(generate=rows, reward_name=reward, seed=seed, shuffle=shuffle)
+    return PromptStream(examples=list(rows), reward_name=reward, seed=seed, shuffle=shuffle)
 
 
 def training_reward(cfg, stream: PromptStream):
@@ -86,17 +81,17 @@ def training_reward(cfg, stream: PromptStream):
 
 def held_out_sets(cfg, names: list[str]) -> dict:
     """The held-out benchmarks ``names`` (``tether.config.eval_benchmarks(cfg)``) for evaluation during
-    training: name -> (examples, reward function). ``arithmetic`` is the synthetic task's test split
-    (never trained on); any other name is a `tether.tasks.benchmarks` benchmark."""
-    from .arithmetic import ArithmeticTask
+    training: name -> (examples, reward function). A task registered with a ``test_set`` (``arithmetic``:
+    the synthetic task's test split, never trained on) gives its own; any other name is a
+    `tether.tasks.benchmarks` benchmark."""
     from .benchmarks import load_benchmark
-    from .rewards import load_reward
+    from .registry import TASKS
     e, d = cfg.eval, cfg.data
     out = {}
     for src in names:
-        if src == "arithmetic":
-            task = ArithmeticTask(seed=cfg.train.seed, difficulty=d.difficulty, split="test")
-            out["arithmetic"] = (task.examples(e.limit), load_reward("arithmetic"))
+        test_set = TASKS.meta(src)["test_set"] if src in TASKS else None
+        if test_set is not None:
+            out[src] = test_set(cfg, e.limit)
         else:
             b = load_benchmark(src, limit=e.limit, data_dir=d.data_dir)
             out[b.name] = (b.examples, b.reward_fn)

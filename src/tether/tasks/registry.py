@@ -1,0 +1,127 @@
+"""The task registry: where a run's training prompts come from, by name.
+
+A task is a builder ``stream(cfg)`` (``cfg``: a ``tether.config.Config``) that returns the examples
+of a finite dataset (a list of :class:`~tether.tasks.base.Example`) or, for a generated task,
+``generate(i) -> Example``; ``tether.tasks.stream.prompt_stream`` turns either into the trainer's
+``PromptStream``. Each is registered in :data:`TASKS` with what it needs:
+
+``reward``     the reward that fits it (``data.reward=auto``): a name or spec, or ``reward(cfg)``;
+               None: ``math``
+``agent``      the agent whose episodes read it (then ``rollout.agent`` picks it, and ``data.task``
+               names its dataset); None: it is picked by ``data.task``
+``ignores``    the ``data.*`` keys it has no use for (setting one is a config error) and ``about``,
+               how such an error names it (default: "only applies to data.task=...")
+``check``      ``check(cfg) -> list[str]``: problems of its own settings
+``held_out``   ``{data.task: benchmark}``: the held-out set ``eval.benchmarks=auto`` evaluates on
+``test_set``   ``test_set(cfg, limit) -> (examples, reward)``: the benchmark named like the task
+``preset``     the settings ``tether train --task NAME`` brings (None: no such option)
+
+``data.task`` picks the task: a user's ``module:function`` / ``path/to/file.py:function`` (the
+function is the builder; metadata are its attributes of the same names), else the task registered
+for ``rollout.agent``, else a registered task of that name, else ``math`` (files, named datasets and
+hub ids).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from ..algo.registry import Registry, is_spec
+from .base import DataError
+
+#: data.* keys a task may read besides the reward settings
+DATA_KEYS = ("prompt_key", "answer_key", "data_dir", "split", "limit", "shuffle", "difficulty")
+
+TASKS: Registry[Callable[..., Any]] = Registry("task", error=DataError, defaults={
+    "reward": None, "agent": None, "ignores": (), "about": None, "check": None, "held_out": {}, "test_set": None,
+    "preset": None})
+
+
+def _arithmetic_check(cfg) -> list[str]:
+    d = cfg.data.difficulty
+    return [] if 1 <= d <= 4 else [f"data.difficulty must be 1-4, got {d}"]
+
+
+def _arithmetic_test_set(cfg, limit: int):
+    """The synthetic task's test split (never trained on), with its reward."""
+    from .arithmetic import ArithmeticTask
+    from .rewards import load_reward
+
+    task = ArithmeticTask(seed=cfg.train.seed, difficulty=cfg.data.difficulty, split="test")
+    return task.examples(limit), load_reward("arithmetic")
+
+
+@TASKS.register("arithmetic", reward="arithmetic", about="the synthetic arithmetic task (an endless seeded stream)",
+                ignores=("prompt_key", "answer_key", "data_dir", "split", "limit", "shuffle"),
+                check=_arithmetic_check, held_out={"arithmetic": "arithmetic"}, test_set=_arithmetic_test_set)
+def arithmetic_task(cfg) -> Callable[[int], Any]:
+    """The seeded synthetic arithmetic task (``data.difficulty`` steps per problem): an endless stream."""
+    from .arithmetic import ArithmeticTask
+
+    return ArithmeticTask(seed=cfg.train.seed, difficulty=cfg.data.difficulty, split="train").example
+
+
+def _dataset_reward(cfg) -> str:
+    from .data import default_reward_name
+
+    return default_reward_name(cfg.data.task)
+
+
+@TASKS.register("math", reward=_dataset_reward, ignores=("difficulty",), held_out={"gsm8k": "gsm8k"}, preset={})
+def dataset_task(cfg) -> list:
+    """Single-turn math: ``data.task`` is a named dataset (GSM8K, MATH-500, ...), a .jsonl/.json/.parquet
+    file or a hub id (``tether.tasks.data.load_examples``); every row is validated here."""
+    from .data import load_examples
+
+    d = cfg.data
+    return load_examples(d.task, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                         data_dir=d.data_dir, limit=d.limit or None)
+
+
+@TASKS.register("search", reward="search", agent="search", ignores=("difficulty",), preset={
+    # Search-R1's setting: multi-turn search agent on the closed-pool multi-hop set, exact match only
+    "rollout.agent": "search", "data.task": "multihop", "data.format_weight": 0.0, "rollout.n": 5,
+    "rollout.max_new_tokens": 128})
+def search_qa_task(cfg) -> list:
+    """QA for the search agent: ``data.task`` names a QA set of the search data dir or a .jsonl file; the
+    prompt carries the search protocol's instruction (``tether.search.data.load_search_examples``)."""
+    from ..search.data import load_search_examples
+
+    d = cfg.data
+    return load_search_examples(d.task, data_dir=cfg.search.data_dir or None,
+                                question_key=d.prompt_key or "question", answers_key=d.answer_key,
+                                max_searches=cfg.search.max_searches, limit=d.limit or None)
+
+
+def task_name(cfg) -> Optional[str]:
+    """The registered task ``cfg`` trains on (None: ``data.task`` is a user's ``module:function``)."""
+    task = cfg.data.task
+    if is_spec(task):
+        return None
+    for name in TASKS.where(agent=cfg.rollout.agent):
+        return name
+    if task in TASKS and TASKS.meta(task)["agent"] is None:
+        return task
+    return "math"
+
+
+def resolve_task(cfg) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """``(builder, metadata)`` of the task ``cfg`` trains on (a user's task is imported here)."""
+    name = task_name(cfg)
+    return TASKS.resolve(cfg.data.task if name is None else name)
+
+
+def held_out_benchmark(cfg) -> Optional[str]:
+    """The held-out benchmark of the training task (``eval.benchmarks=auto``), None if it has none."""
+    name = task_name(cfg)
+    return None if name is None else TASKS.meta(name)["held_out"].get(cfg.data.task)
+
+
+def task_presets() -> dict[str, dict[str, Any]]:
+    """``tether train --task NAME``: the settings each task with a preset brings."""
+    return {n: dict(TASKS.meta(n)["preset"]) for n in TASKS if TASKS.meta(n)["preset"] is not None}
+
+
+def held_out_names() -> list[str]:
+    """Every ``data.task`` that has a held-out set tether knows."""
+    return [k for n in TASKS for k in TASKS.meta(n)["held_out"]]
