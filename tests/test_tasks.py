@@ -319,7 +319,7 @@ def test_reward_spec_errors_are_reward_errors_naming_spec_and_cause(tmp_path, mo
     (tmp_path / "mod_raises.py").write_text("raise KeyError('missing setting')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cases = [
-        (f"{tmp_path / 'syntax.py'}:fn", rf"syntax\.py:fn'.*syntax\.py, line 2: SyntaxError"),
+        (f"{tmp_path / 'syntax.py'}:fn", r"syntax\.py:fn'.*syntax\.py, line 2: SyntaxError"),
         (f"{tmp_path / 'raises.py'}:fn",
          r"raises\.py:fn'.*raised RuntimeError: no verifier here \(at .*raises\.py:2\)"),
         (f"{tmp_path / 'exits.py'}:fn", r"exits\.py:fn'.*raised SystemExit: 3"),
@@ -566,7 +566,8 @@ def test_custom_jsonl_json_parquet(tmp_path):
         ([{"question": "a", "answer": "1"}, {"answer": "2"}],
          r"bad\.jsonl row 2: missing field 'prompt'.*tried prompt, question, problem"),
         ([{"question": 5, "answer": "1"}], r"bad\.jsonl row 1: field 'question' must be a string, got int"),
-        ([{"question": "a", "answer": {"x": 1}}], r"bad\.jsonl row 1: field 'answer' must be a string, number or list, got dict"),
+        ([{"question": "a", "answer": {"x": 1}}],
+         r"bad\.jsonl row 1: field 'answer' must be a string, number or list, got dict"),
         ([{"question": "a", "answer": None}], r"row 1: field 'answer' must be a string, number or list, got NoneType"),
         ([{"question": "a", "answer": True}], r"row 1: field 'answer' must be a string, number or list, got bool"),
         ([{"question": "a", "answer": []}], r"row 1: field 'answer' is an empty list"),
@@ -611,3 +612,56 @@ def test_bad_rows_line_numbers_and_other_errors(tmp_path):
     with pytest.raises(DataError, match="unknown dataset"):
         load_examples("definitely-not-a-dataset")
     assert issubclass(DataError, ValueError)
+
+
+# ---------------------------------------------------------------- the task and reward registries
+
+
+def test_the_task_is_looked_up_in_the_registry():
+    """data.task picks a registered task (arithmetic), the search agent's task (its QA data), a user's
+    module:function, or else the dataset task math; a hub id org/name:config is not a user spec."""
+    from tether.algo.registry import is_spec
+    from tether.config import load_config
+    from tether.tasks.registry import TASKS, held_out_benchmark, task_name, task_presets
+
+    assert task_name(load_config(None, {})) == "arithmetic"
+    assert task_name(load_config(None, {"data.task": "gsm8k"})) == "math"
+    assert task_name(load_config(None, {"rollout.agent": "search", "data.task": "multihop"})) == "search"
+    assert held_out_benchmark(load_config(None, {"data.task": "gsm8k"})) == "gsm8k"
+    assert held_out_benchmark(load_config(None, {"rollout.agent": "search", "data.task": "gsm8k"})) is None
+    assert is_spec("my_ext:countdown") and is_spec("dir/my_ext.py:countdown")
+    assert not is_spec("openai/gsm8k:main") and not is_spec("data.jsonl")
+    assert list(task_presets()) == ["math", "search"] and TASKS.meta("search")["reward"] == "search"
+
+
+def test_a_user_task_and_its_reward_by_spec(tmp_path, monkeypatch):
+    from tether.config import load_config
+    from tether.tasks.stream import prompt_stream
+
+    (tmp_path / "user_task_mod.py").write_text(
+        "from tether.tasks import Example\n"
+        "def qa(cfg):\n    return [Example(prompt=f'q{i}', answer=str(i), id=f'u:{i}') for i in range(3)]\n"
+        "qa.reward = 'gsm8k'\n"
+        "def gen(cfg):\n    return lambda i: Example(prompt=f'g{i}', answer=str(i), id=f'g:{i}')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    s = prompt_stream(load_config(None, {"data.task": "user_task_mod:qa"}))
+    assert s.reward_name == "gsm8k" and sorted(e.id for e in s.take(3)) == ["u:0", "u:1", "u:2"]
+    s = prompt_stream(load_config(None, {"data.task": f"{tmp_path / 'user_task_mod.py'}:gen"}))
+    assert s.reward_name == "math" and [e.id for e in s.take(2)] == ["g:0", "g:1"]
+    with pytest.raises(DataError, match="has no attribute 'nope'"):
+        prompt_stream(load_config(None, {"data.task": "user_task_mod:nope"}))
+
+
+def test_the_registries_name_the_config_choices():
+    """check() lists a registry's names (with a did-you-mean) for an unknown choice, and takes user specs."""
+    from tether.config import ConfigError, load_config
+    from tether.tasks.rewards import REWARDS
+
+    assert list(REWARDS) == ["arithmetic", "gsm8k", "math", "search", "search_f1"]
+    with pytest.raises(ConfigError, match=r"unknown data.reward 'gsm8'\. Did you mean 'gsm8k'"):
+        load_config(None, {"data.reward": "gsm8"})
+    with pytest.raises(ConfigError, match="unknown rollout.agent 'serch'. Did you mean 'search'"):
+        load_config(None, {"rollout.agent": "serch"})
+    with pytest.raises(ConfigError, match="data.task 'x/no_such.py:f': task file x/no_such.py not found"):
+        load_config(None, {"data.task": "x/no_such.py:f"})
+    assert load_config(None, {"rollout.agent": "some_module:MyAgent"}).rollout.agent == "some_module:MyAgent"

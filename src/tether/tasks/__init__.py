@@ -5,6 +5,9 @@
 * :mod:`tether.tasks.data` -- :func:`load_examples` for files, named datasets and hub ids.
 * :mod:`tether.tasks.math` -- :func:`extract_answer`, :func:`is_equivalent` (math-verify).
 * :mod:`tether.tasks.rewards` -- :func:`load_reward`, :func:`call_reward`, the reward registry ``REWARDS``.
+* :mod:`tether.tasks.registry` -- :data:`TASKS`, the task registry (arithmetic, math datasets, the search
+  agent's QA data, a user's ``module:function``) that ``tether.tasks.stream.prompt_stream`` looks up.
+* :mod:`tether.tasks.qa_reward` -- the search agent's exact-match / F1 reward (``search``, ``search_f1``).
 * :mod:`tether.tasks.benchmarks` -- :func:`load_benchmark`: a benchmark's examples and reward.
 * :mod:`tether.tasks.prompts` -- :func:`encode_prompts` through the chat template.
 
@@ -23,6 +26,7 @@ from .data import (
     resolve_dataset_name,
 )
 from .math import extract_answer, extract_boxed, gsm8k_reference, has_answer_format, is_equivalent
+from .registry import TASKS
 from .rewards import (
     BUILTIN_REWARDS,
     REWARDS,
@@ -48,6 +52,7 @@ __all__ = [
     "REWARDS",
     "RewardFn",
     "RewardResult",
+    "TASKS",
     "apply_ops",
     "arithmetic_reward",
     "call_reward",
