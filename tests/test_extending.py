@@ -87,3 +87,22 @@ def test_the_user_module_is_importable_python():
     ex = ns["countdown"](cfg)
     assert [e.answer for e in ex] == ["3, 2, 1, 0", "4, 3, 2, 1, 0"]
     assert ns["counted_down"]("3, 2, 1, 0", ex[0]) == 1.0 and ns["counted_down"]("", ex[0]) == 0.0
+
+
+def test_a_user_agent_by_spec_gets_the_default_options(tmp_path, monkeypatch):
+    """rollout.agent=module:name builds the user's agent with system_prompt and prompt_overflow (its
+    ``options`` attribute replaces them); one that does not load is a ConfigError (one error line)."""
+    from tether.agents import agent_from_config, agent_tools
+    from tether.config import ConfigError, load_config
+
+    (tmp_path / "my_agent_mod.py").write_text(
+        "class Echo:\n"
+        "    def __init__(self, engine, tokenizer, **options):\n        self.options = options\n"
+        "    def rollout(self, examples, params):\n        raise NotImplementedError\n"
+        "    def metrics(self):\n        return {}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(None, {"rollout.agent": "my_agent_mod:Echo", "data.system_prompt": "Be brief."})
+    agent = agent_from_config(cfg, engine=None, tokenizer=None)
+    assert agent.options == {"system_prompt": "Be brief.", "prompt_overflow": "error"}
+    with pytest.raises(ConfigError, match="my_agent_mod:Nope"):
+        agent_tools(load_config(None, {"rollout.agent": "my_agent_mod:Nope"}))

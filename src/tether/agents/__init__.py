@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
+from ..algo.recipes import ConfigError
 from ..algo.registry import Registry
 from ..rollout.base import RolloutBatch, SamplingParams
 from ..tasks.base import Example
@@ -77,7 +78,7 @@ def _search(engine, tokenizer, **options) -> Agent:
 #: keys are errors with any other agent). A user's agent (``rollout.agent=module:name``) carries any of
 #: them as attributes; by default it gets ``system_prompt`` and ``prompt_overflow`` and no tools.
 AGENTS: Registry[Callable[..., Agent]] = Registry("agent", defaults={"options": _options, "tools": _no_tools,
-                                                                     "reads": None})
+                                                                     "reads": None}, error=ConfigError)
 AGENTS.register("single_turn")(SingleTurnAgent)
 AGENTS.register("search", options=_search_options, tools=_search_tools, reads="search")(_search)
 

@@ -114,10 +114,6 @@ class Registry(Generic[F]):
         self[spec]  # raises the did-you-mean error
         raise AssertionError("unreachable")
 
-    def choices(self) -> str:
-        """The registered names, and the user spec forms, for error messages and help texts."""
-        return ", ".join(self._items) + ", or module:name / path/to/file.py:name"
-
 
 def unknown_choice(what: str, name: object, choices) -> str:
     """Error text for an unknown choice: the bad value, a did-you-mean, and every valid choice."""

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..algo.recipes import ConfigError
 from ..algo.registry import Registry
 from .bm25 import BM25Retriever
 from .dense import DenseRetriever, default_prefixes
@@ -105,5 +106,8 @@ def make_retriever(kind: str = "bm25", **options: Any) -> Retriever:
 
 def retriever_from_config(s) -> Retriever:
     """The retriever ``s.retriever`` names, with its options from ``s`` (a ``tether.config.SearchConfig``)."""
-    factory, meta = RETRIEVERS.resolve(s.retriever)
+    try:
+        factory, meta = RETRIEVERS.resolve(s.retriever)
+    except RetrievalError as e:  # a user's retriever that does not load: a config error, before the model load
+        raise ConfigError(f"search.retriever: {e}") from e
     return factory(**meta["options"](s))
