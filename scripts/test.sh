@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (first run only) and run the default test suite. Extra arguments go to pytest,
+# Set up (first run only), lint (ruff) and run the default test suite. Extra arguments go to pytest
+# (and skip the lint),
 # e.g. `bash scripts/test.sh -m slow` for the end-to-end tests on the real model.
 # With TETHER_VENV pointing at a vLLM environment (made by `setup.sh --vllm`), that
 # environment is kept one: e.g. `TETHER_VENV=$PWD/.venv-vllm bash scripts/test.sh tests/test_vllm.py`.
@@ -13,5 +14,9 @@ else
 fi
 cd "$root"
 export TETHER_DATA_DIR="${TETHER_DATA_DIR:-$root/../shared/data/math}"
-if [ "$#" -eq 0 ]; then set -- -m "not slow"; fi
+if [ "$#" -eq 0 ]; then
+  # the default suite starts with the linter (pyproject.toml [tool.ruff]): zero findings or no tests
+  "$venv/bin/python" -m ruff check src bench tests
+  set -- -m "not slow"
+fi
 exec "$venv/bin/python" -m pytest -q "$@"

@@ -212,7 +212,8 @@ def test_anchor_updates_cell(cr):
     """Table 3 counts EMA updates; the iterative anchor (RPG's: the sampler itself) has none to count."""
     ema = [{"algo": "ema_pg: ... anchor=ema(eta=0.95, every=4) ...", "steps": [{"anchor_updates": 4}]}] * 2
     fixed = [{"algo": "grpo: ... anchor=fixed ...", "steps": [{"anchor_updates": 0}]}]
-    rpg = [{"algo": "rpg_reinforce_urkl: ... anchor=iterative aggregation=token-mean", "steps": [{"anchor_updates": 0}]}]
+    rpg = [{"algo": "rpg_reinforce_urkl: ... anchor=iterative aggregation=token-mean",
+            "steps": [{"anchor_updates": 0}]}]
     assert cr.anchor_updates_cell(ema) == "4"
     assert cr.anchor_updates_cell(fixed) == "0"
     assert cr.anchor_updates_cell(rpg) == "every step (sampler)"

@@ -94,7 +94,8 @@ def test_one_episode_two_searches_and_an_answer(tok):
     t2 = "<search>second q</search>"
     t3 = "<answer> Ann </answer>"
     script = [[char_ids(tok, t1)], [char_ids(tok, t2)], [char_ids(tok, t3)]]
-    assert script[0][0] != tok(t1, add_special_tokens=False)["input_ids"]  # the test would not see a re-tokenization otherwise
+    # the test would not see a re-tokenization otherwise
+    assert script[0][0] != tok(t1, add_special_tokens=False)["input_ids"]
     eng, ret = ScriptedEngine(tok, script), FakeRetriever()
     agent = SearchAgent(eng, tok, ret, topk=2, max_searches=4, max_obs_tokens=10_000)
     rb = agent.rollout([EX], SamplingParams(n=1, temperature=1.0, max_new_tokens=64, seed=1))
@@ -242,7 +243,8 @@ def test_search_training_runs_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     corpus = tmp_path / "corpus.jsonl"
     with open(corpus, "w") as f:
         for i in range(30):
-            f.write(json.dumps({"id": f"p{i}", "contents": f'"Title {i}"\nParagraph number {i} says the answer is {i}.'}) + "\n")
+            contents = f'"Title {i}"\nParagraph number {i} says the answer is {i}.'
+            f.write(json.dumps({"id": f"p{i}", "contents": contents}) + "\n")
     data = tmp_path / "qa.jsonl"
     with open(data, "w") as f:
         for i in range(8):

@@ -66,7 +66,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         try:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
-            return int(value) if not isinstance(value, str) else int(float(value)) if "e" in value.lower() else int(value)
+            if not isinstance(value, str):
+                return int(value)
+            return int(float(value)) if "e" in value.lower() else int(value)
         except (TypeError, ValueError, OverflowError):
             raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
     if tp is float:
@@ -92,7 +94,8 @@ def _set(obj, dotted: str, value: Any, prefix: str = "") -> None:
     if head not in fields:
         close = difflib.get_close_matches(head, list(fields), n=1)
         hint = f" Did you mean {prefix + close[0]!r}?" if close else ""
-        raise ConfigError(f"unknown config key {full!r}.{hint} Valid keys here: {', '.join(prefix + f for f in fields)}")
+        valid = ", ".join(prefix + f for f in fields)
+        raise ConfigError(f"unknown config key {full!r}.{hint} Valid keys here: {valid}")
     cur = getattr(obj, head)
     hints = typing.get_type_hints(type(obj))
     if dataclasses.is_dataclass(cur):
