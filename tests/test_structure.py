@@ -224,35 +224,21 @@ def test_lazy_and_relative_imports_are_read(name):
 LAYERS = [
     ("core", ["tether", "tether.errors", "tether.algo", "tether.owned"]),
     ("infrastructure", ["tether.distributed", "tether.metrics", "tether.checkpoint", "tether.stop", "tether.plot",
-                        "tether.logprobs", "tether.models", "tether.anchor", "tether.schedule"]),
+                        "tether.logprobs", "tether.logprobs_chunked", "tether.models", "tether.anchor",
+                        "tether.schedule"]),
     ("pieces", ["tether.rollout", "tether.tasks", "tether.search", "tether.agents", "tether.envs", "tether.passes",
                 "tether.config", "tether.testing"]),
-    ("loop", ["tether.train", "tether.rundir", "tether.runs", "tether.report", "tether.eval", "tether.export"]),
+    ("loop", ["tether.train", "tether.rundir", "tether.runs", "tether.report", "tether.eval", "tether.export",
+              "tether.export_card"]),
     ("command line", ["tether.cli", "tether.__main__", "tether.eval.cli", "tether.search.server"]),
 ]
 
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
 #: modules allowed over MAX_MODULE_LINES, each with the reason
-LARGE_MODULES: dict[str, str] = {
-    "tether.config": "being split into a package along its concerns",
-    "tether.export": "being split",
-    "tether.logprobs": "being split",
-    "tether.search.retrievers": "being split",
-    "tether.tasks.data": "being split",
-}
+LARGE_MODULES: dict[str, str] = {}
 #: functions (module:qualname) allowed over MAX_FUNCTION_LINES, each with the reason
-LONG_FUNCTIONS: dict[str, str] = {
-    "tether.algo.objectives:compute_loss": "being split",
-    "tether.algo.recipes:validate": "being split",
-    "tether.config:check": "being split",
-    "tether.eval.cli:run_eval_cli": "being split",
-    "tether.eval.runner:evaluate": "being split",
-    "tether.export:export_run": "being split",
-    "tether.logprobs:response_stats": "being split",
-    "tether.models:load_model": "being split",
-    "tether.tasks.data:load_examples": "being split",
-}
+LONG_FUNCTIONS: dict[str, str] = {}
 
 
 def layer_of(module: str) -> int:
