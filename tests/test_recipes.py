@@ -110,10 +110,12 @@ def test_algo_layer_imports_only_torch():
 
 
 def test_anchor_kinds_of_the_config_are_the_registered_ones():
-    """tether.algo (which imports nothing else) lists anchor.kind's choices for validation; the anchor kinds
-    themselves are registered in tether.anchor.ANCHOR_KINDS with their rules: the two must name the same kinds."""
+    """The anchor kinds are one registry, tether.algo.anchors.ANCHOR_KINDS (with their rules); the config's
+    choices ("none" plus the kinds) and tether.anchor read it."""
     from tether.algo.recipes import ANCHORS
     from tether.anchor import ANCHOR_KINDS
 
     assert ANCHORS == ("none", *ANCHOR_KINDS)
+    import tether.algo.anchors
+    assert ANCHOR_KINDS is tether.algo.anchors.ANCHOR_KINDS
     assert ANCHOR_KINDS.where(needs_forward=False) == ("iterative",)

@@ -5,17 +5,11 @@ parameters with ``requires_grad`` (all of them in full fine-tuning, only the ada
 LoRA). The anchor model is the policy module with those tensors swapped in (``applied``):
 no second model object is kept, and with LoRA the anchor costs only the adapters.
 
-| kind | rule (after trainer step ``n``) |
-| --- | --- |
-| fixed | theta_a = theta_0, never changes (GRPO's reference model) |
-| ema | every ``every`` trainer steps: theta_a <- eta theta_a + (1 - eta) theta (EMA-PG) |
-| iterative | theta_a = theta_old: the anchor *is* the sampler; no tensors, no forward pass (RPG) |
-| reset | every ``every`` trainer steps: theta_a <- theta |
-
-A trainer step is one rollout and its update; with ``train.epochs`` x ``train.mini_batches``
-> 1 it holds several optimizer steps, and the anchor still moves at most once per trainer
-step (EMA-PG counts trainer steps).
-| kl_reset | theta_a <- theta when kl_ma > kappa, kl_ma <- m kl_ma + (1 - m) KL (RPG's suggestion) |
+The kinds and their update rules (fixed, ema, iterative, reset, kl_reset) are the registry
+`tether.algo.anchors.ANCHOR_KINDS`, with the table of their equations. A trainer step is one
+rollout and its update; with ``train.epochs`` x ``train.mini_batches`` > 1 it holds several
+optimizer steps, and the anchor still moves at most once per trainer step (EMA-PG counts
+trainer steps).
 
 The EMA accumulates in promote(fp32, policy dtype): fp32 for a bf16/fp16 policy (a bf16
 accumulator loses every update smaller than 2^-8 of a weight), fp64 for an fp64 one, with
@@ -34,65 +28,14 @@ re-sharded), so checkpoints do not depend on the number of ranks.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
 from . import distributed as dist
+from .algo.anchors import ANCHOR_KINDS
 from .algo.recipes import AnchorConfig
-from .algo.registry import Registry
-
-#: anchor kind -> its rule ``rule(anchor, params, step, token_kl) -> bool`` (whether it moved the anchor's
-#: tensors, given the policy's local parameters after trainer step ``step``), with metadata ``needs_forward``
-#: (it has its own weights, which a forward pass computes with; the iterative anchor is the sampler) and
-#: ``moves`` (it changes after the first step). ``anchor.kind=none`` is no anchor at all.
-ANCHOR_KINDS: Registry[Callable[..., bool]] = Registry("anchor", required=("needs_forward", "moves"))
-
-
-def _never(anchor: "Anchor", params: list, step: int, token_kl: Optional[float]) -> bool:
-    return False
-
-
-ANCHOR_KINDS.register("fixed", needs_forward=True, moves=False)(_never)
-
-
-@ANCHOR_KINDS.register("ema", needs_forward=True, moves=True)
-def _ema(anchor: "Anchor", params: list, step: int, token_kl: Optional[float]) -> bool:
-    c = anchor.cfg
-    if step % c.every:
-        return False
-    if all(p.dtype == m.dtype for m, p in zip(anchor.master, params)):
-        torch._foreach_lerp_(anchor.master, [p.detach() for p in params], 1.0 - c.eta)
-    else:  # per tensor, so only one upcast temporary exists at a time
-        for m, p in zip(anchor.master, params):
-            m.lerp_(p.detach().to(m.dtype), 1.0 - c.eta)
-    return True
-
-
-ANCHOR_KINDS.register("iterative", needs_forward=False, moves=False)(_never)
-
-
-@ANCHOR_KINDS.register("reset", needs_forward=True, moves=True)
-def _reset(anchor: "Anchor", params: list, step: int, token_kl: Optional[float]) -> bool:
-    if step % anchor.cfg.every:
-        return False
-    torch._foreach_copy_(anchor.master, [p.detach() for p in params])
-    return True
-
-
-@ANCHOR_KINDS.register("kl_reset", needs_forward=True, moves=True)
-def _kl_reset(anchor: "Anchor", params: list, step: int, token_kl: Optional[float]) -> bool:
-    c = anchor.cfg
-    if token_kl is None:
-        raise ValueError("anchor 'kl_reset' needs the step's token KL")
-    anchor.kl_ma = c.kl_smoothing * anchor.kl_ma + (1.0 - c.kl_smoothing) * float(token_kl)
-    if anchor.kl_ma <= c.kappa:
-        return False
-    torch._foreach_copy_(anchor.master, [p.detach() for p in params])
-    anchor.kl_ma = 0.0
-    return True
-
 
 def tracked_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The parameters an anchor follows: those that train (all, or only LoRA adapters)."""

@@ -12,6 +12,7 @@ import copy
 from dataclasses import dataclass, field
 
 from .advantages import ADVANTAGES
+from .anchors import ANCHOR_KINDS
 from .aggregation import AGGREGATIONS
 from .correction import check_correction
 from .kl import EXACT_ESTIMATORS, KL_ESTIMATORS, RPG_ESTIMATORS, TOPK_ESTIMATORS
@@ -19,7 +20,7 @@ from .objectives import SURROGATES
 from .registry import unknown_choice
 from .trust_region import REGIONS, REINFORCE_ONLY_REGIONS, RegionConfig, kl3_bounds
 
-ANCHORS = ("none", "fixed", "ema", "iterative", "reset", "kl_reset")
+ANCHORS = ("none", *ANCHOR_KINDS.names())  # "none": no anchor and no KL term; the kinds: tether.algo.anchors
 PLACEMENTS = ("loss", "reward", "advantage")
 
 
