@@ -69,7 +69,7 @@ def keys(cls: type = Config) -> list[tuple[str, object, str]]:
 def registered() -> dict[str, str]:
     """Config key -> the names its registry holds (appended to the key's meaning in the reference)."""
     from ..agents import AGENTS
-    from ..anchor import ANCHOR_KINDS
+    from ..algo.anchors import ANCHOR_KINDS
     from ..rollout import ENGINES
     from ..search.retrievers import RETRIEVERS
     from ..tasks.registry import TASKS
@@ -85,7 +85,7 @@ def registered() -> dict[str, str]:
             "rollout.engine": names((), ENGINES, "tether.rollout.ENGINES", user=False),
             "rollout.agent": names((), AGENTS, "tether.agents.AGENTS"),
             "search.retriever": names((), RETRIEVERS, "tether.search.retrievers.RETRIEVERS"),
-            "algo.anchor.kind": names(("none",), ANCHOR_KINDS, "tether.anchor.ANCHOR_KINDS", user=False)}
+            "algo.anchor.kind": names(("none",), ANCHOR_KINDS, "tether.algo.anchors.ANCHOR_KINDS", user=False)}
 
 
 def reference() -> str:
