@@ -1,0 +1,245 @@
+"""The text environment interface: ``reset(example) -> Start``, ``step(actions) -> list[StepResult]``.
+
+An environment speaks text, never tokens: an agent (a future ``MultiTurnAgent``) encodes what the
+environment says, samples the policy's turns, and hands the turns' texts back. One environment
+object runs one *batch* of episodes at a time, so a tool can serve a whole turn at once:
+
+    env = ENVS["calculator"](max_turns=4)
+    starts = [env.reset(ex) for ex in examples]      # one episode per reset, in order
+    while env.active():                               # indices of the episodes still running
+        stop = env.stop_strings()                     # the next turn's stop strings
+        texts = policy(..., stop)                     # one turn per active episode
+        results = env.step(texts)                     # one StepResult per active episode, same order
+
+A ``reset`` while no episode is active begins a new batch (episode indices start again at 0);
+a ``reset`` while some are active adds an episode to the running batch. An episode leaves the
+batch when a step returns ``done`` for it, or when the agent ends it (``end(i)``, e.g. its context
+is full). Every episode of a batch takes its turns together, so their turn counts are equal.
+
+:class:`TextEnv` keeps that bookkeeping, the turn budget and the final-turn rule; an environment
+subclasses it and writes :meth:`TextEnv.start` and :meth:`TextEnv.act` (or :meth:`TextEnv.act_batch`
+to serve a turn's actions together). docs/environments.md shows one in about 30 lines.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, Sequence, Union, runtime_checkable
+
+from ..tasks.base import Example
+
+__all__ = ["Prompt", "Start", "StepResult", "FinalTurn", "Episode", "Env", "TextEnv"]
+
+#: The first prompt of an episode: plain text (the agent puts it through the chat template as the
+#: user message) or a list of chat messages (``{"role": ..., "content": ...}``, system message included).
+Prompt = Union[str, list]
+
+
+@dataclass
+class Start:
+    """What ``reset`` returns: how an episode opens.
+
+    Attributes:
+        prompt: the first prompt (:data:`Prompt`): text, or chat messages.
+        info: anything the environment reports about the episode (logged, never shown to the model).
+    """
+
+    prompt: Prompt
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepResult:
+    """What ``step`` returns for one episode's turn.
+
+    Attributes:
+        observation: text the environment appends after the policy's turn (tokens the policy did
+            not sample: the agent masks them out of the loss); None for nothing. A done result never
+            has one (:class:`TextEnv` drops it: nothing reads it after the episode).
+        reward: this turn's reward part (0.0 for none); an episode's parts are added to the reward
+            that scores its whole text (:attr:`TextEnv.reward`).
+        done: whether the episode ended with this turn.
+        info: what happened in the turn (the tool call, its error, the answer), for metrics and logs.
+    """
+
+    observation: Optional[str] = None
+    reward: float = 0.0
+    done: bool = False
+    info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FinalTurn:
+    """The final-turn rule: what happens at an episode's last turn (the turn budget's last one).
+
+    That turn's text ends the episode whatever it holds: no tool runs on it (:class:`TextEnv` marks
+    its result done, and the environment's ``act`` sees ``episode.final``).
+
+    Attributes:
+        stop: the stop strings of the last turn (in place of :attr:`TextEnv.stop`; usually none of
+            the tool's, so the model writes on to its answer instead of stopping at a call that
+            would not run).
+        note: text added to the observation just before the last turn ("" for none), telling the
+            model that no tool call is left.
+    """
+
+    stop: tuple[str, ...] = ()
+    note: str = ""
+
+
+@dataclass
+class Episode:
+    """One episode's state, kept by :class:`TextEnv` and handed to ``act``.
+
+    Attributes:
+        index: its place in the batch (the order of the ``reset`` calls since the batch began).
+        example: the example it runs on.
+        max_turns: its turn budget.
+        turns: policy turns taken; inside ``act`` it counts the turn being acted on (1 = the first).
+        done: whether it has ended.
+        state: the environment's own per-episode state (anything; empty at the start).
+    """
+
+    index: int
+    example: Example
+    max_turns: int
+    turns: int = 0
+    done: bool = False
+    state: dict = field(default_factory=dict)
+
+    @property
+    def final(self) -> bool:
+        """Whether the turn being acted on is the last of the budget (inside ``act``)."""
+        return self.turns >= self.max_turns
+
+
+@runtime_checkable
+class Env(Protocol):
+    """What an agent needs of an environment (see the module docstring for the batch protocol)."""
+
+    name: str
+    stop: tuple[str, ...]
+    max_turns: int
+    final_turn: FinalTurn
+    reward: Optional[str]
+
+    def reset(self, example: Example) -> Start: ...
+
+    def step(self, actions: Sequence[str]) -> list[StepResult]: ...
+
+    def active(self) -> list[int]: ...
+
+    def stop_strings(self) -> list[str]: ...
+
+    def end(self, index: int) -> None: ...
+
+
+class TextEnv:
+    """Base class of a text environment: a batch of episodes, a turn budget, a final-turn rule.
+
+    A subclass sets the class attributes below and writes :meth:`start` and :meth:`act`.
+
+    Attributes:
+        name: the environment's name (in errors and logs).
+        stop: the stop strings of a turn that may call the tool (generation stops right after one,
+            so the environment can answer the call).
+        max_turns: the turn budget: policy turns per episode, the last one under :attr:`final_turn`.
+        final_turn: the final-turn rule (:class:`FinalTurn`).
+        reward: the reward that scores an episode's whole text: a ``tether.tasks.rewards.REWARDS``
+            name or a user's ``module:function``; None keeps the task's reward (``data.reward``).
+            The steps' reward parts are added to it.
+
+    Args:
+        max_turns: the turn budget (default: the class's); at least 1.
+        reward: the reward spec (default: the class's; None = the task's).
+    """
+
+    name: str = "env"
+    stop: tuple[str, ...] = ()
+    max_turns: int = 1
+    final_turn: FinalTurn = FinalTurn()
+    reward: Optional[str] = None
+
+    def __init__(self, *, max_turns: Optional[int] = None, reward: Optional[str] = None):
+        if max_turns is not None:
+            self.max_turns = max_turns
+        if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) or self.max_turns < 1:
+            raise ValueError(f"{self.name} environment: max_turns must be an integer >= 1, got {self.max_turns!r}")
+        if reward is not None:
+            self.reward = reward
+        self.episodes: list[Episode] = []
+
+    # ------------------------------------------------------------ what a subclass writes
+
+    def start(self, example: Example) -> Start:
+        """The opening of an episode on ``example`` (its prompt). A subclass writes it."""
+        raise NotImplementedError(f"{type(self).__name__} must define start(example)")
+
+    def act(self, episode: Episode, action: str) -> StepResult:
+        """The environment's answer to one turn's text ``action`` of ``episode`` (``episode.final``:
+        whether it is the last turn). A subclass writes it, or :meth:`act_batch`."""
+        raise NotImplementedError(f"{type(self).__name__} must define act(episode, action) or act_batch")
+
+    def act_batch(self, episodes: Sequence[Episode], actions: Sequence[str]) -> list[StepResult]:
+        """The answers to a turn's actions of every active episode, in order (default: :meth:`act`
+        on each). Override it to serve them together (one batched tool call)."""
+        return [self.act(e, a) for e, a in zip(episodes, actions)]
+
+    # ------------------------------------------------------------ the interface
+
+    def reset(self, example: Example) -> Start:
+        """Open an episode on ``example``: its first prompt and info. With no episode active, it
+        begins a new batch; otherwise it adds one to the running batch (its index: ``len`` so far)."""
+        if not self.active():
+            self.episodes = []
+        ep = Episode(index=len(self.episodes), example=example, max_turns=self.max_turns)
+        start = self.start(example)
+        self.episodes.append(ep)
+        return start
+
+    def active(self) -> list[int]:
+        """Indices of the episodes still running, in order (the ones the next ``step`` takes actions for)."""
+        return [e.index for e in self.episodes if not e.done]
+
+    def stop_strings(self) -> list[str]:
+        """The stop strings of the active episodes' next turn: :attr:`stop`, or the final-turn rule's
+        at the budget's last turn (with none active: a new batch's first turn's)."""
+        live = [e for e in self.episodes if not e.done]
+        last = (live[0].turns if live else 0) + 1 >= self.max_turns
+        return list(self.final_turn.stop if last else self.stop)
+
+    def step(self, actions: Sequence[str]) -> list[StepResult]:
+        """One turn: ``actions[i]`` is the text the policy wrote for the ``i``-th active episode;
+        returns one :class:`StepResult` per action, in order. The last turn of the budget is done
+        whatever the environment says; a done result has no observation; the result just before
+        the last turn gets the final-turn rule's note."""
+        live = [e for e in self.episodes if not e.done]
+        if isinstance(actions, str) or len(actions) != len(live):
+            n = "a string" if isinstance(actions, str) else f"{len(actions)} actions"
+            raise ValueError(f"{self.name} environment: step takes one action per active episode "
+                             f"({len(live)}), got {n}")
+        for e in live:
+            e.turns += 1
+        results = list(self.act_batch(live, [str(a) for a in actions]))
+        if len(results) != len(live):
+            raise ValueError(f"{self.name} environment returned {len(results)} results for {len(live)} actions")
+        for e, r in zip(live, results):
+            r.reward = float(r.reward)
+            if not math.isfinite(r.reward):
+                raise ValueError(f"{self.name} environment: a non-finite reward part {r.reward} (episode {e.index})")
+            r.done = bool(r.done) or e.final
+            if r.done:
+                r.observation = None
+            elif e.turns + 1 >= self.max_turns and self.final_turn.note:
+                r.observation = (r.observation or "") + self.final_turn.note
+            e.done = r.done
+        return results
+
+    def end(self, index: int) -> None:
+        """End episode ``index`` without a step (the agent stops it, e.g. its context is full)."""
+        self.episodes[index].done = True
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(max_turns={self.max_turns}, reward={self.reward!r})"
+
