@@ -74,3 +74,17 @@ def test_eval_search_named_benchmarks_load(tmp_path):
     for name in ("multihop_dev", "nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle"):
         ex = load_search_examples(name, data_dir=d, limit=3)
         assert len(ex) == 3 and ex[0].meta["golden_answers"] and "<search>" in ex[0].prompt, name
+
+
+def test_search_table_counts_unknown_gold_recall():
+    from tether.eval.cli import format_search_table
+
+    m = {"search/em": 0.5, "search/f1": 0.5, "search/answered_rate": 1.0, "search/searches": 1.5,
+         "search/gold_recall": 0.25, "search/gold_recall_unknown": 3.0, "search/s/em": 0.5,
+         "search/s/gold_recall_unknown": 3.0, "search/t/em": 1.0}
+    lines = format_search_table({"qa": m}).splitlines()
+    assert [ln.split()[-1] for ln in lines] == ["gold_recall_unknown", "3", "3", "0"]  # a count, 0 where none
+    assert lines[1].split()[1:] == ["50.0", "50.0", "100.0", "1.50", "25.0", "3"] and lines[3].split()[0] == "t"
+    assert len({len(ln) for ln in lines}) == 1  # aligned
+    plain = format_search_table({"qa": {k: v for k, v in m.items() if "unknown" not in k}})
+    assert "unknown" not in plain and plain.splitlines()[0].split()[-1] == "gold_recall"

@@ -56,7 +56,7 @@ def _no_tools(cfg) -> dict[str, Any]:
 def _search_options(cfg) -> dict[str, Any]:
     s = cfg.search
     return {**_options(cfg), "topk": s.topk, "max_searches": s.max_searches, "max_obs_tokens": s.max_obs_tokens,
-            "max_context": s.max_context}
+            "max_context": s.max_context, "observation_format": s.observation_format}
 
 
 def _search_tools(cfg) -> dict[str, Any]:

@@ -9,9 +9,10 @@ One episode is one growing assistant turn after the prompt::
 Each turn, every active trajectory decodes together (one engine call), stopping at
 ``</search>`` or ``</answer>``; the turn's queries go to the retriever as one batch; finished
 trajectories leave the batch. The ids the policy sampled are kept exactly as sampled (never
-decoded and re-tokenized); observations and the invalid-action message are tokenized and
-appended. After ``max_searches`` turns, one final turn runs with searching disabled (it stops
-only at ``</answer>``, and a search there is not executed).
+decoded and re-tokenized); observations (``render_observation`` in ``observation_format``,
+Search-R1's bytes by default) and the invalid-action message are tokenized and appended. After
+``max_searches`` turns, one final turn runs with searching disabled (it stops only at
+``</answer>``, and a search there is not executed).
 
 Budgets: ``params.max_new_tokens`` (``rollout.max_new_tokens``) new tokens per turn, ``max_obs_tokens``
 per observation (cut, keeping the closing tag), ``max_context`` tokens of prompt + response in all; a trajectory that
@@ -32,8 +33,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..rollout.base import RolloutBatch, SamplingParams
-from ..search.protocol import (INVALID_ACTION_MESSAGE, STOP_STRINGS, parse_action, render_observation,
-                               render_search_error)
+from ..search.protocol import (INVALID_ACTION_MESSAGE, OBSERVATION_FORMATS, STOP_STRINGS, parse_action,
+                               render_observation, render_search_error)
 from ..search.retrievers import RetrievalError
 from ..search.reward import golden_answers, score_response
 from ..tasks.base import Example
@@ -80,17 +81,24 @@ class SearchAgent:
             the model's context).
         prompt_overflow: a first prompt that leaves no room under the cap: ``"error"`` or
             ``"truncate"`` (``tether.tasks.prompts.PromptEncoder``).
+        observation_format: how search results are rendered, one of
+            ``tether.search.protocol.OBSERVATION_FORMATS``: ``"search_r1"`` (Search-R1's exact bytes, the
+            default) or ``"clean"`` (tether's earlier layout); ``search.observation_format``.
     """
 
     def __init__(self, engine, tokenizer, retriever, *, system_prompt: str = "", topk: int = 3,
                  max_searches: int = 4, max_obs_tokens: int = 512,
-                 max_context: int = 4096, prompt_overflow: str = "error"):
+                 max_context: int = 4096, prompt_overflow: str = "error", observation_format: str = "search_r1"):
         for name, v in (("topk", topk), ("max_obs_tokens", max_obs_tokens),
                         ("max_context", max_context)):
             if v < 1:
                 raise ValueError(f"search agent: {name} must be >= 1, got {v}")
         if max_searches < 0:
             raise ValueError(f"search agent: max_searches must be >= 0, got {max_searches}")
+        if observation_format not in OBSERVATION_FORMATS:
+            raise ValueError(f"search agent: unknown observation_format {observation_format!r} "
+                             f"(known: {', '.join(OBSERVATION_FORMATS)})")
+        self.observation_format = observation_format
         self.engine, self.tokenizer, self.retriever = engine, tokenizer, retriever
         self.system_prompt, self.topk, self.max_searches = system_prompt, topk, max_searches
         self.prompts = agent_prompt_encoder(engine, tokenizer, system_prompt, prompt_overflow, max_context=max_context,
@@ -175,7 +183,7 @@ class SearchAgent:
         """Run a turn's queries as one batch and append each observation; returns failed searches."""
         try:
             results = self.retriever.search([q for _, q in queries], self.topk)
-            texts = [render_observation(r) for r in results]
+            texts = [render_observation(r, self.observation_format) for r in results]
             failed = 0
         except RetrievalError as err:
             results = [[] for _ in queries]

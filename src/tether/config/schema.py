@@ -96,7 +96,8 @@ class SearchConfig:
     retriever: str = "bm25"  # bm25 (bm25s over search.corpus) | dense (sentence-transformers + faiss; extra
     # tether[dense]) | http (a Search-R1 retrieval server at search.url)
     corpus: str = ""  # bm25, dense: a JSONL corpus of {"id", "contents"} rows ("" = corpus.jsonl of the search data
-    # dir)
+    # dir); http (optional, "" = none): the corpus the server indexes, to recover the ids of documents it sends without
+    # one (Search-R1's servers send none) so tether eval can measure gold recall
     data_dir: str = ""  # the search data directory for named sets and the corpus ("" = $TETHER_SEARCH_DATA_DIR, else
     # <$TETHER_DATA_DIR>/../search)
     url: str = ""  # http: the server's base URL; queries go to POST <url>/retrieve
@@ -105,6 +106,9 @@ class SearchConfig:
     max_searches: int = 4  # searches per episode; then one final turn with searching disabled
     max_obs_tokens: int = 512  # tokens per observation; longer ones are cut (the closing tag is kept)
     max_context: int = 4096  # prompt + response tokens per episode; an episode that reaches it ends ("length")
+    observation_format: str = "search_r1"  # how a search's passages are shown to the model: search_r1 (Search-R1's
+    # exact bytes, Doc i(Title: "T") text, title quotes and newlines as stored; no results: an empty block) | clean
+    # (tether's earlier layout: title quotes stripped, one line per passage, "No results found.")
     timeout: float = 30.0  # http: seconds per request
     retries: int = 2  # http: extra attempts after a failed request; a search that still fails becomes an observation
     # saying so

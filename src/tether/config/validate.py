@@ -99,14 +99,15 @@ def _agent_reads(cfg: Config) -> str | None:
 
 
 def _check_search(cfg: Config) -> list[str]:
-    """search.*: only with an agent that reads them; the retriever's own keys; ranges."""
+    """search.*: only with an agent that reads them; the retriever's own keys (its registered ``keys``, e.g.
+    search.corpus with bm25, dense and http); the observation format; ranges."""
     from ..agents import AGENTS
+    from ..search.protocol import OBSERVATION_FORMATS
     from ..search.retrievers import RETRIEVERS
 
     sc, ds, errs = cfg.search, SearchConfig(), []
     if _agent_reads(cfg) != "search":
-        for k in ("retriever", "corpus", "data_dir", "url", "dense_model", "topk", "max_searches", "max_obs_tokens",
-                  "max_context", "timeout", "retries"):
+        for k in (f.name for f in dataclasses.fields(SearchConfig)):
             if getattr(sc, k) != getattr(ds, k):
                 errs.append(f"search.{k} only applies with rollout.agent={' or '.join(AGENTS.where(reads='search'))}")
         return errs
@@ -120,6 +121,8 @@ def _check_search(cfg: Config) -> list[str]:
             if k not in meta["keys"] and getattr(sc, k) != getattr(ds, k):
                 users = [n for n in RETRIEVERS if k in RETRIEVERS.meta(n)["keys"]]
                 errs.append(f"search.{k} only applies with search.retriever={' or '.join(users)}")
+    if sc.observation_format not in OBSERVATION_FORMATS:
+        errs.append(unknown_choice("search.observation_format", sc.observation_format, OBSERVATION_FORMATS))
     for k in ("topk", "max_obs_tokens", "max_context"):
         if getattr(sc, k) < 1:
             errs.append(f"search.{k} must be >= 1")

@@ -169,22 +169,25 @@ def format_table(results: Mapping[str, Mapping[str, float]], n: int, ks: Sequenc
 
 
 def format_search_table(results: Mapping[str, Mapping[str, float]]) -> str:
-    """EM, F1, answered rate, searches and gold recall per benchmark and data source (search agent)."""
-    cols = ("em", "f1", "answered_rate", "searches", "gold_recall")
-    lines = [f"{'benchmark / source':32s} " + " ".join(f"{c:>13s}" for c in cols)]
+    """EM, F1, answered rate, searches and gold recall per benchmark and data source (search agent); when some
+    recall is unknown (passages without ids), a ``gold_recall_unknown`` column counts those responses."""
+    cols = ["em", "f1", "answered_rate", "searches", "gold_recall"]
+    cols += ["gold_recall_unknown"] * any(k.endswith("/gold_recall_unknown") for m in results.values() for k in m)
+    cell = {"searches": "{:.2f}".format, "gold_recall_unknown": "{:.0f}".format}
+    lines = [f"{'benchmark / source':32s} " + " ".join(f"{c:>{max(13, len(c))}s}" for c in cols)]
     for name, m in results.items():
         sources = sorted({k.split("/")[1] for k in m if k.startswith("search/") and k.count("/") == 2})
         for src, pre in [(name, "search/")] + [(f"  {src}", f"search/{src}/") for src in sources]:
-            cells = [m.get(pre + c) for c in cols]
-            lines.append(f"{src:32s} " + " ".join(
-                f"{'-':>13s}" if v is None else f"{100 * v:13.1f}" if c in ("em", "f1", "answered_rate", "gold_recall")
-                else f"{v:13.2f}" for c, v in zip(cols, cells)))
+            cells = [m.get(pre + c, 0.0 if c == "gold_recall_unknown" else None) for c in cols]
+            text = ["-" if v is None else cell.get(c, lambda x: f"{100 * x:.1f}")(v) for c, v in zip(cols, cells)]
+            lines.append(f"{src:32s} " + " ".join(f"{t:>{max(13, len(c))}s}" for c, t in zip(cols, text)))
     return "\n".join(lines)
 
 
 def add_eval_parser(sub) -> None:
     """Register the ``eval`` subcommand on an ``argparse`` subparsers object."""
     from ..agents import AGENTS
+    from ..search.protocol import OBSERVATION_FORMATS
     from ..search.retrievers import RETRIEVERS
     from ..tasks.rewards import REWARDS
 
@@ -207,10 +210,8 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--batch-size", dest="batch_size", type=int, default=64,
                    help="sequences per generate call (default 64)")
     e.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    e.add_argument("--system-prompt", dest="system_prompt", default=None,
-                   help="system message (default: the run's data.system_prompt for runs, else none)")
-    e.add_argument("--data-dir", dest="data_dir", default=None, help="directory with the named benchmarks' files "
-                   "(before $TETHER_DATA_DIR and the hub)")
+    e.add_argument("--system-prompt", help="system message (default: the run's data.system_prompt for runs, else none)")
+    e.add_argument("--data-dir", help="directory of named benchmarks' files (before $TETHER_DATA_DIR and the hub)")
     e.add_argument("--split", default=None, help="split to load (default: test for named benchmarks)")
     e.add_argument("--prompt-key", dest="prompt_key", default=None, help="field holding the prompt (files)")
     e.add_argument("--answer-key", dest="answer_key", default=None, help="field holding the answer (files)")
@@ -231,17 +232,19 @@ def add_eval_parser(sub) -> None:
                    help="how an episode runs (default single_turn: prompt -> one response)")
     g.add_argument("--retriever", default="bm25", choices=RETRIEVERS.names(),
                    help="search: bm25 or dense over --corpus, or http to a Search-R1 retrieval server at --url")
-    g.add_argument("--url", default=None, help="search, http: the retrieval server's base URL (POST URL/retrieve)")
-    g.add_argument("--corpus", default=None, help="search, bm25/dense: corpus JSONL (default: corpus.jsonl of the "
-                   "search data dir)")
-    g.add_argument("--search-data-dir", dest="search_data_dir", default=None,
-                   help="search: directory of the QA sets and corpus (default $TETHER_SEARCH_DATA_DIR, else "
-                   "<$TETHER_DATA_DIR>/../search)")
+    g.add_argument("--url", help="search, http: the retrieval server's base URL (POST URL/retrieve)")
+    g.add_argument("--corpus", help="search, bm25/dense: corpus JSONL (default: corpus.jsonl of the search data dir); "
+                   "http: the server's corpus, to recover the ids of documents it sends without one (gold recall)")
+    g.add_argument("--timeout", type=float, help="search, http: seconds per request (default 30)")
+    g.add_argument("--retries", type=int, help="search, http: extra attempts after a failed request (default 2)")
+    g.add_argument("--observation-format", default="search_r1", choices=OBSERVATION_FORMATS,
+                   help="search: search_r1 (Search-R1's exact observations, default) or clean (tether's old layout)")
+    g.add_argument("--search-data-dir", help="search: directory of the QA sets and corpus (default "
+                   "$TETHER_SEARCH_DATA_DIR, else <$TETHER_DATA_DIR>/../search)")
     g.add_argument("--topk", type=int, default=3, help="search: passages per search (default 3)")
     g.add_argument("--max-searches", dest="max_searches", type=int, default=4,
                    help="search: searches per episode, then a final turn without search (default 4)")
-    g.add_argument("--max-obs-tokens", dest="max_obs_tokens", type=int, default=512,
-                   help="search: tokens per observation (default 512)")
+    g.add_argument("--max-obs-tokens", type=int, default=512, help="search: tokens per observation (default 512)")
     g.add_argument("--max-context", dest="max_context", type=int, default=4096,
                    help="search: prompt + response tokens per episode (default 4096)")
     e.set_defaults(fn=run_eval_cli)
@@ -255,15 +258,16 @@ def _search_setup(args):
     from ..tasks.benchmarks import Benchmark, slug
     from ..tasks.rewards import load_reward
 
-    if args.url and args.retriever != "http":
-        raise EvalError("--url needs --retriever http")
+    http = {k: v for k in ("url", "timeout", "retries") if (v := getattr(args, k, None)) not in (None, "")}
+    if http and args.retriever != "http":
+        raise EvalError(" and ".join(f"--{k}" for k in http) + f" need{'s' * (len(http) == 1)} --retriever http")
     if args.retriever == "http" and not args.url:
         raise EvalError("--retriever http needs --url (the retrieval server's base URL)")
-    over = {"rollout.agent": "search", "search.retriever": args.retriever, "search.topk": args.topk,
-            "search.max_searches": args.max_searches, "search.max_obs_tokens": args.max_obs_tokens,
-            "search.max_context": args.max_context}
-    over.update({k: v for k, v in (("search.url", args.url), ("search.corpus", args.corpus),
-                                   ("search.data_dir", args.search_data_dir)) if v})
+    over = {"rollout.agent": "search", "search.retriever": args.retriever,
+            **{f"search.{k}": getattr(args, k) for k in ("topk", "max_searches", "max_obs_tokens", "max_context")},
+            "search.observation_format": args.observation_format, **{f"search.{k}": v for k, v in http.items()}}
+    # --corpus with http too: the server's corpus, which names the documents it sends without an id
+    over.update({k: v for k, v in (("search.corpus", args.corpus), ("search.data_dir", args.search_data_dir)) if v})
     cfg = load_config(None, over)
     benches = []
     for src in args.benchmarks:

@@ -15,7 +15,13 @@
 Build one with :func:`make_retriever` (``make_retriever("bm25", corpus="corpus.jsonl")``,
 ``make_retriever("http", url="http://127.0.0.1:8000")``). Results are sorted by score, best
 first; ties are broken by corpus order so that every run (and the server) returns the same list.
-``k`` larger than the corpus returns the whole corpus.
+At most ``k`` passages per query: ``bm25`` returns only the passages that match the query (a
+positive score), so fewer than ``k`` when fewer match and none for a query of stop words or
+unknown words; ``dense`` returns ``min(k, corpus size)``; ``http`` what the server answers.
+
+``http`` takes an optional ``corpus`` too (``search.corpus``; none by default): the file the server
+indexes, used only to recover the ids of documents the server sends without one (Search-R1's
+servers send none), so that gold recall can be measured (:class:`HTTPRetriever`).
 
 Failures: :meth:`HTTPRetriever.search` raises :class:`RetrievalError` when the server cannot be
 reached, times out, answers with an error or with a malformed body, after ``retries`` further
@@ -87,8 +93,9 @@ RETRIEVERS: Registry[Callable[..., Retriever]] = Registry(
 RETRIEVERS.register("bm25")(BM25Retriever)
 RETRIEVERS.register("dense", options=lambda s: {**_corpus(s), "model": s.dense_model},
                     keys=("corpus", "dense_model"))(DenseRetriever)
-RETRIEVERS.register("http", options=lambda s: {"url": s.url, "timeout": s.timeout, "retries": s.retries},
-                    keys=("url", "timeout", "retries"), needs=("url",))(HTTPRetriever)
+RETRIEVERS.register("http", options=lambda s: {"url": s.url, "timeout": s.timeout, "retries": s.retries,
+                                               **({"corpus": s.corpus} if s.corpus else {})},
+                    keys=("url", "timeout", "retries", "corpus"), needs=("url",))(HTTPRetriever)
 
 
 def register_retriever(name: str, factory: Callable[..., Retriever], **meta: Any) -> None:
