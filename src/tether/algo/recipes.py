@@ -15,7 +15,7 @@ from .advantages import ADVANTAGES
 from .anchors import ANCHOR_KINDS
 from .aggregation import AGGREGATIONS
 from .correction import check_correction
-from .kl import EXACT_ESTIMATORS, KL_ESTIMATORS, RPG_ESTIMATORS, TOPK_ESTIMATORS
+from .kl import KL_ESTIMATORS, RPG_ESTIMATORS, TOPK_ESTIMATORS
 from .objectives import SURROGATES
 from .registry import unknown_choice
 from .trust_region import REGIONS, REINFORCE_ONLY_REGIONS, RegionConfig, kl3_bounds
@@ -184,8 +184,6 @@ def _kl_errors(cfg: AlgoConfig) -> list[str]:
         weighted = k.estimator in TOPK_ESTIMATORS or k.estimator in ("k1", "k2", "k3", "k3pp", "k4", "k5")
         if not weighted and (k.s_min or k.s_max):
             errs.append(f"kl.s_min/s_max clip the sampling weight s, which {k.estimator!r} does not use")
-        if k.estimator in EXACT_ESTIMATORS:
-            pass  # needs full-vocabulary log-probs; the trainer checks it can supply them
     return errs
 
 
