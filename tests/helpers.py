@@ -78,10 +78,10 @@ def subprocess_env(**extra) -> dict:
     return e
 
 
-def run_module(*args, cwd=None, env=None):
+def run_module(*args, cwd=None, env=None, timeout: float = 300):
     """``python -m tether ARGS`` in a fresh interpreter importing this checkout (``env``: extra variables)."""
     return subprocess.run([sys.executable, "-m", "tether", *map(str, args)], capture_output=True, text=True,
-                          env=subprocess_env(**(env or {})), cwd=cwd, timeout=300)
+                          env=subprocess_env(**(env or {})), cwd=cwd, timeout=timeout)
 
 
 def assert_clean_error(rc: int, stderr: str, *needles: str, line_only: bool = False) -> str:

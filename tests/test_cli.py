@@ -1,21 +1,7 @@
 """The command line: ``python -m tether`` runs the same CLI as the ``tether`` script."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-import tether
+from helpers import run_module
 from tether.algo import RECIPES
-
-
-def run_module(*args):
-    """``python -m tether ARGS`` in a fresh interpreter that imports this checkout's tether."""
-    env = dict(os.environ)
-    src = str(Path(tether.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return subprocess.run([sys.executable, "-m", "tether", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
 
 
 def test_python_m_tether_help_lists_subcommands():

@@ -11,41 +11,16 @@ model error, and the run directory must not have been created.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-import tether
+from helpers import assert_clean_error, run_module
 from tether.cli import main
 
 BAD_UTF8 = b"\xff\xfe"
-
-
-def run_module(*args, cwd=None, env=None):
-    """``python -m tether ARGS`` in a fresh interpreter importing this checkout (as tests/test_cli.py)."""
-    full = dict(os.environ, **(env or {}))
-    src = str(Path(tether.__file__).resolve().parents[1])
-    full["PYTHONPATH"] = src + (os.pathsep + full["PYTHONPATH"] if full.get("PYTHONPATH") else "")
-    return subprocess.run([sys.executable, "-m", "tether", *map(str, args)], capture_output=True, text=True,
-                          env=full, cwd=cwd, timeout=300)
-
-
-def assert_clean_error(rc: int, stderr: str, *needles: str) -> str:
-    """Exit code 2, exactly one ``tether: error:`` line, no traceback; every needle in the error."""
-    assert rc == 2, (rc, stderr)
-    assert "Traceback" not in stderr, stderr
-    lines = stderr.splitlines()
-    starts = [i for i, ln in enumerate(lines) if ln.startswith("tether: error:")]
-    assert len(starts) == 1, stderr
-    error = "\n".join(lines[starts[0]:])  # the error line and the problems listed under it
-    for n in needles:
-        assert n in error, (n, error)
-    return error
 
 
 def cli(capsys, *args) -> tuple[int, str, str]:

@@ -4,16 +4,13 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-import tether
+from helpers import run_module
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 
@@ -25,15 +22,6 @@ TINY = ["rollout.max_new_tokens=8", "rollout.prompts_per_step=2", "rollout.n=2",
 def blocks(lang: str) -> list[str]:
     """The page's fenced code blocks in ``lang``, in order."""
     return re.findall(rf"^```{lang}\n(.*?)^```", DOC.read_text(), flags=re.MULTILINE | re.DOTALL)
-
-
-def run_module(args, cwd: Path) -> subprocess.CompletedProcess:
-    """``python -m tether ARGS`` in ``cwd`` with this checkout importable (as tests/test_errors.py)."""
-    env = dict(os.environ)
-    src = str(Path(tether.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return subprocess.run([sys.executable, "-m", "tether", *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=600)
 
 
 @pytest.fixture()
@@ -52,7 +40,7 @@ def page_command() -> list[str]:
 
 def test_the_pages_task_and_reward_train_through_the_cli(user_dir, tiny_model_dir):
     out = user_dir / "run"
-    r = run_module([*page_command(), "--model", tiny_model_dir, "--output-dir", out, *TINY], cwd=user_dir)
+    r = run_module(*page_command(), "--model", tiny_model_dir, "--output-dir", out, *TINY, cwd=user_dir, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in rows if m.get("step", 0) >= 1]
@@ -65,15 +53,15 @@ def test_the_pages_module_as_a_file_spec_and_its_reward_named(user_dir, tiny_mod
     """data.task=path/to/my_ext.py:countdown needs no PYTHONPATH; data.reward names the reward directly."""
     elsewhere = tmp_path_factory.mktemp("elsewhere")
     out = elsewhere / "run"
-    r = run_module(["train", "--steps", "1", f"data.task={user_dir / 'my_ext.py'}:countdown",
-                    f"data.reward={user_dir / 'my_ext.py'}:counted_down", "--model", tiny_model_dir,
-                    "--output-dir", out, *TINY], cwd=elsewhere)
+    r = run_module("train", "--steps", "1", f"data.task={user_dir / 'my_ext.py'}:countdown",
+                   f"data.reward={user_dir / 'my_ext.py'}:counted_down", "--model", tiny_model_dir,
+                   "--output-dir", out, *TINY, cwd=elsewhere, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
 
 
 def test_a_spec_that_does_not_load_is_one_error_line(user_dir, tiny_model_dir):
-    r = run_module(["train", "--steps", "1", "data.task=my_ext:no_such_task", "--model", tiny_model_dir,
-                    "--output-dir", user_dir / "run", *TINY], cwd=user_dir)
+    r = run_module("train", "--steps", "1", "data.task=my_ext:no_such_task", "--model", tiny_model_dir,
+                   "--output-dir", user_dir / "run", *TINY, cwd=user_dir, timeout=600)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert "tether: error:" in r.stderr and "no_such_task" in r.stderr
 
