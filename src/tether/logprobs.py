@@ -14,6 +14,8 @@ module re-exports it, so ``from tether.logprobs import ...`` gives every name.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -38,12 +40,16 @@ _HIDDEN_REQUEST: Any = [-1] if _selective_hidden_states_supported() else True
 
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The keyword a model's ``forward`` / ``generate`` take a KV cache by: ``cache`` from transformers
-    5.24 on (which deprecates ``past_key_values`` with a FutureWarning), ``past_key_values`` before."""
-    import inspect
-
+    5.24 on (which deprecates ``past_key_values`` with a FutureWarning), ``past_key_values`` before.
+    Read once per model class (it is asked at every generate segment and shared-prompt forward)."""
     base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return _cache_kwarg_of(type(base))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg_of(cls: type) -> str:
     try:
-        params = inspect.signature(base.forward).parameters
+        params = inspect.signature(cls.forward).parameters
     except (TypeError, ValueError):
         return "past_key_values"
     return "cache" if "cache" in params else "past_key_values"
