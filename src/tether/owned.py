@@ -65,12 +65,6 @@ def write_marker(path: Path, kind: str, files: Iterable[str] = ()) -> None:
     os.replace(tmp, p)
 
 
-def add_files(path: Path, kind: str, files: Iterable[str]) -> None:
-    """Record more entries tether wrote into ``path`` (an evaluation adds one file per benchmark)."""
-    old = read_marker(path) or {}
-    write_marker(path, kind, list(old.get("files", [])) + list(files))
-
-
 def _owned(kind: str, name: str, marker: dict) -> bool:
     if name == MARKER or fnmatch.fnmatch(name, f"{MARKER}.tmp-*"):
         return True

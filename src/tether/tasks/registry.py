@@ -120,8 +120,3 @@ def held_out_benchmark(cfg) -> Optional[str]:
 def task_presets() -> dict[str, dict[str, Any]]:
     """``tether train --task NAME``: the settings each task with a preset brings."""
     return {n: dict(TASKS.meta(n)["preset"]) for n in TASKS if TASKS.meta(n)["preset"] is not None}
-
-
-def held_out_names() -> list[str]:
-    """Every ``data.task`` that has a held-out set tether knows."""
-    return [k for n in TASKS for k in TASKS.meta(n)["held_out"]]
