@@ -138,7 +138,7 @@ def _shared_prompt_hidden(
         output_hidden_states=_HIDDEN_REQUEST,
         return_dict=True,
     )
-    cache = getattr(out, "past_key_values", None)
+    cache = getattr(out, cache_kwarg(model), None)  # the output names the cache as forward takes it
     hs = getattr(out, "hidden_states", None)
     if cache is None or not hasattr(cache, "reorder_cache") or hs is None or hs[-1] is None:
         return None
