@@ -174,12 +174,13 @@ def test_an_episode_calls_then_answers():
     assert env.active() == [0] and env.stop_strings() == ["</calc>"]
     [r] = env.step(["In May she sold <calc>48 / 2</calc>"])
     assert (r.observation, r.reward, r.done) == ("<result>24</result>", 0.0, False)
-    assert r.info == {"action": "calc", "expression": "48 / 2", "result": "24", "error": None, "calls": 1}
+    assert r.info == {"action": "calc", "expression": "48 / 2", "result": "24", "error": None, "calls": 1,
+                      "tool_calls": 1}
     [r] = env.step([" clips. In all: <calc>48 + 24</calc>"])
     assert r.observation == "<result>72</result>" + FINAL_TURN.note  # the next turn is the last
     assert env.stop_strings() == []
     [r] = env.step([" clips.\n#### 72"])
-    assert r.done and r.observation is None and r.info == {"action": "answer", "answer": "72"}
+    assert r.done and not r.truncated and r.observation is None and r.info == {"action": "answer", "answer": "72"}
     assert env.active() == []
 
 
@@ -187,9 +188,9 @@ def test_the_turn_budget_ends_an_episode_and_the_last_call_does_not_run():
     env = CalculatorEnv(max_turns=2)
     env.reset(Example("1 + 1?", "2", "a"))
     [r] = env.step(["hmm"])
-    assert r.observation == NO_ACTION + FINAL_TURN.note and not r.done and r.info == {"action": None}
+    assert r.observation == NO_ACTION + FINAL_TURN.note and not r.done and r.info == {"action": None, "invalid": True}
     [r] = env.step(["<calc>1 + 1</calc>"])
-    assert r.done and r.observation is None and r.info == {"action": "calc", "budget_spent": True}
+    assert r.done and r.truncated and r.observation is None and r.info == {"action": "calc", "budget_spent": True}
     with pytest.raises(ValueError, match="one action per active episode"):
         env.step(["more"])
 

@@ -168,7 +168,7 @@ def test_context_cap_is_at_most_the_models_context(tok, capsys):
     eng.model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=prompt_len + len(turn) + 5))
     agent = SearchAgent(eng, tok, FakeRetriever(), topk=3, max_searches=4)  # max_context 4096
     assert agent.max_context == prompt_len + len(turn) + 5
-    assert "search.max_context=4096 is more than the model's context" in capsys.readouterr().err
+    assert "max_context=4096 is more than the model's context" in capsys.readouterr().err
     rb = agent.rollout([EX], SamplingParams(n=1, max_new_tokens=64, seed=0))
     assert rb.finish_reason == ["length"] and int(rb.response_mask.sum()) == len(turn) + 5
 

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from . import distributed as dist
-from .agents import agent_from_config, agent_tools
+from .agents import agent_from_config, agent_tools, env_reward, reward_parts
 from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, overlong_penalty, zero_variance_groups
 from .anchor import make_anchor
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -36,6 +36,7 @@ from .config import Config, to_dict
 from .errors import GenerationError
 from .logprobs import response_stats
 from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
+from .optim import make_adamw, optimizer_step, skipped_update_line
 from .passes import Passes, StepBatch, exact_kl_sample, head_inputs, idle_backward, micro_batches
 from .rollout import RolloutBatch, SamplingParams, make_engine
 from .report import HeldOut, Progress, RewardErrorLog, rollout_metrics, sample_rows
@@ -68,23 +69,21 @@ class Trainer:
         random.seed(t.seed)
         torch.manual_seed(t.seed)
         self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row before the (slow) model load
-        self.score_rewards = training_reward(cfg, self.data)  # a bad reward spec fails here, too
         tools = agent_tools(cfg)  # e.g. the search agent's retriever: its corpus is checked before the model load
+        self.score_rewards = training_reward(cfg, self.data, env_reward(tools))  # a bad reward spec fails here, too
         if run_guard is not None:
             run_guard.open(cfg)  # after the cheap checks (a bad config leaves no directory), before the model load
         else:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         if model is None:
-            from .models import load_model
-            self.log(f"[tether] loading model {cfg.model.name!r}")
+            from .models import describe_model, load_model
+            self.log(f"[tether] loading model {describe_model(cfg.model.name)}")
             model, tokenizer = load_model(cfg.model)
         model = dist.shard_model(model)  # FSDP2 under torchrun (before the optimizer and the anchor see it)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # Not fused=True: torch's fused CPU AdamW assumes contiguous tensors and silently mis-updates
-        # the column-major weights that models.column_major_linear_weights gives CPU models.
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        self.optimizer = make_adamw(self.params, t)
         self.schedule = LRSchedule(self.optimizer, t)  # a resume that extends the run re-lays it (continue_from)
         self.scheduler = self.schedule.scheduler
         self.anchor = make_anchor(cfg.algo.anchor, model)
@@ -119,7 +118,7 @@ class Trainer:
         r = self.cfg.rollout
         rewards, correct, errors = self.score_rewards(rb.texts, examples)
         self.reward_errors.add(errors, self.step + 1)
-        rew = torch.tensor(rewards, dtype=torch.float32)
+        rew = torch.tensor(rewards, dtype=torch.float32) + torch.tensor(reward_parts(rb))  # + an environment's parts
         if r.overlong_buffer_frac > 0:
             rew = rew - overlong_penalty(rb.response_lengths, r.max_new_tokens, r.overlong_buffer_frac,
                                          r.overlong_penalty)
@@ -216,19 +215,12 @@ class Trainer:
 
     def _optimizer_step(self, loss: torch.Tensor, stats: UpdateStats) -> None:
         """Clip, then step (skipped, weights unchanged, if the loss or gradient is not finite on any rank)."""
-        t, loss = self.cfg.train, dist.all_reduce(loss)
-        gn = dist.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else math.inf)
-        loss_v, gn_v = torch.stack([loss.float(), gn.float()]).tolist()  # the one read per optimizer step
-        if not (math.isfinite(loss_v) and math.isfinite(gn_v)):
-            self.optimizer.zero_grad(set_to_none=True)
+        gn = optimizer_step(self.params, self.optimizer, self.scheduler, loss, self.cfg.train.grad_clip)
+        if gn is None:
             self.skipped_updates += 1
-            self.log(f"[tether] step {self.step + 1}: non-finite loss or gradient; update skipped "
-                     f"(weights unchanged, {self.skipped_updates} skipped so far)")
+            self.log(skipped_update_line(self.step + 1, self.skipped_updates))
             return
-        stats.optimizer_step(gn_v)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        stats.optimizer_step(gn)
 
     # ------------------------------------------------------------ one step, the run
 
@@ -367,7 +359,7 @@ def train(cfg: Config, run_dir: Optional[Path] = None, model=None, tokenizer=Non
         from .algo import describe
         log(f"[tether] {describe(cfg.algo)}")
     guard = RunDirectory(run_dir, fresh=True, overwrite=cfg.run.overwrite, log=log)
-    return _run_guarded(guard, lambda: Trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard), resume=False)
+    return run_guarded(guard, lambda: Trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard), resume=False)
 
 
 def resume(run_dir: Path, overrides: Optional[dict] = None, model=None, tokenizer=None, log=print) -> Path:
@@ -380,10 +372,10 @@ def resume(run_dir: Path, overrides: Optional[dict] = None, model=None, tokenize
     cfg = resume_config(run_dir, overrides)
     dist.init()
     guard = RunDirectory(run_dir, fresh=False, log=log)
-    return _run_guarded(guard, lambda: Trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard), resume=True)
+    return run_guarded(guard, lambda: Trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard), resume=True)
 
 
-def _run_guarded(guard: RunDirectory, make_trainer, resume: bool) -> Path:
+def run_guarded(guard: RunDirectory, make_trainer, resume: bool) -> Path:
     """Build the trainer (its ``__init__`` opens the guard) and run it; the lock is released however it
     ends, a fresh run whose trainer cannot be built leaves no directory, and a disk-full or read-only
     write while training is a `RunError` naming the path."""

@@ -5,8 +5,10 @@ and, for a multi-turn agent, interleaves tool observations, marking them False i
 ``RolloutBatch.loss_mask``. The trainer and ``tether eval`` call only ``Agent.rollout``.
 
 * ``single_turn`` (:class:`SingleTurnAgent`): prompt -> one response (the math tasks).
-* ``search`` (:class:`~tether.agents.search.SearchAgent`): Search-R1's multi-turn protocol
-  with a retriever (``tether.search``).
+* ``multi_turn`` (:class:`~tether.agents.multi_turn.MultiTurnAgent`): any text environment
+  (``tether.envs``, ``env.name``: ``calculator`` or a user's ``module:Class``), token-exact.
+* ``search`` (:func:`~tether.agents.search.SearchAgent`): the ``search`` environment (Search-R1's
+  protocol with a retriever, ``tether.search``) run by the multi-turn agent.
 
 Agents register in :data:`AGENTS` with how a config configures them (metadata ``options``,
 ``tools``, ``reads``); ``rollout.agent`` also takes a user's ``module:name`` / ``file.py:name``.
@@ -24,6 +26,7 @@ from ..algo.recipes import ConfigError
 from ..algo.registry import Registry
 from ..rollout.base import RolloutBatch, SamplingParams
 from ..tasks.base import Example
+from .multi_turn import MultiTurnAgent
 from .single_turn import SingleTurnAgent
 
 
@@ -56,7 +59,23 @@ def _no_tools(cfg) -> dict[str, Any]:
 def _search_options(cfg) -> dict[str, Any]:
     s = cfg.search
     return {**_options(cfg), "topk": s.topk, "max_searches": s.max_searches, "max_obs_tokens": s.max_obs_tokens,
-            "max_context": s.max_context, "observation_format": s.observation_format}
+            "max_context": s.max_context, "observation_format": s.observation_format, "reuse_kv": cfg.rollout.reuse_kv}
+
+
+def _env_options(cfg) -> dict[str, Any]:
+    e = cfg.env
+    return {**_options(cfg), "max_obs_tokens": e.max_obs_tokens, "max_context": e.max_context,
+            "observation_format": e.observation_format, "observation_role": e.observation_role,
+            "reuse_kv": cfg.rollout.reuse_kv}
+
+
+def _env_tools(cfg) -> dict[str, Any]:
+    """The environment ``env.name``, built with ``env.max_turns`` when set (its reward, ``reward``, is the
+    run's when ``data.reward=auto``)."""
+    from ..envs import make_env
+
+    e = cfg.env
+    return {"env": make_env(e.name, **({"max_turns": e.max_turns} if e.max_turns else {}))}
 
 
 def _search_tools(cfg) -> dict[str, Any]:
@@ -80,7 +99,19 @@ def _search(engine, tokenizer, **options) -> Agent:
 AGENTS: Registry[Callable[..., Agent]] = Registry("agent", defaults={"options": _options, "tools": _no_tools,
                                                                      "reads": None}, error=ConfigError)
 AGENTS.register("single_turn")(SingleTurnAgent)
+AGENTS.register("multi_turn", options=_env_options, tools=_env_tools, reads="env")(MultiTurnAgent)
 AGENTS.register("search", options=_search_options, tools=_search_tools, reads="search")(_search)
+
+
+def env_reward(tools: dict[str, Any]) -> Optional[str]:
+    """The reward spec of the environment among an agent's ``tools`` (None: no environment, or it keeps the
+    task's reward)."""
+    return getattr(tools.get("env"), "reward", None)
+
+
+def reward_parts(rb: RolloutBatch) -> list[float]:
+    """Each row's environment reward parts (``info["env_reward"]``, summed over its steps; 0 without)."""
+    return [float((i or {}).get("env_reward", 0.0)) for i in rb.info] if rb.info is not None else [0.0] * len(rb)
 
 
 def make_agent(name: str, engine, tokenizer, **options: Any) -> Agent:
@@ -100,4 +131,5 @@ def agent_from_config(cfg, engine, tokenizer, tools: Optional[dict[str, Any]] = 
     return build(engine, tokenizer, **meta["options"](cfg), **(meta["tools"](cfg) if tools is None else tools))
 
 
-__all__ = ["AGENTS", "Agent", "SingleTurnAgent", "agent_from_config", "agent_tools", "make_agent"]
+__all__ = ["AGENTS", "Agent", "MultiTurnAgent", "SingleTurnAgent", "agent_from_config", "agent_tools", "env_reward",
+           "make_agent", "reward_parts"]

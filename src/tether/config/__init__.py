@@ -23,13 +23,13 @@ from .overrides import _coerce, _fields, _flatten, _set, parse_overrides  # noqa
 from .presets import RECIPE_TRAINER_DEFAULTS, TASK_PRESETS
 from .reference import reference
 from .schema import (DEFAULT_RECIPE, HELD_OUT, Config, DataConfig, EvalConfig, RolloutConfig, RunConfig,
-                     SearchConfig, TrainConfig, eval_benchmarks, evaluating, to_dict)
+                     SearchConfig, EnvConfig, TrainConfig, eval_benchmarks, evaluating, to_dict)
 from .validate import VLLM_DTYPES, check, check_device
 from .yaml_io import read_yaml_mapping, save_config
 
 __all__ = [
     "DEFAULT_RECIPE", "HELD_OUT", "RECIPE_TRAINER_DEFAULTS", "TASK_PRESETS", "VLLM_DTYPES", "AlgoConfig", "Config",
-    "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "RolloutConfig", "RunConfig", "SearchConfig",
+    "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "RolloutConfig", "RunConfig", "SearchConfig", "EnvConfig",
     "TrainConfig", "check", "check_device", "eval_benchmarks", "evaluating", "load_config", "parse_overrides",
     "read_yaml_mapping", "reference", "save_config", "to_dict",
 ]

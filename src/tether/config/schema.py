@@ -45,8 +45,10 @@ class RolloutConfig:
 
     engine: str = "hf"  # hf: transformers generate on the training model | vllm: an in-process vLLM engine (its own
     # venv: scripts/setup.sh --vllm; options rollout.vllm_*; reports log-probs for algo.tis_cap)
-    agent: str = "single_turn"  # how an episode runs: single_turn (prompt -> one response) | search (multi-turn with
-    # a retriever, docs/search_agents.md) | a user's agent module:function / path.py:function (docs/extending.md)
+    agent: str = "single_turn"  # how an episode runs: single_turn (prompt -> one response) | multi_turn (the
+    # environment env.name, e.g. calculator: tool calls and observations, docs/environments.md) | search (multi-turn
+    # with a retriever, Search-R1's protocol, docs/search_agents.md) | a user's agent module:function /
+    # path.py:function (docs/extending.md)
     prompts_per_step: int = 6  # prompts per trainer step
     n: int = 8  # samples per prompt (the group size G; 8 makes fewer groups all-wrong, which carry no signal)
     temperature: float = 0.7  # sampling temperature; log-probs are taken at the same temperature (0.7: at 1.0
@@ -67,6 +69,9 @@ class RolloutConfig:
     # samples
     prune_every: int = 64  # decode in segments of N tokens and drop finished rows between them (0 = never; generate
     # alone decodes finished rows until the longest ends)
+    reuse_kv: bool = True  # multi-turn agents (multi_turn, search): keep each episode's KV cache between its turns, so
+    # each token is encoded once (engine=hf: turn t encodes only the tokens added since turn t-1; engine=vllm: its
+    # prefix cache); false re-encodes the whole context every turn (same tokens, for A/B comparison)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and refill with new prompts
     max_refill_rounds: int = 3  # dynamic_sampling: at most this many extra generation rounds per step
     overlong_buffer_frac: float = 0.0  # DAPO soft overlong penalty: linear penalty over the last frac of max_new_tokens
@@ -112,6 +117,23 @@ class SearchConfig:
     timeout: float = 30.0  # http: seconds per request
     retries: int = 2  # http: extra attempts after a failed request; a search that still fails becomes an observation
     # saying so
+
+
+@dataclass
+class EnvConfig:
+    """The environment of rollout.agent=multi_turn and how the agent runs it (docs/environments.md)."""
+
+    name: str = "calculator"  # calculator (<calc> arithmetic, a #### final answer: data.task=arithmetic or gsm8k) | a
+    # user's environment module:Class / path.py:Class (a tether.envs.TextEnv subclass, or any object with its methods)
+    max_turns: int = 0  # policy turns per episode, the last one without tool calls (0 = the environment's own;
+    # calculator: 4, so up to 3 calls)
+    max_obs_tokens: int = 512  # tokens per observation; longer ones are cut (keeping the environment's closing tag)
+    max_context: int = 4096  # prompt + response tokens per episode (at most the model's context); an episode that
+    # reaches it ends ("length")
+    observation_format: str = "raw"  # raw (observations are text inside the one assistant turn, Search-R1's way) |
+    # chat (each observation is a turn of the chat template, tokenized as the difference between the conversation
+    # rendered with and without it, so the policy's ids stay exact; for models trained with tool turns)
+    observation_role: str = "tool"  # observation_format=chat: the role of an observation turn: tool | user
 
 
 @dataclass
@@ -214,6 +236,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
 
 def to_dict(cfg) -> dict:

@@ -19,6 +19,7 @@ from .schema import (
     HELD_OUT,
     Config,
     DataConfig,
+    EnvConfig,
     EvalConfig,
     RolloutConfig,
     SearchConfig,
@@ -29,7 +30,7 @@ from .schema import (
 def check(cfg: Config) -> Config:
     """Validate the algorithm and the trainer settings together; errors list every problem."""
     errs: list[str] = []
-    for section in (_check_algo, _check_data, _check_rollout_choices, _check_search, _check_rollout_values,
+    for section in (_check_algo, _check_data, _check_rollout_choices, _check_search, _check_env, _check_rollout_values,
                     _check_train, _check_eval, _check_run, _check_values):
         errs.extend(section(cfg))
     if len(errs) == 1:
@@ -131,6 +132,34 @@ def _check_search(cfg: Config) -> list[str]:
     return errs
 
 
+def _check_env(cfg: Config) -> list[str]:
+    """env.*: only with an agent that reads them (multi_turn); the environment (a registered name or a
+    user's module:Class), the observation format and role, ranges."""
+    from ..agents import AGENTS
+    from ..agents.chat_turns import OBSERVATION_FORMATS, OBSERVATION_ROLES
+    from ..envs import ENVS
+
+    e, de, errs = cfg.env, EnvConfig(), []
+    if _agent_reads(cfg) != "env":
+        return [f"env.{k} only applies with rollout.agent={' or '.join(AGENTS.where(reads='env'))}"
+                for k in (f.name for f in dataclasses.fields(EnvConfig)) if getattr(e, k) != getattr(de, k)]
+    if e.name == "search":
+        errs.append("env.name=search: run the search environment with rollout.agent=search (its retriever and "
+                    "budgets are the search.* keys)")
+    elif e.name not in ENVS:
+        errs.extend(_check_spec("env.name", e.name, ENVS))
+    for bad, choices, key in ((e.observation_format, OBSERVATION_FORMATS, "env.observation_format"),
+                              (e.observation_role, OBSERVATION_ROLES, "env.observation_role")):
+        if bad not in choices:
+            errs.append(unknown_choice(key, bad, choices))
+    if e.observation_role != de.observation_role and e.observation_format != "chat":
+        errs.append("env.observation_role only applies with env.observation_format=chat")
+    if e.max_turns < 0 or e.max_obs_tokens < 1 or e.max_context < 1:
+        errs.append("env.max_turns must be >= 0 (0 = the environment's own), env.max_obs_tokens and env.max_context "
+                    ">= 1")
+    return errs
+
+
 def _check_rollout_values(cfg: Config) -> list[str]:
     """rollout.*: lengths, DAPO's refill and overlong options, sizes."""
     r, dr, errs = cfg.rollout, RolloutConfig(), []
@@ -154,8 +183,6 @@ def _check_train(cfg: Config) -> list[str]:
     for k in ("steps", "epochs", "mini_batches", "micro_batch_size", "logprob_chunk"):
         if getattr(t, k) < 1:
             errs.append(f"train.{k} must be >= 1")
-    if t.schedule not in ("constant", "cosine", "linear"):
-        errs.append(f"unknown train.schedule {t.schedule!r}. Valid choices: constant, cosine, linear")
     if r.prompts_per_step * r.n < t.mini_batches:
         errs.append("train.mini_batches exceeds the number of sequences per step")
     if (cfg.algo.anchor.kind == "iterative" and t.epochs == 1 and t.mini_batches == 1
@@ -201,28 +228,61 @@ def _anchor_has_weights(kind: str) -> bool:
 
 
 def _check_run(cfg: Config) -> list[str]:
-    """run.*: overwrite needs an output directory; the loggers need their packages."""
+    """run.*: overwrite needs an output directory; the loggers need their packages; checkpoint counts."""
+    return check_outputs(cfg.run)
+
+
+def check_outputs(run) -> list[str]:
+    """The output keys a training run and an SFT run share (``run``: a `RunConfig` or
+    `tether.config.sft.SFTRunConfig`): overwrite needs an output directory, the loggers their
+    packages, and the checkpoint counts their ranges."""
     errs = []
-    if cfg.run.overwrite and not cfg.run.output_dir:
+    if run.overwrite and not run.output_dir:
         errs.append("run.overwrite=true needs run.output_dir (--output-dir): the default run directory is a new "
                     "one, so there is nothing to overwrite")
-    if cfg.run.tensorboard:
+    if run.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401
         except Exception:
             errs.append("run.tensorboard=true needs the tensorboard package (pip install tensorboard)")
-    if cfg.run.wandb:
+    if run.wandb:
         try:
             import wandb  # noqa: F401
         except Exception:
             errs.append("run.wandb=true needs the wandb package (pip install wandb)")
+    if run.save_every < 0:
+        errs.append(f"run.save_every must be >= 0 (0 = only at the end), got {run.save_every}")
+    if run.keep_checkpoints < 1 and run.keep_checkpoints != -1:
+        errs.append(f"run.keep_checkpoints must be >= 1 (or -1 = keep every checkpoint), got {run.keep_checkpoints}")
     return errs
 
 
 def _check_values(cfg: Config) -> list[str]:
     """Ranges of single values that would otherwise fail late (at the model load, or mid-run):
-    optimizer, sampling, model, LoRA, checkpointing and reward settings."""
-    m, r, t, run, errs = cfg.model, cfg.rollout, cfg.train, cfg.run, []
+    optimizer, sampling, model, LoRA and reward settings."""
+    r, t, errs = cfg.rollout, cfg.train, []
+    errs.extend(check_optimizer(t, t.steps * t.epochs * t.mini_batches,
+                                "train.steps x train.epochs x train.mini_batches"))
+    if not (math.isfinite(r.temperature) and r.temperature > 0):
+        errs.append(f"rollout.temperature must be a finite number > 0 (training samples; log-probs are taken at "
+                    f"the same temperature), got {r.temperature!r}")
+    if not 0 < r.top_p <= 1:
+        errs.append(f"rollout.top_p must be in (0, 1] (1 = off), got {r.top_p!r}")
+    if r.top_k < 0:
+        errs.append(f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
+    errs.extend(check_model(cfg.model))
+    if not math.isfinite(cfg.data.format_weight):
+        errs.append(f"data.format_weight must be a finite number, got {cfg.data.format_weight!r}")
+    errs.extend(_check_reward_spec(cfg.data.reward))
+    return errs
+
+
+def check_optimizer(t, total: int, total_is: str) -> list[str]:
+    """AdamW and LR-schedule keys shared by training and SFT runs (``t``: their ``train`` section);
+    ``total`` optimizer steps (0: not known yet), which ``total_is`` names, bound the warm-up."""
+    errs = []
+    if t.schedule not in ("constant", "cosine", "linear"):
+        errs.append(f"unknown train.schedule {t.schedule!r}. Valid choices: constant, cosine, linear")
     if not (math.isfinite(t.lr) and t.lr >= 0):  # 0 is allowed: a no-update baseline (noise floor of a comparison)
         errs.append(f"train.lr must be a finite number >= 0, got {t.lr!r}")
     if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
@@ -231,30 +291,21 @@ def _check_values(cfg: Config) -> list[str]:
         errs.append(f"train.betas must be two numbers in [0, 1), got {t.betas!r}")
     if not (math.isfinite(t.grad_clip) and t.grad_clip >= 0):
         errs.append(f"train.grad_clip must be a finite number >= 0 (0 = off), got {t.grad_clip!r}")
-    total = t.steps * t.epochs * t.mini_batches
     if t.warmup_steps < 0:
         errs.append(f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
     elif t.warmup_steps > total > 0:
         errs.append(f"train.warmup_steps={t.warmup_steps} exceeds the run's {total} optimizer steps "
-                    f"(train.steps x train.epochs x train.mini_batches): the LR would never reach train.lr")
-    if not (math.isfinite(r.temperature) and r.temperature > 0):
-        errs.append(f"rollout.temperature must be a finite number > 0 (training samples; log-probs are taken at "
-                    f"the same temperature), got {r.temperature!r}")
-    if not 0 < r.top_p <= 1:
-        errs.append(f"rollout.top_p must be in (0, 1] (1 = off), got {r.top_p!r}")
-    if r.top_k < 0:
-        errs.append(f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
+                    f"({total_is}): the LR would never reach train.lr")
+    return errs
+
+
+def check_model(m: ModelConfig) -> list[str]:
+    """The model section's dtype, device and LoRA keys."""
+    errs = []
     if str(m.dtype).lower() not in DTYPES:
         errs.append(unknown_choice("model.dtype", m.dtype, DTYPES))
     errs.extend(check_device(m.device))
     errs.extend(_check_lora(m))
-    if run.save_every < 0:
-        errs.append(f"run.save_every must be >= 0 (0 = only at the end), got {run.save_every}")
-    if run.keep_checkpoints < 1 and run.keep_checkpoints != -1:
-        errs.append(f"run.keep_checkpoints must be >= 1 (or -1 = keep every checkpoint), got {run.keep_checkpoints}")
-    if not math.isfinite(cfg.data.format_weight):
-        errs.append(f"data.format_weight must be a finite number, got {cfg.data.format_weight!r}")
-    errs.extend(_check_reward_spec(cfg.data.reward))
     return errs
 
 

@@ -24,14 +24,16 @@ from ..algo.recipes import ConfigError
 from ..algo.registry import Registry
 from .base import Env, Episode, FinalTurn, Prompt, Start, StepResult, TextEnv
 from .calculator import CalculatorEnv
+from .search import SearchEnv
 
 __all__ = ["ENVS", "make_env", "Env", "TextEnv", "Episode", "FinalTurn", "Prompt", "Start", "StepResult",
-           "CalculatorEnv"]
+           "CalculatorEnv", "SearchEnv"]
 
 #: environment name -> its class (or any builder ``(**options) -> Env``); a user's ``module:Class``
 #: spec resolves through it too (``ENVS.resolve``).
 ENVS: Registry[Callable[..., Env]] = Registry("environment", error=ConfigError)
 ENVS.register("calculator")(CalculatorEnv)
+ENVS.register("search")(SearchEnv)
 
 
 def make_env(spec: str, **options: Any) -> Env:

@@ -60,13 +60,21 @@ class StepResult:
         reward: this turn's reward part (0.0 for none); an episode's parts are added to the reward
             that scores its whole text (:attr:`TextEnv.reward`).
         done: whether the episode ended with this turn.
-        info: what happened in the turn (the tool call, its error, the answer), for metrics and logs.
+        truncated: set by :class:`TextEnv`, not by ``act``: the episode ended because its budget ran out
+            (its last turn, or one the agent cut with ``cut``) and not on its own terms (an answer).
+            Gymnasium's terminated/truncated distinction: an agent reports a truncated episode's finish
+            reason as that of its last turn (``"length"`` when its context ran out).
+        info: what happened in the turn, for metrics and logs. Two keys are read by the agent
+            (``tether.agents.MultiTurnAgent``) and summed per episode: ``"tool_calls"`` (tool calls run in
+            the turn, an int) and ``"invalid"`` (True when the turn held no valid action); anything
+            else is the environment's own (the call, its error, the answer).
     """
 
     observation: Optional[str] = None
     reward: float = 0.0
     done: bool = False
     info: dict = field(default_factory=dict)
+    truncated: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,12 @@ class Env(Protocol):
 
     def end(self, index: int) -> None: ...
 
+    def cut(self, index: int) -> None: ...
+
+    def finish(self, index: int, text: str) -> dict: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
 
 class TextEnv:
     """Base class of a text environment: a batch of episodes, a turn budget, a final-turn rule.
@@ -149,6 +163,8 @@ class TextEnv:
         reward: the reward that scores an episode's whole text: a ``tether.tasks.rewards.REWARDS``
             name or a user's ``module:function``; None keeps the task's reward (``data.reward``).
             The steps' reward parts are added to it.
+        observation_tail: text an observation must end with even when the agent cuts it to its
+            token budget (e.g. the closing tag ``</information>``); "" = none.
 
     Args:
         max_turns: the turn budget (default: the class's); at least 1.
@@ -160,6 +176,7 @@ class TextEnv:
     max_turns: int = 1
     final_turn: FinalTurn = FinalTurn()
     reward: Optional[str] = None
+    observation_tail: str = ""
 
     def __init__(self, *, max_turns: Optional[int] = None, reward: Optional[str] = None):
         if max_turns is not None:
@@ -185,6 +202,22 @@ class TextEnv:
         """The answers to a turn's actions of every active episode, in order (default: :meth:`act`
         on each). Override it to serve them together (one batched tool call)."""
         return [self.act(e, a) for e, a in zip(episodes, actions)]
+
+    def finish(self, index: int, text: str) -> dict:
+        """What the environment records of finished episode ``index`` whose whole response text is
+        ``text``: :meth:`episode_info` of it (the agent calls it once per episode, after the last step)."""
+        return self.episode_info(self.episodes[index], text)
+
+    def episode_info(self, episode: Episode, text: str) -> dict:
+        """What the environment records of a finished ``episode`` whose whole response text is ``text``
+        (the agent puts it in ``RolloutBatch.info``; default: nothing). An environment that keeps
+        counters for :meth:`metrics` can update them here."""
+        return {}
+
+    def metrics(self) -> dict[str, float]:
+        """The environment's own counters since the last call, then reset (default: none). The agent
+        adds the generic ones (turns, tool calls, invalid actions, observation tokens, seconds)."""
+        return {}
 
     # ------------------------------------------------------------ the interface
 
@@ -228,6 +261,7 @@ class TextEnv:
             r.reward = float(r.reward)
             if not math.isfinite(r.reward):
                 raise ValueError(f"{self.name} environment: a non-finite reward part {r.reward} (episode {e.index})")
+            r.truncated = not r.done and e.final
             r.done = bool(r.done) or e.final
             if r.done:
                 r.observation = None
@@ -239,6 +273,12 @@ class TextEnv:
     def end(self, index: int) -> None:
         """End episode ``index`` without a step (the agent stops it, e.g. its context is full)."""
         self.episodes[index].done = True
+
+    def cut(self, index: int) -> None:
+        """Make the coming turn of episode ``index`` its last (the agent's budget for it ran out, e.g. its
+        context is full): ``act`` sees ``episode.final``, so no tool runs, and the step ends it."""
+        ep = self.episodes[index]
+        ep.max_turns = min(ep.max_turns, ep.turns + 1)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(max_turns={self.max_turns}, reward={self.reward!r})"

@@ -210,6 +210,7 @@ class CalculatorEnv(TextEnv):
     stop = ("</calc>",)
     max_turns = 4
     final_turn = FINAL_TURN
+    observation_tail = "</result>"
 
     def __init__(self, *, max_turns: Optional[int] = None, reward: Optional[str] = None, system_prompt: str = ""):
         super().__init__(max_turns=max_turns, reward=reward)
@@ -232,13 +233,13 @@ class CalculatorEnv(TextEnv):
         kind, content = parse_action(action)
         if kind == "answer":
             return StepResult(done=True, info={"action": "answer", "answer": content})
-        if episode.final:
-            return StepResult(done=True, info={"action": kind, "budget_spent": True})
+        if episode.final:  # no call runs: the base class ends the episode (truncated)
+            return StepResult(info={"action": kind, "budget_spent": True})
         if kind is None:
-            return StepResult(observation=NO_ACTION, info={"action": None})
+            return StepResult(observation=NO_ACTION, info={"action": None, "invalid": True})
         calls = episode.state["calls"] = episode.state.get("calls", 0) + 1
         value, error = calculate(content)
         shown = value if error is None else f"invalid expression: {error}"
         return StepResult(observation=f"<result>{shown}</result>",
                           info={"action": "calc", "expression": content[:200], "result": value, "error": error,
-                                "calls": calls})
+                                "calls": calls, "tool_calls": 1})

@@ -138,19 +138,24 @@ class PromptEncoder:
                     raise self._too_long(ex, f"{len(prompt)} characters (so at least {len(prompt) // longest} tokens)",
                                          limit, max_new_tokens)
                 prompt = prompt[-limit * longest:]  # still at least `limit` tokens: the cut below decides
-            ids = self.tokenizer(_prompt_text(self.tokenizer, prompt, self.system_prompt),
-                                 add_special_tokens=False)["input_ids"]
-            if len(ids) > limit:
-                if self.overflow == "error":
-                    raise self._too_long(ex, f"{len(ids)} tokens", limit, max_new_tokens)
-                if not self.truncated:
-                    print(f"[tether] warning: example {ex.id}: the prompt has {len(ids)} tokens, "
-                          f"{self._lengths(limit, max_new_tokens)}; keeping its last {limit} tokens "
-                          f"(rollout.prompt_overflow=truncate; warned once)", file=sys.stderr)
-                self.truncated += 1
-                ids = ids[-limit:]
-            out.append(ids)
+            out.append(self.fit(self.tokenizer(_prompt_text(self.tokenizer, prompt, self.system_prompt),
+                                               add_special_tokens=False)["input_ids"], ex, max_new_tokens))
         return out
+
+    def fit(self, ids: list[int], ex: Example, max_new_tokens: int) -> list[int]:
+        """An encoded prompt ``ids`` of example ``ex`` fitted in ``context - max_new_tokens`` tokens: as it is,
+        an error, or its last tokens (``overflow``)."""
+        limit = self.limit(max_new_tokens)
+        if limit is None or len(ids) <= limit:
+            return ids
+        if self.overflow == "error":
+            raise self._too_long(ex, f"{len(ids)} tokens", limit, max_new_tokens)
+        if not self.truncated:
+            print(f"[tether] warning: example {ex.id}: the prompt has {len(ids)} tokens, "
+                  f"{self._lengths(limit, max_new_tokens)}; keeping its last {limit} tokens "
+                  f"(rollout.prompt_overflow=truncate; warned once)", file=sys.stderr)
+        self.truncated += 1
+        return ids[-limit:]
 
     def check(self, examples: Sequence[Example], max_new_tokens: int) -> None:
         """Raise the error :meth:`encode` would for the first overlong prompt of ``examples``

@@ -70,12 +70,13 @@ def prompt_stream(cfg) -> PromptStream:
     return PromptStream(examples=list(rows), reward_name=reward, seed=seed, shuffle=shuffle)
 
 
-def training_reward(cfg, stream: PromptStream):
-    """The scorer of the training responses (`tether.tasks.reward_worker.reward_scorer`): ``data.reward``,
-    or the stream's own task reward with ``data.reward=auto``. A user reward runs in a worker process
-    with ``data.reward_timeout`` per call; a bad spec is a RewardError here, before the model load."""
+def training_reward(cfg, stream: PromptStream, default: Optional[str] = None):
+    """The scorer of the training responses (`tether.tasks.reward_worker.reward_scorer`): ``data.reward``;
+    with ``data.reward=auto``, ``default`` (an environment's own reward) or else the stream's task reward. A
+    user reward runs in a worker process with ``data.reward_timeout`` per call; a bad spec is a RewardError
+    here, before the model load."""
     from .reward_worker import reward_scorer
-    spec = stream.reward_name if cfg.data.reward == "auto" else cfg.data.reward
+    spec = (default or stream.reward_name) if cfg.data.reward == "auto" else cfg.data.reward
     return reward_scorer(spec, format_weight=cfg.data.format_weight, timeout=cfg.data.reward_timeout)
 
 
