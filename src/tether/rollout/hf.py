@@ -65,9 +65,9 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, Sto
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..errors import GenerationError
-from ..logprobs import cache_kwarg, prompt_groups
+from ..logprobs import cache_kwarg
 from .base import NONFINITE_LOGITS, RolloutBatch, SamplingParams
-from .kvcache import growing_cache
+from .kvcache import growing_cache, shared_prefill
 from .rows import RowPostprocess
 
 
@@ -391,7 +391,7 @@ class HFEngine(RowPostprocess):
         cache = growing_cache(self.model, reserve=width + params.max_new_tokens) if self.kv_cache == "growing" \
             else DynamicCache(config=getattr(self.model, "config", None))
         if self.share_prompt and width > 1:
-            self._shared_prefill(ids, mask, cache)
+            shared_prefill(self.model, ids, mask, cache)
         eos = torch.tensor(self.eos_token_ids, device=device)
         rows = list(range(len(chunk_prompts)))  # chunk rows still decoding, in the order of `ids`
         resp: list[Any] = [None] * len(rows)
@@ -430,20 +430,3 @@ class HFEngine(RowPostprocess):
             ids = seqs[keep]
             mask = torch.cat([mask[keep], mask.new_ones(len(keep), made_now)], dim=1)
         return [self._finish_row(tokens, params) for tokens in resp]
-
-    def _shared_prefill(self, ids: torch.Tensor, mask: torch.Tensor, cache) -> None:
-        """Fill the empty `cache` with the KV of ``ids[:, :-1]``, computed once per distinct
-        prompt and expanded to all rows.
-
-        ``generate`` then feeds only the last prompt column (positions come from ``mask`` as
-        usual) and decodes from there. Nothing is done when every row's prompt is distinct
-        (nothing to share); ``generate`` then pre-fills every row itself.
-        """
-        first, inverse = prompt_groups(ids, mask)  # [U], [rows]
-        if len(first) == ids.shape[0]:
-            return
-        pre_mask = mask[first, :-1]  # [U, W-1]
-        self.model(input_ids=ids[first, :-1], attention_mask=pre_mask,
-                   position_ids=(pre_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1,
-                   **{cache_kwarg(self.model): cache})
-        cache.reorder_cache(inverse)

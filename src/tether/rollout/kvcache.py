@@ -16,6 +16,9 @@ when a shared prompt is expanded, cropping, offloading) reads ``keys`` / ``value
 a new tensor; both go through properties here, so they keep working unchanged and the next
 update re-grows the buffer.
 
+`shared_prefill` fills an empty cache once per distinct prompt of a sub-batch and expands it to
+the prompt's rows (``HFEngine(share_prompt=True)``).
+
 Only for decoding under ``torch.no_grad``: the update writes into the buffer in place, which
 autograd would reject for a cache that takes part in a backward pass.
 """
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from ..logprobs import cache_kwarg, prompt_groups
 
 
 class GrowingLayer(DynamicLayer):
@@ -107,3 +112,21 @@ def growing_cache(model, reserve: int = 0) -> DynamicCache:
     else:
         cache.layer_class_to_replicate = lambda: GrowingLayer(reserve)
     return cache
+
+
+def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, cache) -> None:
+    """Fill the empty `cache` with the KV of ``ids[:, :-1]``, computed once per distinct prompt and
+    expanded to all rows.
+
+    ``generate`` then feeds only the last prompt column (positions come from ``mask`` as usual) and
+    decodes from there. Nothing is done when every row's prompt is distinct (nothing to share);
+    ``generate`` then pre-fills every row itself.
+    """
+    first, inverse = prompt_groups(ids, mask)  # [U], [rows]
+    if len(first) == ids.shape[0]:
+        return
+    pre_mask = mask[first, :-1]  # [U, W-1]
+    model(input_ids=ids[first, :-1], attention_mask=pre_mask,
+          position_ids=(pre_mask.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1,
+          **{cache_kwarg(model): cache})
+    cache.reorder_cache(inverse)
