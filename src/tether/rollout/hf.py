@@ -47,6 +47,13 @@ token): the sampler reads it off the total probability mass it already sums (fre
 bad rows are given a harmless token so that ``generate`` finishes its segment; the flag is
 read once per segment, where `_generate_chunk` syncs anyway, and raises a ``GenerationError``.
 
+Sessions (multi-turn). ``generate(..., sessions=keys)`` keeps, per output row, the KV of the row's
+prompt + response under its key, and a later call whose prompt for that key extends those tokens
+encodes only the new ones (``sessions.py`` has the layout, the memory cost and the limits;
+``release`` frees entries, ``sync_weights`` drops them all). Rows are ordered and cut into
+sub-batches as without sessions, so with a seed the sampled ids are the same with and without
+reuse (``reuse_kv=False``). ``record_logp`` fills ``RolloutBatch.sampler_logp`` (`sessions.StepLogp`).
+
 Seeding. With ``params.seed`` set, the call runs inside ``torch.random.fork_rng`` (CPU and
 the model's CUDA device) after ``torch.manual_seed(seed)``: the same prompts, params,
 ``batch_size`` and device give the same output, and the global RNG state is left as it
@@ -58,7 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Iterable
+from typing import Any, Hashable, Iterable, Optional
 
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
@@ -69,6 +76,7 @@ from ..logprobs import cache_kwarg
 from .base import NONFINITE_LOGITS, RolloutBatch, SamplingParams
 from .kvcache import growing_cache, shared_prefill
 from .rows import RowPostprocess
+from .sessions import SessionStore, StepLogp, layout, prefill, take_rows
 
 
 def _as_id_list(x) -> list[int]:
@@ -234,11 +242,20 @@ class HFEngine(RowPostprocess):
             exponential per vocabulary entry). Same law; kept for A/B comparison (bench/decode_speed.py).
         kv_cache: ``"growing"`` (`kvcache.growing_cache`, written in place) or ``"dynamic"``
             (transformers' ``DynamicCache``, re-copied at every token). Same values; kept for A/B.
+        reuse_kv: with ``generate(..., sessions=...)``, store each row's KV under its key and encode only
+            the tokens after a stored prefix (sessions.py). False: ``sessions`` are accepted and ignored
+            (every call encodes its whole prompts), the no-reuse path for A/B benchmarks and tests.
+        record_logp: fill ``RolloutBatch.sampler_logp`` [B, T] with each sampled token's log-prob under
+            the distribution it was drawn from (after temperature / top-k / top-p; greedy: the
+            log-softmax of the logits). False (the default) leaves it None, as the trainer's
+            rollout correction keys off it.
     """
+
+    supports_sessions = True  # generate(..., sessions=...) and release(); see the module doc
 
     def __init__(self, model, tokenizer, batch_size: int = 32, show_progress: bool = False,
                  share_prompt: bool = True, prune_every: int = 64, sampler: str = "inverse_cdf",
-                 kv_cache: str = "growing"):
+                 kv_cache: str = "growing", reuse_kv: bool = True, record_logp: bool = False):
         if sampler not in ("inverse_cdf", "multinomial"):
             raise ValueError(f"sampler must be 'inverse_cdf' or 'multinomial', got {sampler!r}")
         if kv_cache not in ("growing", "dynamic"):
@@ -255,6 +272,9 @@ class HFEngine(RowPostprocess):
         if prune_every < 0:
             raise ValueError(f"prune_every must be >= 0, got {prune_every}")
         self.prune_every = prune_every
+        self.reuse_kv = bool(reuse_kv)
+        self.record_logp = bool(record_logp)
+        self.session_store = SessionStore()  # stored KV by session key (sessions.py)
         gen_cfg = _generation_config(model)
         eos = _as_id_list(getattr(gen_cfg, "eos_token_id", None)) + _as_id_list(tokenizer.eos_token_id)
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos))  # ordered, unique
@@ -268,17 +288,32 @@ class HFEngine(RowPostprocess):
     # ------------------------------------------------------------------ interface
 
     def sync_weights(self, model) -> None:
-        """No-op when `model` is the engine's model (shared weights); otherwise adopt `model`."""
+        """Adopt `model` if it is not the engine's model (otherwise the weights are shared already).
+
+        Either way every stored session cache is dropped: its KV was computed with the weights as they
+        were (the shared model's change in place between trainer steps).
+        """
+        self.session_store.release()
         if model is not self.model:
             self.model = model
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
+    def release(self, sessions: Optional[Iterable[Hashable]] = None) -> None:
+        """Free the KV stored under the keys ``sessions`` (unknown keys ignored); None frees every entry."""
+        self.session_store.release(sessions)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 sessions: Optional[list[Hashable]] = None) -> RolloutBatch:
         """Sample ``params.n`` responses for each tokenized prompt.
 
         Args:
             prompts: token-id lists (no padding, each non-empty), e.g. from
                 ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``.
             params: sampling parameters.
+            sessions: one hashable key per output row (``len(prompts) * params.n``, a prompt's rows
+                contiguous), e.g. an episode id. A row whose key holds a stored cache reuses the KV of
+                its longest common prefix with the row's prompt and encodes only the rest; after the
+                call the key holds the row's prompt + response KV (sessions.py). None: nothing is
+                reused or stored.
 
         Returns:
             A `RolloutBatch` with ``len(prompts) * params.n`` rows in prompt order, ``n``
@@ -292,6 +327,10 @@ class HFEngine(RowPostprocess):
         n = params.n
         row_group = [g for g in range(len(prompts)) for _ in range(n)]
         num_rows = len(row_group)
+        if sessions is not None and len(sessions) != num_rows:
+            raise ValueError(f"sessions has {len(sessions)} keys for {num_rows} rows (len(prompts) * n)")
+        keep_kv = sessions is not None and self.reuse_kv
+        logps: list[Any] = [None] * num_rows
         # Longest prompts first (stable, so the n copies of a prompt stay adjacent).
         order = sorted(range(num_rows), key=lambda i: -len(prompts[row_group[i]]))
         results: list[Any] = [None] * num_rows
@@ -315,15 +354,22 @@ class HFEngine(RowPostprocess):
                     torch.manual_seed(params.seed)
                 model.eval()
                 for chunk in chunks:
-                    rows = self._generate_chunk([prompts[row_group[i]] for i in chunk], params, gen_kwargs, device)
-                    for i, row in zip(chunk, rows):
-                        results[i] = row
+                    chunk_prompts = [prompts[row_group[i]] for i in chunk]
+                    past = [self.session_store.take(sessions[i], p) for i, p in zip(chunk, chunk_prompts)] if keep_kv \
+                        else None  # each key's entry leaves the store: the row's new one replaces it
+                    rows, lps, kv = self._generate_chunk(chunk_prompts, params, gen_kwargs, device, past)
+                    for j, i in enumerate(chunk):
+                        results[i] = rows[j]
+                        if lps is not None:
+                            logps[i] = lps[j][: len(rows[j][0])]
+                        if kv is not None:
+                            self.session_store.put(sessions[i], kv[j])
                     bar.update(1)
         finally:
             model.train(was_training)
             bar.close()
 
-        batch = self._assemble(prompts, row_group, results)
+        batch = self._assemble(prompts, row_group, results, logps if self.record_logp else None)
         batch.gen_time_s = time.perf_counter() - t0
         return batch
 
@@ -375,26 +421,37 @@ class HFEngine(RowPostprocess):
                 temperature=float(params.temperature), top_k=int(params.top_k), top_p=float(params.top_p))])
         return kw
 
-    @torch.no_grad()
-    def _generate_chunk(
-        self, chunk_prompts: list[list[int]], params: SamplingParams, gen_kwargs: dict[str, Any], device
-    ) -> list[tuple[list[int], str, str]]:
-        """Generate for one sub-batch; return ``(response tokens, finish reason, text)`` per row."""
-        width = max(len(p) for p in chunk_prompts)
-        ids = torch.full((len(chunk_prompts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk_prompts), width), dtype=torch.long)
-        for r, p in enumerate(chunk_prompts):
-            ids[r, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[r, width - len(p) :] = 1
+    def _chunk_inputs(self, chunk_prompts: list[list[int]], params: SamplingParams, device, past) -> tuple:
+        """``(ids, mask, cache)`` of one sub-batch: left-padded prompts and an empty cache (shared
+        prompts pre-filled), or where rows continue from stored caches (``past``) the layout and
+        pre-filled cache of `sessions.layout` / `sessions.prefill`. Empties ``past`` once its KV is
+        copied, so that the old entries' memory goes before decoding."""
+        cached = [0] * len(chunk_prompts) if past is None else [c for _, c in past]
+        ids, mask, past_width = layout(chunk_prompts, cached, self.pad_token_id)
         ids, mask = ids.to(device), mask.to(device)
         # One KV buffer per layer sized for prompt + response, written in place (kvcache.py).
-        cache = growing_cache(self.model, reserve=width + params.max_new_tokens) if self.kv_cache == "growing" \
+        cache = growing_cache(self.model, reserve=ids.shape[1] + params.max_new_tokens) if self.kv_cache == "growing" \
             else DynamicCache(config=getattr(self.model, "config", None))
-        if self.share_prompt and width > 1:
+        if past_width:
+            prefill(cache, past, past_width)
+            past.clear()
+        elif self.share_prompt and ids.shape[1] > 1:
             shared_prefill(self.model, ids, mask, cache)
+        return ids, mask, cache
+
+    @torch.no_grad()
+    def _generate_chunk(self, chunk_prompts: list[list[int]], params: SamplingParams, gen_kwargs: dict[str, Any],
+                        device, past=None) -> tuple[list[tuple[list[int], str, str]], Optional[list], Optional[list]]:
+        """Generate for one sub-batch: ``(response tokens, finish reason, text)`` per row, then per row
+        the sampled tokens' log-probs (None without ``record_logp``) and, with ``past`` (one
+        ``(stored entry, usable length)`` per row, `SessionStore.take`), the row's new `SessionEntry`."""
+        ids, mask, cache = self._chunk_inputs(chunk_prompts, params, device, past)
+        width = ids.shape[1]
         eos = torch.tensor(self.eos_token_ids, device=device)
         rows = list(range(len(chunk_prompts)))  # chunk rows still decoding, in the order of `ids`
         resp: list[Any] = [None] * len(rows)
+        lps = [[] for _ in rows] if self.record_logp else None
+        kv = [None] * len(rows) if past is not None else None
         made, total = 0, params.max_new_tokens
         while True:
             # One segment: decode up to `prune_every` tokens for the rows still running.
@@ -402,10 +459,14 @@ class HFEngine(RowPostprocess):
             kwargs = dict(gen_kwargs, max_new_tokens=step)
             if "min_new_tokens" in gen_kwargs:  # a caller's floor counts from the first segment
                 kwargs["min_new_tokens"] = max(0, min(gen_kwargs["min_new_tokens"] - made, step))
-            crit = None
+            crit = rec = None
             if params.stop:
                 crit = _StopOnStrings(self.tokenizer, list(params.stop), width, self.eos_token_ids)
                 kwargs["stopping_criteria"] = StoppingCriteriaList([crit])
+            if lps is not None:  # sees the scores before the sampler replaces them
+                rec = StepLogp([] if params.is_greedy else _InverseCDFSampler(
+                    float(params.temperature), int(params.top_k), float(params.top_p)).warpers)
+                kwargs["logits_processor"] = LogitsProcessorList([rec, *gen_kwargs["logits_processor"]])
             kwargs[cache_kwarg(self.model)] = cache
             out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
             if any(bool(p.nonfinite) for p in gen_kwargs["logits_processor"] if p.nonfinite is not None):
@@ -414,19 +475,25 @@ class HFEngine(RowPostprocess):
             made_now = seqs.shape[1] - ids.shape[1]
             made += made_now
             new = seqs[:, width:]  # [rows, made] this row's response so far
+            if rec is not None:
+                for r, lp in zip(rows, rec.finish(seqs[:, -1]).tolist()):
+                    lps[r] += lp
             done = torch.isin(new, eos).any(dim=1)
             if crit is not None and crit.done is not None:
                 done |= crit.done.to(device)
-            if made >= total or made_now < step or bool(done.all()):
-                for i, r in enumerate(rows):
-                    resp[r] = new[i].cpu().tolist()
-                break
+            last = made >= total or made_now < step or bool(done.all())
+            ended = list(range(len(rows))) if last else done.nonzero().flatten().tolist()
+            for i in ended:
+                resp[rows[i]] = self._finish_row(new[i].cpu().tolist(), params)
+            mask = torch.cat([mask, mask.new_ones(len(rows), made_now)], dim=1)  # seqs' mask
+            if kv is not None:  # before the rows are dropped from the cache
+                toks = [chunk_prompts[rows[i]] + resp[rows[i]][0] for i in ended]
+                for i, entry in zip(ended, take_rows(cache, mask, ended, toks)):
+                    kv[rows[i]] = entry
+            if last:
+                return resp, lps, kv
             # Drop the finished rows: generate() would keep decoding them until the longest ends.
             keep = (~done).nonzero().flatten()
-            for i in done.nonzero().flatten().tolist():
-                resp[rows[i]] = new[i].cpu().tolist()
             rows = [rows[i] for i in keep.tolist()]
             cache.batch_select_indices(keep)  # generate() decoded into our cache object
-            ids = seqs[keep]
-            mask = torch.cat([mask[keep], mask.new_ones(len(keep), made_now)], dim=1)
-        return [self._finish_row(tokens, params) for tokens in resp]
+            ids, mask = seqs[keep], mask[keep]
