@@ -6,6 +6,16 @@ engine is built, so an engine that runs generation elsewhere (e.g. vLLM) plugs i
 touching the trainer: it implements `generate` and, because its weights are a copy,
 `sync_weights` to receive the updated policy once per trainer step.
 
+Multi-turn sessions (optional). An engine with ``supports_sessions = True`` also takes
+``generate(prompts, params, sessions=keys)``, one hashable key per output row (an episode id),
+and ``release(sessions=None)``: it may keep each row's KV cache under its key, so that the next
+call whose prompt for that key extends the row's prompt + response encodes only the new tokens,
+until the key is released (None: all keys) or the weights change. The sampling distribution is
+the same as without ``sessions``; only the work differs. Agents check ``getattr(engine, "supports_sessions", False)``
+before passing ``sessions``, so an engine without them (the `Engine` protocol below) still works.
+`HFEngine` keeps the caches itself (``tether.rollout.sessions``); `VLLMEngine` accepts and ignores
+the keys, as vLLM's prefix caching finds the shared prefixes on its own.
+
 Layout conventions of `RolloutBatch` (B = number of prompts x n):
 
 * rows of one prompt are contiguous: rows ``[g*n, (g+1)*n)`` belong to prompt ``g`` of the
@@ -268,7 +278,14 @@ def _pad_to(t: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
 
 @runtime_checkable
 class Engine(Protocol):
-    """A rollout engine: samples responses for tokenized prompts with the current policy."""
+    """A rollout engine: samples responses for tokenized prompts with the current policy.
+
+    Optional (see the module doc), for engines that keep multi-turn episodes' KV caches:
+    ``supports_sessions: bool`` (class attribute, True), ``generate(prompts, params, sessions=None)``
+    with one hashable key per output row (``len(prompts) * params.n``, a prompt's rows contiguous),
+    and ``release(sessions=None)``, which frees the caches of those keys (unknown keys ignored;
+    None frees all).
+    """
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
         """Sample ``params.n`` responses per prompt (token-id lists, no padding) into a `RolloutBatch`."""

@@ -27,6 +27,15 @@ token was actually drawn from (after temperature, top-k and top-p), which is wha
 including EOS or the token that completes a stop string; the text ends right after the stop
 string (the search agent reads its tags there); the finish reason is ``stop`` | ``length``.
 
+Multi-turn sessions. ``generate(..., sessions=keys)`` and ``release(keys)`` exist for the engine
+protocol's optional session interface (``supports_sessions = True``, see ``tether.rollout.base``)
+and do nothing: the engine runs with ``enable_prefix_caching=True`` (set explicitly, not left to
+vLLM's default), so a turn's prompt, which extends the previous turn's prompt + response, finds
+those tokens' KV blocks in vLLM's prefix cache by their content and encodes only the rest. The
+cache evicts blocks by itself (least recently used), so there is nothing to release, and
+`sync_weights` resets it. What is reused is vLLM's business (whole blocks, while not evicted);
+the sampling distribution does not depend on it.
+
 Weight sync (`sync_weights`, once per trainer step). The policy's weights are sent under
 their ``state_dict`` names (HF checkpoint names, which vLLM's ``load_weights`` maps onto its
 fused layers), including ``lm_head.weight`` when the embeddings are tied (vLLM's tied head
@@ -50,7 +59,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Hashable, Iterable, Iterator, Optional
 
 import torch
 
@@ -147,6 +156,8 @@ class VLLMEngine(RowPostprocess):
         seed: the engine's own seed (per-call seeds come from ``SamplingParams.seed``).
     """
 
+    supports_sessions = True  # generate(..., sessions=...) accepted; prefix caching does the reuse (module doc)
+
     def __init__(self, model, tokenizer, *, dtype: str = "auto", max_model_len: int = 0,
                  enforce_eager: bool = False, gpu_memory_utilization: Optional[float] = None,
                  kv_cache_gb: int = 0, sleep: bool = False, sync_bucket_mb: float = 256, seed: int = 0):
@@ -192,7 +203,7 @@ class VLLMEngine(RowPostprocess):
         kw: dict[str, Any] = dict(model=str(path), tokenizer=str(path), dtype=dtype, seed=seed,
                                   tensor_parallel_size=1, enforce_eager=enforce_eager,
                                   logprobs_mode="processed_logprobs", generation_config="vllm",
-                                  enable_sleep_mode=sleep)
+                                  enable_sleep_mode=sleep, enable_prefix_caching=True)  # multi-turn reuse
         if max_model_len:
             kw["max_model_len"] = max_model_len
         if not cpu:  # None = tether's default share, 0.5 (vLLM's own would leave the trainer little)
@@ -241,8 +252,16 @@ class VLLMEngine(RowPostprocess):
         self.llm.reset_prefix_cache()
         self.last_sync_s, self.last_sync_mb = time.perf_counter() - t0, sent[0] / 2**20
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutBatch:
-        """Sample ``params.n`` responses per tokenized prompt (rows of a prompt contiguous, ``group`` = index)."""
+    def release(self, sessions: Optional[Iterable[Hashable]] = None) -> None:
+        """Nothing to free: vLLM's prefix cache holds the episodes' KV and evicts it itself (module doc)."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 sessions: Optional[list[Hashable]] = None) -> RolloutBatch:
+        """Sample ``params.n`` responses per tokenized prompt (rows of a prompt contiguous, ``group`` = index).
+
+        ``sessions`` (one key per output row) is accepted and ignored: prefix caching finds each
+        episode's earlier tokens by their content (module doc).
+        """
         from vllm.inputs import TokensPrompt
 
         params.validate()
