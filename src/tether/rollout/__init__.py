@@ -22,7 +22,8 @@ def _hf(cfg, model, tokenizer, **overrides: Any) -> Engine:
     """transformers ``generate`` on the training model itself (shares its weights: nothing to sync)."""
     from .hf import HFEngine
 
-    opts = dict(batch_size=cfg.batch_size, share_prompt=cfg.share_prompt, prune_every=cfg.prune_every)
+    opts = dict(batch_size=cfg.batch_size, share_prompt=cfg.share_prompt, prune_every=cfg.prune_every,
+                reuse_kv=getattr(cfg, "reuse_kv", True))  # rollout.reuse_kv: keep multi-turn episodes' KV
     opts.update(overrides)
     return HFEngine(model, tokenizer, **opts)
 
