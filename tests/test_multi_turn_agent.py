@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from test_search_agent import ScriptedEngine, char_ids, segments
 
 from tether.agents import MultiTurnAgent, reward_parts
@@ -240,3 +241,35 @@ def test_agent_options_are_checked(tok):
         MultiTurnAgent(eng, tok, CalculatorEnv(), observation_format="json")
     with pytest.raises(ValueError, match="max_obs_tokens must be >= 1"):
         MultiTurnAgent(eng, tok, CalculatorEnv(), max_obs_tokens=0)
+
+
+# ---------------------------------------------------------------- each token encoded once
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_kv_reuse_gives_the_same_episodes_and_releases_them(tiny_model_dir, tok, one_thread, greedy):
+    """The transformers engine continuing each episode from its KV cache samples the same episodes as re-encoding
+    the whole context every turn (same seed), feeds the model fewer tokens, and holds no cache afterwards."""
+    from transformers import AutoModelForCausalLM
+
+    from tether.rollout import HFEngine
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float()
+    fed = []
+    model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].numel() if kw.get("input_ids")
+                                                                 is not None else 0), with_kwargs=True)
+    exs = [Example(f"What is {i} plus {i}?", str(2 * i), str(i)) for i in range(3)]
+    out = {}
+    for reuse in (False, True):
+        eng = HFEngine(model, tok, batch_size=4, prune_every=4)
+        agent = MultiTurnAgent(eng, tok, CalculatorEnv(max_turns=3), max_obs_tokens=24, max_context=400,
+                               reuse_kv=reuse)
+        fed.clear()
+        rb = agent.rollout(exs, SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=5, greedy=greedy))
+        out[reuse] = (rb, sum(fed))
+        assert len(eng.session_store) == 0  # every episode's cache released
+    (a, fed_a), (b, fed_b) = out[False], out[True]
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.loss_mask, b.loss_mask)
+    assert a.finish_reason == b.finish_reason and a.texts == b.texts
+    assert (~a.loss_mask & a.response_mask).any()  # observations were appended between turns
+    assert fed_b < fed_a
