@@ -23,7 +23,7 @@ def _hf(cfg, model, tokenizer, **overrides: Any) -> Engine:
     from .hf import HFEngine
 
     opts = dict(batch_size=cfg.batch_size, share_prompt=cfg.share_prompt, prune_every=cfg.prune_every,
-                reuse_kv=getattr(cfg, "reuse_kv", True))  # rollout.reuse_kv: keep multi-turn episodes' KV
+                reuse_kv=cfg.reuse_kv)  # rollout.reuse_kv: keep multi-turn episodes' KV
     opts.update(overrides)
     return HFEngine(model, tokenizer, **opts)
 
