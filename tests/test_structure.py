@@ -224,12 +224,12 @@ def test_lazy_and_relative_imports_are_read(name):
 LAYERS = [
     ("core", ["tether", "tether.errors", "tether.algo", "tether.owned"]),
     ("infrastructure", ["tether.distributed", "tether.metrics", "tether.checkpoint", "tether.stop", "tether.plot",
-                        "tether.logprobs", "tether.logprobs_chunked", "tether.models", "tether.anchor",
-                        "tether.schedule"]),
+                        "tether.logprobs", "tether.logprobs_chunked", "tether.models", "tether.gguf", "tether.anchor",
+                        "tether.schedule", "tether.optim"]),
     ("pieces", ["tether.rollout", "tether.tasks", "tether.search", "tether.agents", "tether.envs", "tether.passes",
                 "tether.config", "tether.testing"]),
-    ("loop", ["tether.train", "tether.rundir", "tether.runs", "tether.report", "tether.eval", "tether.export",
-              "tether.export_card"]),
+    ("loop", ["tether.train", "tether.sft", "tether.rundir", "tether.runs", "tether.report", "tether.eval",
+              "tether.export", "tether.export_card"]),
     ("command line", ["tether.cli", "tether.__main__", "tether.eval.cli", "tether.search.server"]),
 ]
 

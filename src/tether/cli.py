@@ -1,4 +1,4 @@
-"""The ``tether`` command: train, eval, export, plot, recipes, retrieve."""
+"""The ``tether`` command: train, sft, eval, export, plot, recipes, retrieve."""
 
 from __future__ import annotations
 
@@ -8,17 +8,11 @@ from pathlib import Path
 
 
 def _train(args) -> int:
-    from .config import load_config, parse_overrides
+    from .config import load_config
     from .train import resume, train
 
-    overrides = parse_overrides(args.overrides)
-    for flag, key in (("model", "model.name"), ("data", "data.task"), ("steps", "train.steps"),
-                      ("output_dir", "run.output_dir")):
-        v = getattr(args, flag)
-        if v is not None:
-            overrides[key] = v
-    if args.overwrite:
-        overrides["run.overwrite"] = True
+    overrides = _overrides(args, (("model", "model.name"), ("data", "data.task"), ("steps", "train.steps"),
+                                  ("output_dir", "run.output_dir")))
     from . import distributed
 
     if args.resume:
@@ -37,6 +31,38 @@ def _train(args) -> int:
     finally:
         distributed.teardown()
     return _stop_status()
+
+
+def _sft(args) -> int:
+    from .config.sft import load_sft_config
+    from .sft import resume_sft, sft
+
+    overrides = _overrides(args, (("data", "data.path"), ("model", "model.name"), ("steps", "train.steps"),
+                                  ("output_dir", "run.output_dir")))
+    if args.resume:
+        if args.config:
+            from .algo.recipes import ConfigError
+            raise ConfigError("tether sft --resume RUN_DIR continues with the run's saved config; drop --config "
+                              "(key=value overrides such as train.epochs=3 are allowed)")
+        resume_sft(Path(args.resume), overrides)
+    else:
+        sft(load_sft_config(args.config, overrides))
+    return _stop_status()
+
+
+def _overrides(args, flags) -> dict:
+    """The command line's key=value overrides, plus the options (``flags``: (attribute, key) pairs) it
+    gave and ``--overwrite`` (``run.overwrite``)."""
+    from .config import parse_overrides
+
+    overrides = parse_overrides(args.overrides)
+    for flag, key in flags:
+        v = getattr(args, flag)
+        if v is not None:
+            overrides[key] = v
+    if args.overwrite:
+        overrides["run.overwrite"] = True
+    return overrides
 
 
 def _stop_status() -> int:
@@ -130,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "train.lr, or start a new run from an exported model)")
     t.set_defaults(fn=_train)
 
+    _add_sft_parser(sub)
+
     pl = sub.add_parser("plot", help="plot the curves of one or more runs, overlaid")
     pl.add_argument("runs", nargs="+", help="run directories")
     pl.add_argument("--out", help="image path (default RUN/curves.png); an existing directory or a trailing / gets "
@@ -158,11 +186,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_sft_parser(sub) -> None:
+    s = sub.add_parser("sft", help="supervised fine-tuning on conversations (JSONL), e.g. a cold start before RL",
+                       description="Fine-tune the policy on the assistant tokens of JSONL conversations "
+                       "({\"messages\": [...]} or {\"prompt\", \"completion\"} rows; docs/sft.md). Settings resolve "
+                       "as: defaults -> --config YAML -> key=value overrides (e.g. train.lr=2e-5 train.epochs=3). "
+                       "Then: tether train model.name=RUN_DIR (RL from its last checkpoint), tether eval --model "
+                       "RUN_DIR, tether export RUN_DIR OUT_DIR.",
+                       epilog="Stopping: SIGINT (Ctrl-C) or SIGTERM finishes the step in progress, writes a "
+                       "checkpoint, prints how to continue (tether sft --resume RUN_DIR) and exits with 130 (SIGINT) "
+                       "or 143 (SIGTERM); a second signal aborts at once without a new checkpoint. Exit 0: the run "
+                       "finished; 2: an error in the command, config, data, model or run directory (one "
+                       "'tether: error:' line naming the file and line of a bad row).")
+    s.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.epochs=2")
+    s.add_argument("--data", help="the training conversations, a JSONL file (= data.path)")
+    s.add_argument("--config", help="YAML config file (the keys of docs/sft.md)")
+    s.add_argument("--model", help="hub id, local directory, .gguf file, 'smollm2' (the embedded default) or a run "
+                   "directory (= model.name)")
+    s.add_argument("--steps", type=int, help="optimizer steps (= train.steps; default: train.epochs passes)")
+    s.add_argument("--output-dir", dest="output_dir", help="run directory (= run.output_dir)")
+    s.add_argument("--overwrite", action="store_true", help="a fresh run into a non-empty --output-dir first deletes "
+                   "the SFT run there (= run.overwrite=true); without it such a run is refused")
+    s.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest valid checkpoint with its "
+                   "saved config; key=value overrides apply (train.epochs=3 or train.steps=N extends the run; the "
+                   "model, data and batch keys cannot change)")
+    s.set_defaults(fn=_sft)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may stand anywhere on the line, also after options
-    if args.cmd in ("train", "config"):
+    if args.cmd in ("train", "sft", "config"):
         args.overrides += [e for e in extra if "=" in e and not e.startswith("-")]
         extra = [e for e in extra if not ("=" in e and not e.startswith("-"))]
     if extra:

@@ -8,6 +8,7 @@ the base model is a Hub id is decided by the caller), so it sits low in the laye
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -67,7 +68,11 @@ def render_card(rc: RunCheckpoint, *, anchor: bool, fmt: str, dtype: str, base_r
 
     mc = rc.model_config
     cfg = rc.config
-    if isinstance(cfg, dict):
+    if rc.kind == "sft":
+        train = (cfg.get("train") or {}) if isinstance(cfg, dict) else dataclasses.asdict(cfg.train)
+        algo = "supervised fine-tuning on assistant tokens (tether sft)"
+        total = train.get("steps") or f"{train.get('epochs', '?')} epoch(s)"
+    elif isinstance(cfg, dict):
         algo = f"{rc.recipe} (config no longer validates here; see the run's config.yaml)"
         total = (cfg.get("train") or {}).get("steps", "?")
     else:
@@ -88,7 +93,7 @@ def render_card(rc: RunCheckpoint, *, anchor: bool, fmt: str, dtype: str, base_r
     rows = _metrics_rows(rc.run_dir)
     commit = _git_commit()
     header = ["---", "library_name: " + ("peft" if fmt == "adapter" else "transformers"), "tags:", "- tether",
-              "- reinforcement-learning"]
+              "- sft" if rc.kind == "sft" else "- reinforcement-learning"]
     if base_on_hub:
         header.append(f"base_model: {mc.name}")
     header.append("---")
@@ -96,7 +101,7 @@ def render_card(rc: RunCheckpoint, *, anchor: bool, fmt: str, dtype: str, base_r
         "",
         f"# {rc.run_dir.resolve().name} step {rc.step} {'anchor' if anchor else 'policy'}",
         "",
-        "Exported with `tether export` from a tether RL training run.",
+        "Exported with `tether export` from a tether " + ("SFT run." if rc.kind == "sft" else "RL training run."),
         "",
         "| | |",
         "| --- | --- |",

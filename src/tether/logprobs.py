@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .logprobs_chunked import TokenStats, _compute_dtype, _token_stats, token_stats
 
-__all__ = ["TokenStats", "token_stats", "response_stats"]
+__all__ = ["TokenStats", "token_stats", "response_stats", "sequence_logp"]
 
 
 def _selective_hidden_states_supported() -> bool:
@@ -380,3 +380,40 @@ def response_stats(
         chunk_size=chunk_size,
     )
     return _unpack_stats(st, mask)
+
+
+def sequence_logp(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor,
+    target_mask: torch.Tensor,
+    *,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """log pi(x_t | x_<t) at every position t where ``target_mask`` is True, in row-major order [N].
+
+    Meaning: the per-token log-likelihood of a supervised target (``tether sft``), from one pass
+    over whole sequences: position t-1's final hidden state predicts token t, logits are formed
+    only at the N target positions, ``chunk_size`` at a time (no [B, S, V] tensor).
+
+    Args:
+        input_ids: [B, S] long; right-padded rows, or packed rows (several sequences one after
+            another, with ``attention_mask=None`` and ``position_ids`` restarting at 0 for each:
+            transformers then keeps each sequence's attention to itself).
+        attention_mask: [B, S] bool / long (False on padding), or None for packed rows.
+        position_ids: [B, S] long.
+        target_mask: [B, S] bool; must be False at position 0 (nothing predicts it) and at the
+            first token of each packed sequence.
+    """
+    if target_mask.shape != input_ids.shape or bool(target_mask[:, 0].any()):
+        raise ValueError("target_mask must have the shape of input_ids and be False at position 0")
+    mask = None if attention_mask is None else attention_mask.long()
+    hidden, last_logits = _final_hidden(model, input_ids, mask, position_ids)  # [B, S, H], [B, V]
+    weight, bias = _head_params(model)
+    softcap = _logit_softcap(model)
+    _check_head(hidden[:, -1], weight, bias, softcap, last_logits)
+    at = target_mask[:, 1:].bool()  # [B, S-1]: position t (of hidden[:, :-1]) predicts token t+1
+    st = _token_stats(hidden[:, :-1][at], weight, input_ids[:, 1:][at], bias=bias, temperature=1.0, softcap=softcap,
+                      topk=0, gather_ids=None, entropy=False, chunk_size=chunk_size)
+    return st.logp  # [N]

@@ -162,13 +162,15 @@ class JsonlWriter:
 
 
 class MetricsLogger:
-    """metrics.jsonl plus the optional TensorBoard and W&B sinks (off by default)."""
+    """metrics.jsonl, samples.jsonl (unless ``samples=False``: an SFT run samples nothing) plus the optional
+    TensorBoard and W&B sinks (off by default)."""
 
     def __init__(self, run_dir: Path, *, resume_step: Optional[int] = None, tensorboard: bool = False,
-                 wandb: bool = False, wandb_project: str = "tether", config: Optional[dict] = None):
+                 wandb: bool = False, wandb_project: str = "tether", config: Optional[dict] = None,
+                 samples: bool = True):
         self.metrics = JsonlWriter(Path(run_dir) / "metrics.jsonl", resume_step)
         try:
-            self.samples = JsonlWriter(Path(run_dir) / "samples.jsonl", resume_step)
+            self.samples = JsonlWriter(Path(run_dir) / "samples.jsonl", resume_step) if samples else None
         except BaseException:
             self.metrics.close()
             raise
@@ -197,7 +199,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.metrics.close()
-        self.samples.close()
+        if self.samples is not None:
+            self.samples.close()
         if self.tb is not None:
             self.tb.close()
         if self.wb is not None:

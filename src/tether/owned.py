@@ -1,21 +1,24 @@
 """What tether wrote, and the one rule for replacing it: ``--overwrite`` deletes only what tether wrote.
 
 Every directory tether creates for its output carries a marker file, ``.tether.json``, that
-says what it is (``{"kind": "run" | "export" | "eval", "files": [...]}``, plus the tether
-version and the time). A run directory (``tether train --output-dir``), an export
-(``tether export OUT``) and an evaluation's output (``tether eval --out``) may be replaced, by
-``--overwrite``, only when
+says what it is (``{"kind": "run" | "sft" | "export" | "eval", "files": [...]}``, plus the tether
+version and the time). A run directory (``tether train --output-dir``), an SFT run directory
+(``tether sft --output-dir``), an export (``tether export OUT``) and an evaluation's output
+(``tether eval --out``) may be replaced, by ``--overwrite``, only when
 
 * it is absent or empty, or
 * it holds the marker of the same kind, and every entry in it is one tether writes for that
-  kind: for a run the fixed set `RUN_NAMES` (``config.yaml``, ``metrics.jsonl``, ``checkpoints/``,
-  ...), for an export or an evaluation the files the marker lists.
+  kind: for a run (RL or SFT) the fixed set `RUN_NAMES` (``config.yaml``, ``metrics.jsonl``,
+  ``checkpoints/``, ...), for an export or an evaluation the files the marker lists.
 
 Anything else -- a directory tether did not make (a ``config.yaml`` of your own is not enough),
 a file of yours put into a run or export, an output of another kind (``eval --out`` into a
 run directory) -- is refused with one error naming the directory and the entries in the way,
 and nothing is deleted. `check_replaceable` is that rule; `tether.rundir`, `tether.export` and
 `tether.eval.cli` call it, and nothing else in tether deletes a user's directory.
+
+`is_run_dir` and `is_checkpoint_dir` tell a run directory (of either kind) and one of its
+checkpoints from a model directory by their files, without reading them.
 
 This module imports nothing from tether but its errors.
 """
@@ -32,14 +35,36 @@ from typing import Iterable, Optional
 from .errors import OutputError
 
 MARKER = ".tether.json"
-KINDS = ("run", "export", "eval")
+KINDS = ("run", "sft", "export", "eval")
+#: The kinds that are run directories (``config.yaml``, ``checkpoints/``...), and the command that resumes each.
+RUN_KINDS = {"run": "tether train", "sft": "tether sft"}
 
 #: What a training run writes at the top of its directory (patterns). Temporary names of atomic
 #: writes and the moved-aside previous run of an ``--overwrite`` in progress are included.
 RUN_NAMES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "checkpoints", "curves.png", "reward_errors.log",
              "tensorboard", "wandb", ".lock", MARKER, "*.tmp-*", ".tether-replaced-*")
 
-_WHAT = {"run": "training run", "export": "export", "eval": "evaluation output"}
+_WHAT = {"run": "training run", "sft": "supervised fine-tuning run", "export": "export", "eval": "evaluation output"}
+
+
+def is_run_dir(p: Path) -> bool:
+    """``p`` looks like a run directory (``tether train`` or ``tether sft``): a ``config.yaml`` (and no
+    ``config.json``: not a model directory)."""
+    p = Path(p)
+    return p.is_dir() and (p / "config.yaml").is_file() and not (p / "config.json").is_file()
+
+
+def is_checkpoint_dir(p: Path) -> bool:
+    """``p`` looks like one checkpoint ``RUN/checkpoints/step-N``: ``state.json`` and ``policy.safetensors``."""
+    p = Path(p)
+    return p.is_dir() and (p / "state.json").is_file() and (p / "policy.safetensors").is_file()
+
+
+def run_kind(path: Path) -> str:
+    """The kind of run directory ``path`` (``"run"`` or ``"sft"``, by its marker; ``"run"`` when the
+    marker is missing or names no run kind: runs written before markers existed)."""
+    marker = read_marker(path)
+    return marker["kind"] if marker is not None and marker["kind"] in RUN_KINDS else "run"
 
 
 def read_marker(path: Path) -> Optional[dict]:
@@ -68,7 +93,7 @@ def write_marker(path: Path, kind: str, files: Iterable[str] = ()) -> None:
 def _owned(kind: str, name: str, marker: dict) -> bool:
     if name == MARKER or fnmatch.fnmatch(name, f"{MARKER}.tmp-*"):
         return True
-    if kind == "run":
+    if kind in RUN_KINDS:
         return any(fnmatch.fnmatch(name, pat) for pat in RUN_NAMES)
     return name in set(marker.get("files", []))
 

@@ -1,4 +1,5 @@
-"""Training curves of one or more runs, overlaid: reward, accuracy, KL, entropy, clip fraction, length."""
+"""Training curves of one or more runs, overlaid: reward, accuracy, KL, entropy, clip fraction, length; for
+SFT runs (``tether sft``: no reward in their metrics) loss, validation loss, LR, grad norm, tokens."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ PANELS = [  # (title, metric keys tried in order)
     ("entropy", ["entropy"]),
     ("clip fraction", ["clip_frac"]),
     ("response length", ["response_len"]),
+]
+SFT_PANELS = [  # runs of tether sft
+    ("training loss (NLL per trained token)", ["loss"]),
+    ("validation loss", ["val_loss"]),
+    ("learning rate", ["lr"]),
+    ("grad norm", ["grad_norm"]),
+    ("trained tokens per step", ["train_tokens"]),
+    ("tokens per second", ["tokens_per_s"]),
 ]
 
 
@@ -84,8 +93,9 @@ def plot_runs(run_dirs: Sequence[Path], out: Union[str, Path], smooth: int = 1) 
 
     out = plot_path(out, FigureCanvasAgg.get_supported_filetypes())
     runs = [(Path(d), _metrics(Path(d))) for d in run_dirs]
+    rl = any("reward_mean" in r for _, rows in runs for r in rows)  # else all are SFT runs (or have no rows)
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for ax, (title, keys) in zip(axes.flat, PANELS):
+    for ax, (title, keys) in zip(axes.flat, PANELS if rl else SFT_PANELS):
         for d, rows in runs:
             key = next((k for k in keys if any(k in r for r in rows)), None)
             if key is None:

@@ -174,11 +174,22 @@ class RewardErrorLog:
                          f"reward_errors, and training goes on. The first (also in {self.path}):\n{err}")
 
 
-class Progress:
-    """The progress bar of a run (tqdm), from step ``initial`` of ``total``; ``enabled=False``: nothing."""
+def rl_postfix(m: dict) -> dict:
+    """What the bar of a training run shows beside it: reward, accuracy, KL, seconds per step."""
+    post = {"reward": f"{m['reward_mean']:.3f}", "acc": f"{m['accuracy']:.2f}"}
+    if "kl" in m:
+        post["kl"] = f"{m['kl']:.2e}"
+    post["s/step"] = f"{m['time_step_s']:.1f}"
+    return post
 
-    def __init__(self, total: int, initial: int, desc: str, enabled: bool = True):
-        self.bar = None
+
+class Progress:
+    """The progress bar of a run (tqdm), from step ``initial`` of ``total``; ``enabled=False``: nothing.
+    ``postfix(m)`` picks what a step's metrics row shows beside the bar (default: a training run's)."""
+
+    def __init__(self, total: int, initial: int, desc: str, enabled: bool = True,
+                 postfix: Callable[[dict], dict] = rl_postfix):
+        self.bar, self.postfix = None, postfix
         if enabled:
             from tqdm.auto import tqdm
             self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
@@ -187,11 +198,7 @@ class Progress:
         """One step done, with its metrics row ``m`` shown beside the bar."""
         if self.bar is None:
             return
-        post = {"reward": f"{m['reward_mean']:.3f}", "acc": f"{m['accuracy']:.2f}"}
-        if "kl" in m:
-            post["kl"] = f"{m['kl']:.2e}"
-        post["s/step"] = f"{m['time_step_s']:.1f}"
-        self.bar.set_postfix(post)
+        self.bar.set_postfix(self.postfix(m))
         self.bar.update(1)
 
     def close(self) -> None:

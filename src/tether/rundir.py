@@ -45,7 +45,8 @@ from . import distributed as dist
 from .checkpoint import checkpoints, pid_alive
 from .errors import OutputError, RunError
 from .metrics import warn
-from .owned import MARKER, check_replaceable, write_marker
+from .owned import MARKER, RUN_KINDS, check_replaceable, run_kind, write_marker
+from .stop import resume_hint
 
 LOCK_NAME = ".lock"
 ASIDE_PREFIX = ".tether-replaced-"  # tether.owned.RUN_NAMES lists it: a killed --overwrite's leftover is tether's
@@ -167,13 +168,16 @@ class RunDirectory:
     by :meth:`release` (or undone by :meth:`abandon` when the trainer could not be built).
 
     ``fresh``: a new run, which needs an empty (or new) directory unless ``overwrite``; otherwise the
-    resume of the run in it. Under torchrun every rank calls :meth:`open`; rank 0 does the work and
-    the others raise the same `RunError` if it fails.
+    resume of the run in it. ``kind``: ``"run"`` (``tether train``) or ``"sft"`` (``tether sft``), the
+    marker written (`tether.owned`): ``--overwrite`` replaces only a run of the same kind. Under torchrun
+    every rank calls :meth:`open`; rank 0 does the work and the others raise the same `RunError` if it fails.
     """
 
-    def __init__(self, path: Path, *, fresh: bool, overwrite: bool = False, log: Callable[..., Any] = print):
+    def __init__(self, path: Path, *, fresh: bool, overwrite: bool = False, log: Callable[..., Any] = print,
+                 kind: str = "run"):
+        assert kind in RUN_KINDS, kind
         self.path = Path(path)
-        self.fresh, self.overwrite, self.log = fresh, overwrite, log
+        self.fresh, self.overwrite, self.log, self.kind = fresh, overwrite, log, kind
         self.lock = RunLock(self.path)
         self._created = False  # this process made the directory
         self._wrote_config = self._wrote_marker = False
@@ -214,10 +218,10 @@ class RunDirectory:
                         shown = ", ".join(old[:5]) + (", ..." if len(old) > 5 else "")
                         raise RunError(
                             f"run directory {p} is not empty ({shown}); a fresh run would mix with what is "
-                            f"there. To continue that run: tether train --resume {p}; to start a new one: "
+                            f"there. To continue that run: {resume_hint(p)}; to start a new one: "
                             f"another --output-dir; to replace it: --overwrite (run.overwrite=true)")
                     self._set_aside(old)
-                write_marker(p, "run")
+                write_marker(p, self.kind)
                 self._wrote_marker = True
                 self.save_config(cfg)
                 self.log(f"[tether] run directory: {p}")
@@ -231,7 +235,7 @@ class RunDirectory:
         by :meth:`commit` once the new trainer is built, and put back by :meth:`abandon` if it cannot be
         (e.g. the model does not load): a failed ``--overwrite`` loses nothing."""
         try:
-            check_replaceable(self.path, "run")
+            check_replaceable(self.path, self.kind)
         except OutputError as e:
             raise RunError(str(e)) from None
         aside = self.path / f"{ASIDE_PREFIX}{os.getpid()}"
@@ -291,9 +295,9 @@ class RunDirectory:
             if e.errno not in WRITE_ERRNOS or not self._inside(e.filename):
                 raise
             if checkpoints(self.path):
-                then = f"continue from its last checkpoint: tether train --resume {self.path}"
+                then = f"continue from its last checkpoint: {RUN_KINDS[self.kind]} --resume {self.path}"
             else:  # nothing to resume from: --resume would refuse
-                then = (f"start it again (it has no checkpoint to resume from yet): tether train ... "
+                then = (f"start it again (it has no checkpoint to resume from yet): {RUN_KINDS[self.kind]} ... "
                         f"--output-dir {self.path} --overwrite")
             raise RunError(f"cannot write {e.filename or self.path}: {e.strerror or os.strerror(e.errno)}; the run "
                            f"stopped. Free space (or fix permissions), then {then}") from e
@@ -311,15 +315,43 @@ class RunDirectory:
 def resume_config(run_dir: Path, overrides: Optional[dict] = None):
     """The saved config of run ``run_dir`` with ``overrides`` applied (nothing is written).
 
-    Raises `RunError` (no directory, no or unreadable config.yaml, no checkpoint at all: the run
-    stopped before its first save) before any model is loaded, `ConfigError` for a bad override.
-    The directory is read by `tether.runs.RunDir`, as ``tether eval`` and ``tether export`` read it.
+    Raises `RunError` (no directory, no or unreadable config.yaml, an SFT run, no checkpoint at all:
+    the run stopped before its first save) before any model is loaded, `ConfigError` for a bad
+    override. The directory is read by `tether.runs.RunDir`, as ``tether eval`` and ``tether export``
+    read it.
     """
     from .algo.recipes import ConfigError
     from .config import DEFAULT_RECIPE, _flatten, load_config
 
+    saved, overrides = resumed_values(run_dir, overrides, "run")
+    name = saved.pop("recipe", DEFAULT_RECIPE)
+    if "recipe" in overrides and str(overrides["recipe"]) != str(name):
+        raise ConfigError(f"recipe={overrides['recipe']} cannot apply to --resume {run_dir}: the run continues "
+                          f"with its own recipe ({name}) and its checkpointed state; start a new run for another "
+                          f"recipe (tether train --recipe {overrides['recipe']} ...), or change single algo.* keys")
+    vals = _flatten(saved)
+    vals.pop("run.overwrite", None)
+    vals.update(overrides)
+    return load_config(None, vals, recipe_name=name)
+
+
+def resumed_values(run_dir: Path, overrides: Optional[dict], kind: str) -> tuple[dict, dict]:
+    """``(saved config.yaml as a mapping, overrides)`` of the ``kind`` run (``"run"`` / ``"sft"``) in
+    ``run_dir``, for a resume: the checks a training run and an SFT run share.
+
+    Raises `RunError` for a missing directory or config.yaml, a run of the other kind (naming the
+    command that resumes it), a run without checkpoint; `ConfigError` for ``run.overwrite`` or another
+    ``run.output_dir`` among the overrides.
+    """
+    from .algo.recipes import ConfigError
+
     run = _reader(run_dir).open()
     run_dir = run.path
+    actual = run_kind(run_dir)
+    if actual != kind:
+        what = {"run": "a training run", "sft": "an SFT run"}[actual]
+        raise RunError(f"cannot resume {run_dir} with {RUN_KINDS[kind]}: it is {what}; resume it with: "
+                       f"{resume_hint(run_dir)}")
     saved = run.raw_config()  # unreadable, not UTF-8, not YAML, not a mapping: named with the line
     overrides = dict(overrides or {})
     if "run.overwrite" in overrides:
@@ -327,25 +359,28 @@ def resume_config(run_dir: Path, overrides: Optional[dict] = None):
                           "the run in place: drop one of them")
     if not run.has_checkpoint():
         raise RunError(run.no_checkpoint())
-    name = saved.pop("recipe", DEFAULT_RECIPE)
-    if "recipe" in overrides and str(overrides["recipe"]) != str(name):
-        raise ConfigError(f"recipe={overrides['recipe']} cannot apply to --resume {run_dir}: the run continues "
-                          f"with its own recipe ({name}) and its checkpointed state; start a new run for another "
-                          f"recipe (tether train --recipe {overrides['recipe']} ...), or change single algo.* keys")
     given = overrides.get("run.output_dir")
     if given not in (None, "") and Path(str(given)).resolve() != run_dir.resolve():
         raise ConfigError(f"run.output_dir={given} cannot apply to --resume {run_dir}: a resumed run stays in its "
                           f"own directory; drop the override")
-    vals = _flatten(saved)
-    vals.pop("run.overwrite", None)
-    vals.update(overrides)
-    return load_config(None, vals, recipe_name=name)
+    return saved, overrides
 
 
 def _reader(run_dir: Path):
     from .runs import RunDir
 
     return RunDir(run_dir, verb="resume", error=RunError)
+
+
+def restore_latest(run_dir: Path, restore: Callable[[Path], None], guard: Optional[RunDirectory], cfg) -> Path:
+    """Resume a run in place: ``restore`` its newest valid checkpoint (`resume_checkpoint`), then have
+    ``guard`` rewrite config.yaml with the resumed ``cfg``: only now, so a resume that fails leaves
+    config.yaml as it was. Returns the checkpoint."""
+    ckpt = resume_checkpoint(run_dir)  # the newest that verifies; RunError if none
+    restore(ckpt)
+    if guard is not None:
+        guard.save_config(cfg)
+    return ckpt
 
 
 def resume_checkpoint(run_dir: Path) -> Path:

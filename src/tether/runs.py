@@ -26,18 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import RunError
-
-
-def is_run_dir(p: Path) -> bool:
-    """``p`` looks like a training run: a ``config.yaml`` (and no ``config.json``: not a model directory)."""
-    p = Path(p)
-    return p.is_dir() and (p / "config.yaml").is_file() and not (p / "config.json").is_file()
-
-
-def is_checkpoint_dir(p: Path) -> bool:
-    """``p`` looks like one checkpoint ``RUN/checkpoints/step-N``: ``state.json`` and ``policy.safetensors``."""
-    p = Path(p)
-    return p.is_dir() and (p / "state.json").is_file() and (p / "policy.safetensors").is_file()
+from .owned import RUN_KINDS, is_checkpoint_dir, is_run_dir, run_kind  # noqa: F401  (is_*: re-exported for tether eval)
 
 
 @dataclass
@@ -51,6 +40,8 @@ class RunCheckpoint:
         config: the run's `tether.config.Config`, or the raw YAML mapping when the saved config
             no longer validates here (e.g. it asked for wandb, which this environment lacks).
         model_config: the run's `tether.models.ModelConfig` (base model, dtype, LoRA).
+        kind: ``"run"`` (``tether train``) or ``"sft"`` (``tether sft``: its config is a
+            `tether.config.sft.SFTConfig`, it has no recipe and no anchor).
     """
 
     run_dir: Path
@@ -58,6 +49,7 @@ class RunCheckpoint:
     step: int
     config: Any
     model_config: Any
+    kind: str = "run"
 
     def _raw(self, section: str) -> dict:
         return self.config.get(section) or {}
@@ -68,16 +60,22 @@ class RunCheckpoint:
 
     @property
     def anchor_kind(self) -> str:
+        if self.kind == "sft":
+            return "none"
         if isinstance(self.config, dict):
             return str((self._raw("algo").get("anchor") or {}).get("kind", "none"))
         return self.config.algo.anchor.kind
 
     @property
     def recipe(self) -> str:
+        if self.kind == "sft":
+            return "sft"
         return str(self.config.get("recipe", "?")) if isinstance(self.config, dict) else self.config.recipe
 
     @property
     def system_prompt(self) -> str:
+        if self.kind == "sft":  # each conversation carries its own system message, if any
+            return ""
         if isinstance(self.config, dict):
             return str(self._raw("data").get("system_prompt") or "")
         return self.config.data.system_prompt
@@ -102,6 +100,11 @@ class RunDir:
                             f"RUN/config.yaml), so its base model is unknown")
         return run
 
+    @property
+    def kind(self) -> str:
+        """``"run"`` or ``"sft"`` (`tether.owned.run_kind`)."""
+        return run_kind(self.path)
+
     def open(self) -> RunDir:
         """Check that the directory exists and has a ``config.yaml``; returns self."""
         if not self.path.is_dir():
@@ -124,14 +127,15 @@ class RunDir:
             raise self.error(f"cannot {self.verb} {self.path}: {e}") from None
 
     def config(self) -> tuple[Any, Any]:
-        """``(Config or raw dict, ModelConfig)``: the validated config, or, when the saved config no
-        longer validates here, the raw YAML and the ``model`` section's known keys."""
+        """``(Config or SFTConfig or raw dict, ModelConfig)``: the validated config, or, when the saved
+        config no longer validates here, the raw YAML and the ``model`` section's known keys."""
         from .algo.recipes import ConfigError
         from .config import load_config
+        from .config.sft import load_sft_config
         from .models import ModelConfig
 
         try:
-            cfg = load_config(str(self.path / "config.yaml"))
+            cfg = (load_sft_config if self.kind == "sft" else load_config)(str(self.path / "config.yaml"))
             return cfg, cfg.model
         except ConfigError:
             pass
@@ -158,7 +162,7 @@ class RunDir:
         msg = (f"cannot {self.verb} {self.path}: it has no checkpoint ({self.path / 'checkpoints'}/step-N); the run "
                f"stopped (or is still running) before its first save (run.save_every)")
         if self.verb == "resume":
-            msg += f". Start it again: tether train --output-dir {self.path} --overwrite ..."
+            msg += f". Start it again: {RUN_KINDS[self.kind]} --output-dir {self.path} --overwrite ..."
         return msg
 
     def checkpoint(self, which: int | Path | None = None) -> Path:
@@ -199,7 +203,7 @@ class RunDir:
         ckpt = self.checkpoint(which)
         cfg, mc = self.config()
         return RunCheckpoint(run_dir=self.path, checkpoint=ckpt, step=checkpoint_step(ckpt), config=cfg,
-                             model_config=mc)
+                             model_config=mc, kind=self.kind)
 
 
 def checkpoint_step(ckpt: Path) -> int:
@@ -219,6 +223,8 @@ def checkpoint_step(ckpt: Path) -> int:
 def check_anchor(rc: RunCheckpoint, *, verb: str = "use", error: type[Exception] = RunError) -> None:
     """Raise ``error`` unless the checkpoint holds anchor tensors (EMA / fixed / reset / kl_reset)."""
     kind = rc.anchor_kind
+    if rc.kind == "sft":
+        raise error(f"run {rc.run_dir} is a supervised fine-tuning run (tether sft): it has no anchor to {verb}")
     if kind in ("none", "iterative"):
         why = ("it has no KL term (algo.anchor.kind = none)" if kind == "none" else
                "its anchor is iterative (the sampler itself), so it keeps no anchor weights")

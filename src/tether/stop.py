@@ -1,6 +1,6 @@
 """Graceful stop of a training run on SIGINT (Ctrl-C) or SIGTERM (what a cluster scheduler sends).
 
-The first signal only sets a flag. ``Trainer.run`` polls it once per trainer step: the step in
+The first signal only sets a flag. ``Trainer.run`` (and ``tether.sft``'s loop) polls it once per step: the step in
 progress finishes, a checkpoint is written, the loggers close and ``run()`` returns; the CLI
 then exits with 128 + the signal number (130 for SIGINT, 143 for SIGTERM) and says how to
 resume. A second signal raises `Aborted` (a ``KeyboardInterrupt``) at once: the step or
@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 from . import distributed as dist
 from .checkpoint import checkpoints
+from .owned import RUN_KINDS, run_kind
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 REPEAT_S = 1.0  # seconds after the first signal during which another one is the same stop, delivered twice
@@ -49,7 +50,9 @@ def last_stop() -> Optional[str]:
 
 
 def resume_hint(run_dir: Path) -> str:
-    return f"tether train --resume {Path(run_dir).absolute()}"
+    """The command that resumes ``run_dir``: ``tether train --resume`` or, for an SFT run (its marker
+    says so: `tether.owned.run_kind`), ``tether sft --resume``."""
+    return f"{RUN_KINDS[run_kind(run_dir)]} --resume {Path(run_dir).absolute()}"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -120,6 +123,20 @@ class GracefulStop:
         every rank calls it once per trainer step."""
         signum = int(dist.all_reduce(float(self.signum), "max"))
         return signal.Signals(signum).name if signum else None
+
+    def poll(self, step: int, total: int, save: Callable[[], Path], saved: Optional[Path],
+             log: Callable[[str], None]) -> Optional[str]:
+        """Once per step (collective, as `requested`): the stop signal's name when the run stops after step
+        ``step`` of ``total``, else None. Stopping writes a checkpoint of the step (``save()``, unless
+        ``saved`` is already one), records the stop (`stopped`) and logs how to resume. After the last
+        step the run ends anyway: no poll."""
+        name = self.requested() if step < total else None
+        if name:
+            saved = saved or save()
+            self.stopped(name)
+            log(f"[tether] stopped by {name} after step {step} of {total}; checkpoint {saved}. Resume with: "
+                f"{resume_hint(self.run_dir)}")
+        return name
 
     def stopped(self, signal_name: str) -> None:
         """Record that the run stopped early on ``signal_name`` (see `last_stop`)."""

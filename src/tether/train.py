@@ -40,9 +40,9 @@ from .optim import make_adamw, optimizer_step, skipped_update_line
 from .passes import Passes, StepBatch, exact_kl_sample, head_inputs, idle_backward, micro_batches
 from .rollout import RolloutBatch, SamplingParams, make_engine
 from .report import HeldOut, Progress, RewardErrorLog, rollout_metrics, sample_rows
-from .rundir import RunDirectory, resume_checkpoint, resume_config
+from .rundir import RunDirectory, restore_latest, resume_config
 from .schedule import LRSchedule
-from .stop import GracefulStop, resume_hint
+from .stop import GracefulStop
 from .tasks import Example
 from .tasks.stream import prompt_stream, training_reward
 
@@ -294,11 +294,8 @@ class Trainer:
         cfg = self.cfg
         self.stopped_by = None
         if resume:
-            ckpt = resume_checkpoint(self.run_dir)  # the newest that verifies; RunError if none
-            self.restore(ckpt)
+            ckpt = restore_latest(self.run_dir, self.restore, self.guard, cfg)
             self.log(f"[tether] resumed from {ckpt} (step {self.step})")
-            if self.guard is not None:
-                self.guard.save_config(cfg)  # only now: a resume that fails leaves config.yaml as it was
         main = dist.is_main()  # only rank 0 logs, shows progress and writes samples
         logger = MetricsLogger(self.run_dir, resume_step=self.step if resume else None,
                                tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
@@ -322,13 +319,8 @@ class Trainer:
                 if (cfg.run.save_every and self.step % cfg.run.save_every == 0) or last:
                     saved = self.save()
                 # once per step on every rank (an all-reduce under torchrun): all ranks stop at the same step
-                signal_name = stop.requested() if self.step < cfg.train.steps else None
-                if signal_name:
-                    saved = saved or self.save()
-                    self.stopped_by = signal_name
-                    stop.stopped(signal_name)
-                    self.log(f"[tether] stopped by {signal_name} after step {self.step} of {cfg.train.steps}; "
-                             f"checkpoint {saved}. Resume with: {resume_hint(self.run_dir)}")
+                self.stopped_by = stop.poll(self.step, cfg.train.steps, self.save, saved, self.log)
+                if self.stopped_by:
                     break
         finally:
             bar.close()

@@ -96,9 +96,15 @@ def reference() -> str:
            "Set keys in a YAML file (`--config`) or as `key=value` overrides; `recipe` picks the `algo.*` defaults",
            "(the `algo.*` defaults below are the bare field defaults: each recipe, the default `ema_pg` included,",
            "overrides some of them; `tether config --recipe NAME` prints a recipe's resolved values).", ""]
-    rows = keys()
-    reg = registered()
-    for prefix, section in sections():
+    out.append(section_tables(Config, keys(), registered()))
+    return "\n".join(out)
+
+
+def section_tables(cls: type, rows: list[tuple[str, object, str]], reg: dict[str, str]) -> str:
+    """One markdown table per section of ``cls`` that holds keys: the section's first docstring paragraph,
+    then ``| key | default | meaning |`` for ``rows`` (`keys`), ``reg`` appended to the keys it names."""
+    out = []
+    for prefix, section in sections(cls):
         own = [r for r in rows if r[0].startswith(prefix) and "." not in r[0][len(prefix):]]
         if not own:
             continue

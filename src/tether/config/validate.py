@@ -33,11 +33,16 @@ def check(cfg: Config) -> Config:
     for section in (_check_algo, _check_data, _check_rollout_choices, _check_search, _check_env, _check_rollout_values,
                     _check_train, _check_eval, _check_run, _check_values):
         errs.extend(section(cfg))
+    raise_problems(errs)
+    return cfg
+
+
+def raise_problems(errs: list[str]) -> None:
+    """One ConfigError listing every problem of a config (one per line under the first), if there is any."""
     if len(errs) == 1:
         raise ConfigError(f"invalid config: {errs[0]}")
     if errs:
         raise ConfigError(f"invalid config ({len(errs)} problems):\n  - " + "\n  - ".join(errs))
-    return cfg
 
 
 def _check_algo(cfg: Config) -> list[str]:

@@ -1,0 +1,294 @@
+"""The SFT loop: one step takes the next batch of conversations (`tether.sft.batches.BatchPlan`), runs its
+micro-batches forward and backward on the mean negative log-likelihood of the batch's trained tokens,
+and updates the weights (`tether.optim`, the LR of `tether.schedule`).
+
+    loss = - sum_{trained tokens t of the batch} log pi(x_t | x_<t)  /  (trained tokens of the batch)
+
+Each micro-batch's part is divided by the whole batch's count, so the sum of the micro-batch
+gradients is the batch's gradient whatever ``train.micro_batch_size`` is.
+
+What it shares with ``tether train``: the model (`tether.models.load_model`: dtype, LoRA, a run
+directory as the model), the run directory and its lock (`tether.rundir.RunDirectory`, marker kind
+``sft``), checkpoints with exact resume (`tether.checkpoint`: weights, AdamW, RNG; the data
+position is the step, since each step takes one batch of a seeded order), the graceful stop
+(`tether.stop`), metrics.jsonl (`tether.metrics`), the progress bar (`tether.report.Progress`) and
+curves.png (`tether.plot`). `sft` / `resume_sft` run an `SFTTrainer` inside its locked directory.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from datetime import datetime
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from ..algo.recipes import ConfigError
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..config import to_dict
+from ..config.sft import SFTConfig
+from ..errors import RunError
+from ..metrics import MetricsLogger, peak_memory_mb
+from ..optim import make_adamw, optimizer_step, skipped_update_line
+from ..report import Progress
+from ..rundir import RunDirectory, restore_latest
+from ..schedule import LRSchedule
+from ..stop import GracefulStop
+from .batches import BatchPlan, batch_logp, check_packing, collate, micro_batches
+from .data import ChatEncoder, encode_all, read_conversations, resolve_max_length, split_validation
+
+
+def _postfix(m: dict) -> dict:
+    post = {"loss": f"{m['loss']:.4f}"}
+    if "val_loss" in m:
+        post["val"] = f"{m['val_loss']:.4f}"
+    post["s/step"] = f"{m['time_step_s']:.1f}"
+    return post
+
+
+class SFTTrainer:
+    """Owns the model, optimizer and data of one SFT run; ``run()`` trains to the last step.
+
+    The rows are read and checked before the run directory is opened (``run_guard``, as
+    `tether.train.Trainer` takes it) and the model loaded; they are encoded once the tokenizer is
+    there (a row over ``data.max_length`` fails then, before the first step).
+    """
+
+    stopped_by: Optional[str] = None  # "SIGINT" / "SIGTERM" after run() stopped early on that signal
+
+    def __init__(self, cfg: SFTConfig, run_dir: Path, model=None, tokenizer=None, log=print,
+                 run_guard: Optional[RunDirectory] = None):
+        self.cfg, self.run_dir, self.log, self.guard = cfg, Path(run_dir), log, run_guard
+        d, t = cfg.data, cfg.train
+        random.seed(t.seed)
+        torch.manual_seed(t.seed)
+        train_rows, self.data_sha256 = read_conversations(d.path)
+        val_rows = read_conversations(d.val_path)[0] if d.val_path else []
+        if d.val_fraction > 0:
+            train_rows, val_rows = split_validation(train_rows, d.val_fraction, t.seed, d.path)
+        if run_guard is not None:
+            run_guard.open(cfg)  # after the rows are checked (a bad row leaves no directory), before the model
+        else:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        if model is None:
+            from ..models import describe_model, load_model
+            self.log(f"[tether] loading model {describe_model(cfg.model.name)}")
+            model, tokenizer = load_model(cfg.model)
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        enc = ChatEncoder(tokenizer, resolve_max_length(d.max_length, model, tokenizer), d.overflow)
+        self.train_set = encode_all(train_rows, enc, cfg.run.progress, "encoding the training rows")
+        self.val_set = encode_all(val_rows, enc, cfg.run.progress, "encoding the validation rows")
+        self.plan = BatchPlan([len(e.ids) for e in self.train_set], t.batch_size, t.seed,
+                              grouped=t.batching == "length_grouped")
+        self.total = t.steps or t.epochs * self.plan.steps_per_epoch
+        if t.warmup_steps > self.total:
+            raise ConfigError(f"train.warmup_steps={t.warmup_steps} exceeds the run's {self.total} optimizer steps: "
+                              f"the LR would never reach train.lr")
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = make_adamw(self.params, t)
+        # the schedule of tether train, over this run's optimizer steps (one per step)
+        horizon = SimpleNamespace(schedule=t.schedule, warmup_steps=t.warmup_steps, steps=self.total, epochs=1,
+                                  mini_batches=1, lr=t.lr)
+        self.schedule = LRSchedule(self.optimizer, horizon)
+        self.scheduler = self.schedule.scheduler
+        self.step, self.skipped_updates = 0, 0
+        self.packed = t.batching == "packed"
+        if self.packed:
+            check_packing(model, self.train_set, self.pad_id, self.device, t.logprob_chunk)
+        self.log(self._summary())
+
+    def _summary(self) -> str:
+        tokens = sum(len(e.ids) for e in self.train_set)
+        trained = sum(e.n_targets for e in self.train_set)
+        t = self.cfg.train
+        val = f", {len(self.val_set)} validation conversations" if self.val_set else ", no validation rows"
+        return (f"[tether] sft: {len(self.train_set)} training conversations ({tokens} tokens, {trained} trained)"
+                f"{val}; {self.total} steps of {t.batch_size} ({self.total / self.plan.steps_per_epoch:.3g} "
+                f"passes over the rows), batching {t.batching}")
+
+    # ------------------------------------------------------------ one step, validation
+
+    def train_step(self) -> dict:
+        """One optimizer step on the next batch; returns its metrics row."""
+        t0 = time.perf_counter()
+        rows = self.plan.batch(self.step)
+        lr = self.scheduler.get_last_lr()[0]  # the LR of this update
+        loss, n_targets, tokens = self.backward(rows)
+        gn = optimizer_step(self.params, self.optimizer, self.scheduler, loss, self.cfg.train.grad_clip)
+        self.step += 1
+        if gn is None:
+            self.skipped_updates += 1
+            self.log(skipped_update_line(self.step, self.skipped_updates))
+        dt = time.perf_counter() - t0
+        return {"loss": float(loss), "lr": lr, "grad_norm": math.nan if gn is None else gn, "train_tokens": n_targets,
+                "tokens": tokens, "sequences": len(rows), "epoch": self.step / self.plan.steps_per_epoch,
+                "skipped_updates": self.skipped_updates, "time_step_s": dt, "tokens_per_s": tokens / max(dt, 1e-9),
+                **peak_memory_mb()}
+
+    def backward(self, rows: list[int]) -> tuple[torch.Tensor, int, int]:
+        """Accumulate the gradient of the batch ``rows``' loss, micro-batch by micro-batch; returns
+        ``(loss, trained tokens, tokens forwarded)``."""
+        t = self.cfg.train
+        n_targets = max(1, sum(self.train_set[i].n_targets for i in rows))
+        losses, tokens = [], 0
+        for idx in micro_batches(rows, self.plan.lengths, t.micro_batch_size):
+            mb = collate([self.train_set[i] for i in idx], self.packed, self.pad_id, self.device)
+            loss = -batch_logp(self.model, mb, t.logprob_chunk).sum() / n_targets  # this part of the batch mean
+            loss.backward()
+            losses.append(loss.detach())
+            tokens += mb.tokens
+        return torch.stack(losses).sum(), n_targets, tokens
+
+    def validate(self) -> dict:
+        """The mean negative log-likelihood of the validation rows' trained tokens (eval mode, no gradients)."""
+        t0 = time.perf_counter()
+        order = micro_batches(range(len(self.val_set)), [len(e.ids) for e in self.val_set],
+                              self.cfg.train.micro_batch_size)
+        nll, n = torch.zeros((), dtype=torch.float64, device=self.device), 0
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for idx in order:
+                    mb = collate([self.val_set[i] for i in idx], self.packed, self.pad_id, self.device)
+                    logp = batch_logp(self.model, mb, self.cfg.train.logprob_chunk)
+                    nll, n = nll - logp.double().sum(), n + logp.numel()
+        finally:
+            self.model.train()
+        return {"val_loss": float(nll) / max(n, 1), "val_tokens": n, "time_val_s": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------ checkpoints, the run
+
+    def state(self) -> dict:
+        return {"skipped_updates": self.skipped_updates, "schedule": self.schedule.plan,
+                "data_sha256": self.data_sha256, "train_rows": len(self.train_set)}
+
+    def save(self) -> Path:
+        return save_checkpoint(self.run_dir, self.step, self.model, None, self.optimizer, self.scheduler,
+                               self.state(), keep=self.cfg.run.keep_checkpoints)
+
+    def restore(self, ckpt: Path) -> None:
+        st = load_checkpoint(ckpt, self.model, None, self.optimizer, self.scheduler)
+        if st["data_sha256"] != self.data_sha256:
+            raise RunError(f"cannot resume {self.run_dir}: data.path {self.cfg.data.path} changed since checkpoint "
+                           f"{ckpt.name} was written (its sha256 differs), so the resumed run would not continue "
+                           f"the same batches; put the original file back, or start a new run from this one "
+                           f"(tether sft model.name={self.run_dir} ...)")
+        self.step, self.skipped_updates = st["step"], st["skipped_updates"]
+        self.schedule.continue_from(st["schedule"], self.step, self.run_dir)
+
+    def run(self, resume: bool = False) -> Path:
+        """Train to the last step; checkpoints every ``run.save_every`` steps and after the last one.
+
+        SIGINT / SIGTERM stop the run gracefully (`tether.stop`): the step in progress finishes, a
+        checkpoint is written, ``run()`` returns with ``self.stopped_by`` set.
+        """
+        with GracefulStop(self.run_dir) as stop:
+            self._run(resume, stop)
+        return self.run_dir
+
+    def _due_validation(self) -> bool:
+        every = self.cfg.train.val_every
+        return bool(self.val_set) and (self.step == self.total or (every > 0 and self.step % every == 0))
+
+    def _run(self, resume: bool, stop: GracefulStop) -> None:
+        cfg = self.cfg
+        self.stopped_by = None
+        if resume:
+            ckpt = restore_latest(self.run_dir, self.restore, self.guard, cfg)
+            self.log(f"[tether] resumed from {ckpt} (step {self.step} of {self.total})")
+        logger = MetricsLogger(self.run_dir, resume_step=self.step if resume else None, tensorboard=cfg.run.tensorboard,
+                               wandb=cfg.run.wandb, wandb_project=cfg.run.wandb_project, config=to_dict(cfg),
+                               samples=False)
+        bar = Progress(self.total, self.step, "tether sft", enabled=cfg.run.progress, postfix=_postfix)
+        try:
+            if self.val_set and not resume:  # the starting model, logged at step 0
+                logger.log(0, self.validate())
+            while self.step < self.total:
+                m = self.train_step()
+                if self._due_validation():
+                    m.update(self.validate())
+                logger.log(self.step, m)
+                bar.update(m)
+                saved = None
+                if (cfg.run.save_every and self.step % cfg.run.save_every == 0) or self.step == self.total:
+                    saved = self.save()  # the last step always: it is what tether train model.name=RUN starts from
+                self.stopped_by = stop.poll(self.step, self.total, self.save, saved, self.log)
+                if self.stopped_by:
+                    break
+        finally:
+            bar.close()
+            logger.close()
+        if cfg.run.plot:
+            from ..plot import plot_runs
+            plot_runs([self.run_dir], self.run_dir / "curves.png")
+
+
+def default_sft_dir(cfg: SFTConfig) -> Path:
+    return Path("runs") / f"sft-{Path(cfg.data.path).stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def sft(cfg: SFTConfig, run_dir: Optional[Path] = None, model=None, tokenizer=None, log=print) -> Path:
+    """Fine-tune a fresh run; returns its directory (config.yaml, metrics.jsonl, checkpoints/, curves.png).
+
+    The directory must be new or empty (``run.overwrite`` replaces an earlier SFT run there) and is
+    locked while the run trains (`tether.rundir`).
+    """
+    from ..train import run_guarded
+
+    _single_process()
+    run_dir = Path(run_dir or cfg.run.output_dir or default_sft_dir(cfg))
+    guard = RunDirectory(run_dir, fresh=True, overwrite=cfg.run.overwrite, log=log, kind="sft")
+    return run_guarded(guard, lambda: SFTTrainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard),
+                       resume=False)
+
+
+def resume_sft(run_dir: Path, overrides: Optional[dict] = None, model=None, tokenizer=None, log=print) -> Path:
+    """Continue an SFT run from its newest valid checkpoint (``overrides`` may extend train.steps /
+    train.epochs, change the LR or the outputs; not the model, the data or the batches)."""
+    from ..train import run_guarded
+
+    _single_process()
+    run_dir = Path(run_dir)
+    cfg = resume_sft_config(run_dir, overrides)
+    guard = RunDirectory(run_dir, fresh=False, log=log, kind="sft")
+    return run_guarded(guard, lambda: SFTTrainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard),
+                       resume=True)
+
+
+def resume_sft_config(run_dir: Path, overrides: Optional[dict] = None) -> SFTConfig:
+    """The saved config of SFT run ``run_dir`` with ``overrides`` applied (nothing is written).
+
+    Raises `RunError` as a training run's resume does (`tether.rundir.resumed_values`: no directory or
+    config.yaml, a training run, no checkpoint), and `ConfigError` for an override of a key in
+    `tether.config.sft.FROZEN_ON_RESUME` to another value: the model, the data and the batches stay
+    the checkpoint's.
+    """
+    from ..config import _flatten
+    from ..config.sft import FROZEN_ON_RESUME, load_sft_config
+    from ..rundir import resumed_values
+
+    saved, overrides = resumed_values(run_dir, overrides, "sft")
+    vals = _flatten(saved)
+    vals.pop("run.overwrite", None)
+    before = _flatten(to_dict(load_sft_config(None, vals)))
+    cfg = load_sft_config(None, {**vals, **overrides})
+    after = _flatten(to_dict(cfg))
+    changed = [k for k in after if k.startswith(FROZEN_ON_RESUME) and after[k] != before[k]]
+    if changed:
+        raise ConfigError(f"{', '.join(f'{k}={after[k]}' for k in changed)} cannot apply to --resume {run_dir}: "
+                          f"the model, the data and the batches stay those of the checkpoint; start a new run "
+                          f"from this one instead (tether sft model.name={run_dir} ...)")
+    return cfg
+
+
+def _single_process() -> None:
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("tether sft runs in one process (one device); run it without torchrun")
