@@ -18,7 +18,7 @@ from ..algo.registry import unknown_choice
 from ..models import ModelConfig
 from .overrides import _flatten, _set
 from .reference import keys, section_tables
-from .validate import check_model, check_optimizer, check_outputs, raise_problems
+from .validate import check_checkpoints, check_model, check_optimizer, check_outputs, raise_problems
 from .yaml_io import read_yaml_mapping
 
 OVERFLOW = ("error", "truncate")
@@ -114,7 +114,8 @@ def load_sft_config(path: Optional[str] = None, overrides: Optional[dict[str, An
 
 def check_sft(cfg: SFTConfig) -> SFTConfig:
     """Every problem of a resolved SFT config at once (a key without effect is one, too)."""
-    raise_problems(_check_data(cfg.data) + _check_train(cfg) + check_model(cfg.model) + check_outputs(cfg.run))
+    raise_problems(_check_data(cfg.data) + _check_train(cfg) + check_model(cfg.model) + check_outputs(cfg.run)
+                   + check_checkpoints(cfg.run))
     return cfg
 
 

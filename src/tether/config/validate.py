@@ -233,14 +233,13 @@ def _anchor_has_weights(kind: str) -> bool:
 
 
 def _check_run(cfg: Config) -> list[str]:
-    """run.*: overwrite needs an output directory; the loggers need their packages; checkpoint counts."""
+    """run.*: overwrite needs an output directory; the loggers need their packages."""
     return check_outputs(cfg.run)
 
 
 def check_outputs(run) -> list[str]:
     """The output keys a training run and an SFT run share (``run``: a `RunConfig` or
-    `tether.config.sft.SFTRunConfig`): overwrite needs an output directory, the loggers their
-    packages, and the checkpoint counts their ranges."""
+    `tether.config.sft.SFTRunConfig`): overwrite needs an output directory, the loggers their packages."""
     errs = []
     if run.overwrite and not run.output_dir:
         errs.append("run.overwrite=true needs run.output_dir (--output-dir): the default run directory is a new "
@@ -255,6 +254,12 @@ def check_outputs(run) -> list[str]:
             import wandb  # noqa: F401
         except Exception:
             errs.append("run.wandb=true needs the wandb package (pip install wandb)")
+    return errs
+
+
+def check_checkpoints(run) -> list[str]:
+    """``run.save_every`` and ``run.keep_checkpoints`` (of a training run or an SFT run)."""
+    errs = []
     if run.save_every < 0:
         errs.append(f"run.save_every must be >= 0 (0 = only at the end), got {run.save_every}")
     if run.keep_checkpoints < 1 and run.keep_checkpoints != -1:
@@ -264,7 +269,7 @@ def check_outputs(run) -> list[str]:
 
 def _check_values(cfg: Config) -> list[str]:
     """Ranges of single values that would otherwise fail late (at the model load, or mid-run):
-    optimizer, sampling, model, LoRA and reward settings."""
+    optimizer, sampling, model, LoRA, checkpointing and reward settings."""
     r, t, errs = cfg.rollout, cfg.train, []
     errs.extend(check_optimizer(t, t.steps * t.epochs * t.mini_batches,
                                 "train.steps x train.epochs x train.mini_batches"))
@@ -276,6 +281,7 @@ def _check_values(cfg: Config) -> list[str]:
     if r.top_k < 0:
         errs.append(f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
     errs.extend(check_model(cfg.model))
+    errs.extend(check_checkpoints(cfg.run))
     if not math.isfinite(cfg.data.format_weight):
         errs.append(f"data.format_weight must be a finite number, got {cfg.data.format_weight!r}")
     errs.extend(_check_reward_spec(cfg.data.reward))
