@@ -135,6 +135,26 @@ def test_stop_by_signal_then_resume_equals_an_uninterrupted_run(data, tiny_model
     assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
 
 
+def test_resume_after_a_kill_is_exact(data, tiny_model_dir, tmp_path):
+    """What kill -9 in step 6's checkpoint write leaves (step 5's row logged and a torn row after it, a partial
+    temporary checkpoint, the newest complete checkpoint at step 4): the resumed run equals the uninterrupted one."""
+    over = {"train.steps": 6, "run.save_every": 2, "run.keep_checkpoints": -1, "data.val_fraction": 0.2}
+    full = sft(config(data, tiny_model_dir, **over), tmp_path / "full", log=lambda *a: None)
+    killed = shutil.copytree(full, tmp_path / "killed")
+    shutil.rmtree(killed / "checkpoints" / "step-000006")
+    (killed / "checkpoints" / "latest").write_text("step-000004\n")
+    partial = killed / "checkpoints" / "step-000006.tmp-999999999"  # a writer that is gone
+    partial.mkdir()
+    (partial / "policy.safetensors").write_bytes(b"\0" * 64)
+    lines = (killed / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (killed / "metrics.jsonl").write_text("".join(lines[:6]) + lines[6][:20])  # steps 0-5, step 6 torn
+    resume_sft(killed, log=lambda *a: None)
+    assert [strip(r) for r in rows(killed)] == [strip(r) for r in rows(full)]
+    a, b = policy(full), policy(killed)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+    assert not partial.exists()
+
+
 def test_resume_extends_and_refuses_what_would_change_the_batches(data, tiny_model_dir, tmp_path):
     run = sft(config(data, tiny_model_dir, **{"train.steps": 2, "train.schedule": "constant"}), tmp_path / "run",
               log=lambda *a: None)
@@ -187,6 +207,27 @@ def test_docs_sft_md_lists_every_option():
     text = open(doc).read()
     missing = [ln for ln in sft_reference().splitlines() if ln.strip() and ln not in text]
     assert not missing, "docs/sft.md is out of date (paste tether.config.sft.sft_reference()):\n" + "\n".join(missing)
+
+
+@pytest.mark.slow
+def test_smollm2_sft_then_one_rl_step_from_its_checkpoint(tmp_path):
+    """The real model: a few SFT steps on search trajectories lower the loss, then one RL step starts from them."""
+    from tether.config import load_config
+    from tether.train import train
+
+    rows_ = [r for r in conversations(8) if "messages" in r and r["messages"][0]["role"] == "system"]
+    f = tmp_path / "demos.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows_ * 2))
+    run = sft(load_sft_config(None, {"data.path": str(f), "train.batch_size": 2, "train.micro_batch_size": 2,
+                                     "train.steps": 4, "train.lr": 1e-4, "train.batching": "packed", **QUIET}),
+              tmp_path / "sft", log=lambda *a: None)
+    m = rows(run)
+    assert m[-1]["loss"] < m[0]["loss"]
+    rl = train(load_config(None, {"model.name": str(run), "train.steps": 1, "train.lr": 0, "rollout.n": 2,
+                                  "rollout.prompts_per_step": 2, "rollout.max_new_tokens": 8, "eval.before": False,
+                                  "eval.after": False, **QUIET}), tmp_path / "rl", log=lambda *a: None)
+    a, b = policy(run), policy(rl)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_cli_sft_then_rl_eval_and_export_from_its_run(data, tiny_model_dir, tmp_path, make_workdir):

@@ -180,7 +180,14 @@ class SFTTrainer:
                            f"the same batches; put the original file back, or start a new run from this one "
                            f"(tether sft model.name={self.run_dir} ...)")
         self.step, self.skipped_updates = st["step"], st["skipped_updates"]
-        self.schedule.continue_from(st["schedule"], self.step, self.run_dir)
+        try:
+            self.schedule.continue_from(st["schedule"], self.step, self.run_dir)
+        except ConfigError:  # its one refusal: extending a run whose LR decay has reached 0
+            t = self.cfg.train
+            raise ConfigError(f"extending {self.run_dir} to {self.total} steps: its {t.schedule} LR schedule had "
+                              f"already decayed to 0 at step {self.step}, so it would train at lr 0. Resume with "
+                              f"train.schedule=constant to train on at train.lr ({t.lr}), or start a new SFT stage "
+                              f"from it: tether sft model.name={self.run_dir} --data ...") from None
 
     def run(self, resume: bool = False) -> Path:
         """Train to the last step; checkpoints every ``run.save_every`` steps and after the last one.
