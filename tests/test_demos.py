@@ -166,3 +166,21 @@ def test_the_prompt_states_the_budget_the_demo_used(max_turns):
     ex = ArithmeticTask(seed=0, difficulty=1).example(0)
     [row] = calculator_demos([ex], CalculatorEnv(max_turns=max_turns))
     assert f"up to {max_turns - 1} times" in row["messages"][0]["content"]
+
+
+def test_tether_demos_command(tmp_path):
+    """tether demos in a subprocess: the rows file and a summary; an existing file, an evaluation set and a bad
+    difficulty are one-line errors."""
+    from helpers import assert_clean_error, run_module
+
+    out = tmp_path / "d.jsonl"
+    r = run_module("demos", "calculator", "--out", str(out), "--limit", "3", "--difficulty", "2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(out) and "3 demonstrations" in r.stderr
+    assert len(out.read_text().splitlines()) == 3
+    for args, needle in ((["calculator", "--out", out, "--limit", "3"], f"{out} exists"),
+                         (["calculator", "--out", tmp_path / "x", "--data", "math500"], "is an evaluation set"),
+                         (["search", "--out", tmp_path / "x", "--data", "multihop_dev"], "is an evaluation set"),
+                         (["calculator", "--out", tmp_path / "x", "--difficulty", "7"], "--difficulty must be 1")):
+        r = run_module("demos", *args)
+        assert_clean_error(r.returncode, r.stderr, needle)

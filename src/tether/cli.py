@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_export_parser(sub)
     add_retrieve_parser(sub)
+    from .envs.demos import add_demos_parser
+
+    add_demos_parser(sub)
     return p
 
 

@@ -206,3 +206,127 @@ def search_demos(examples: Iterable[Example], env, corpus, stats: Optional[DemoS
             continue
         stats.written += 1
         yield sft_row(*out, system_prompt=system_prompt, source=ex.id)
+
+
+# ------------------------------------------------------------------ tether demos
+
+
+def _examples(args) -> list[Example]:
+    """The training examples the command reads (``--data``; never a dev or test split)."""
+    if args.env == "calculator":
+        if args.data == "arithmetic":
+            from ..tasks.arithmetic import ArithmeticTask
+
+            task = ArithmeticTask(seed=args.seed, difficulty=args.difficulty)
+            return [task.example(i) for i in range(args.limit or 1000)]
+        from ..tasks.data import load_examples
+
+        return load_examples(args.data, split="train", data_dir=args.data_dir, limit=args.limit or None)
+    from ..search.data import load_search_examples
+
+    return load_search_examples(args.data, data_dir=args.data_dir, limit=args.limit or None,
+                                max_searches=args.max_searches)
+
+
+def _demos(args) -> int:
+    """``tether demos``: write the demonstrations of ``args.env`` to ``args.out`` (JSONL, one SFT row per line)."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from ..errors import OutputError
+
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise OutputError(f"{out} exists; pass --overwrite to replace it")
+    if not out.parent.is_dir():
+        raise OutputError(f"cannot write {out}: {out.parent} is not a directory")
+    examples = _examples(args)
+    stats = DemoStats()
+    if args.env == "calculator":
+        from .calculator import CalculatorEnv
+
+        rows = calculator_demos(examples, CalculatorEnv(max_turns=args.max_turns), stats, args.system_prompt)
+    else:
+        from ..config import SearchConfig
+        from ..search.corpus import load_corpus
+        from ..search.data import corpus_path
+        from ..search.retrievers import retriever_from_config
+        from .search import SearchEnv
+
+        corpus = args.corpus or str(corpus_path(args.data_dir))
+        env = SearchEnv(retriever_from_config(SearchConfig(corpus=corpus, data_dir=args.data_dir or "")),
+                        topk=args.topk, max_searches=args.max_searches, observation_format=args.observation_format)
+        rows = search_demos(examples, env, load_corpus(corpus), stats, args.system_prompt)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"[tether] {args.env}: {stats} (from {len(examples)} training examples)", file=sys.stderr)
+    print(out)
+    return 0
+
+
+def add_demos_parser(sub) -> None:
+    """The ``tether demos`` subcommand."""
+    d = sub.add_parser("demos", help="write cold-start demonstrations (teacher trajectories through an environment, "
+                       "from a training split's gold answers) for tether sft",
+                       description="Write cold-start demonstrations for tether sft (docs/sft.md): a scripted teacher "
+                       "writes each turn from a training example's gold answer, and the real environment answers it. "
+                       "They are teacher demonstrations, not model samples; build them from training splits only.")
+    d.add_argument("env", choices=["calculator", "search"], help="the environment")
+    d.add_argument("--out", required=True, help="the JSONL file to write (one SFT row per line)")
+    d.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    d.add_argument("--data", help="training examples: calculator: arithmetic (default; the synthetic task's train "
+                   "split) | gsm8k (its train split) | a train file; search: multihop (default; the closed-pool "
+                   "train split) | a train .jsonl")
+    d.add_argument("--data-dir", dest="data_dir", default=None, help="the data directory (as data.data_dir / "
+                   "search.data_dir)")
+    d.add_argument("--limit", type=int, default=0, help="use the first N examples (0 = all; arithmetic: 1000)")
+    d.add_argument("--difficulty", type=int, default=3, help="arithmetic: steps per problem, 1-4 (default 3)")
+    d.add_argument("--seed", type=int, default=0, help="arithmetic: the task's seed (default 0)")
+    d.add_argument("--max-turns", dest="max_turns", type=int, default=4, help="calculator: the turn budget the "
+                   "demonstrations fit, as env.max_turns in training (default 4: up to 3 calls)")
+    d.add_argument("--corpus", default="", help="search: the corpus (default: corpus.jsonl of the search data dir)")
+    d.add_argument("--topk", type=int, default=3, help="search: passages per search, as search.topk (default 3)")
+    d.add_argument("--max-searches", dest="max_searches", type=int, default=4,
+                   help="search: as search.max_searches in training (the prompt states it; default 4)")
+    d.add_argument("--observation-format", dest="observation_format", default="search_r1",
+                   choices=["search_r1", "clean"], help="search: as search.observation_format (default search_r1)")
+    d.add_argument("--system-prompt", dest="system_prompt", default="", help="a system message, as "
+                   "data.system_prompt in training (default none)")
+    d.set_defaults(fn=_demos_main)
+
+
+def _named_sets(env: str) -> set[str]:
+    """The named datasets of ``env``'s kind (the training ones among them: arithmetic, gsm8k, multihop)."""
+    if env == "calculator":
+        from ..tasks.data import NAMED_DATASETS
+
+        return {"arithmetic", *NAMED_DATASETS}
+    from ..search.data import SEARCH_DATASETS
+
+    return set(SEARCH_DATASETS)
+
+
+def _demos_main(args) -> int:
+    from ..algo.recipes import ConfigError
+
+    args.data = args.data or ("arithmetic" if args.env == "calculator" else "multihop")
+    if args.env == "calculator" and args.max_turns < 2:
+        raise ConfigError(f"--max-turns must be >= 2 (a call and the answer), got {args.max_turns}")
+    if args.env == "calculator" and args.data == "arithmetic" and args.difficulty not in (1, 2, 3, 4):
+        raise ConfigError(f"--difficulty must be 1, 2, 3 or 4, got {args.difficulty}")
+    named = _named_sets(args.env)
+    if args.data.lower() in named and args.data.lower() not in ("arithmetic", "gsm8k", "multihop"):
+        train = "arithmetic, gsm8k" if args.env == "calculator" else "multihop"
+        raise ConfigError(f"--data {args.data} is an evaluation set (dev, test or benchmark): demonstrations are built "
+                          f"from training splits only ({train} or your own training file)")
+    if args.limit < 0 or args.topk < 1 or args.max_searches < 1:
+        raise ConfigError("--limit must be >= 0, --topk and --max-searches >= 1")
+    return _demos(args)
