@@ -273,3 +273,25 @@ def test_kv_reuse_gives_the_same_episodes_and_releases_them(tiny_model_dir, tok,
     assert a.finish_reason == b.finish_reason and a.texts == b.texts
     assert (~a.loss_mask & a.response_mask).any()  # observations were appended between turns
     assert fed_b < fed_a
+
+
+def test_tether_eval_runs_the_calculator(tiny_model_dir, tmp_path):
+    """tether eval --agent multi_turn: the environment runs on the benchmark (rows record each episode's turns);
+    --env without it is a one-line error; before this, --agent multi_turn was accepted and ran single_turn."""
+    from helpers import assert_clean_error, run_module
+
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(3)))
+    out = tmp_path / "ev"
+    r = run_module("eval", "--model", tiny_model_dir, "--benchmarks", data, "--agent", "multi_turn", "--env",
+                   "calculator", "--max-turns", "2", "--greedy", "--max-new-tokens", "6", "--out", out,
+                   "--no-progress", "--reward", "gsm8k")
+    assert r.returncode == 0, r.stderr
+    res = json.loads((out / "results.json").read_text())
+    assert res["settings"]["agent"] == "multi_turn" and res["settings"]["env"]["env"] == "calculator"
+    rows = [json.loads(x) for x in (out / "arith.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(1 <= row["info"][0]["turns"] <= 2 for row in rows)
+    r = run_module("eval", "--model", tiny_model_dir, "--benchmarks", data, "--env", "calculator", "--out",
+                   tmp_path / "ev2")
+    assert_clean_error(r.returncode, r.stderr, "--env only apply with --agent multi_turn")

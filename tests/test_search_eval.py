@@ -77,7 +77,7 @@ def test_eval_search_named_benchmarks_load(tmp_path):
 
 
 def test_search_table_counts_unknown_gold_recall():
-    from tether.eval.cli import format_search_table
+    from tether.eval.agents import format_search_table
 
     m = {"search/em": 0.5, "search/f1": 0.5, "search/answered_rate": 1.0, "search/searches": 1.5,
          "search/gold_recall": 0.25, "search/gold_recall_unknown": 3.0, "search/s/em": 0.5,

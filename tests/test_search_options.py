@@ -143,7 +143,7 @@ def _eval_args(tmp_path, *extra):
 
 
 def test_eval_flags_reach_the_http_retriever(tmp_path, tok, stub):
-    from tether.eval.cli import _search_setup
+    from tether.eval.agents import search_setup as _search_setup
 
     srv, url, corpus = stub
     args = _eval_args(tmp_path, "--retriever", "http", "--url", url, "--timeout", "7.5", "--retries", "0",

@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from ..errors import EvalError
 from ..runs import RunCheckpoint, RunDir, check_anchor, is_checkpoint_dir, is_run_dir, load_run_model
 from ..tasks.benchmarks import load_benchmarks, slug  # noqa: F401  (load_benchmarks: called as this.load_benchmarks)
+from .agents import add_agent_arguments, agent_setup, format_search_table
 from .metrics import default_ks
 from .runner import EvalSettings, _check_sampling, evaluate  # noqa: F401  (evaluate: called as this.evaluate)
 
@@ -168,27 +169,10 @@ def format_table(results: Mapping[str, Mapping[str, float]], n: int, ks: Sequenc
     return "\n".join(lines)
 
 
-def format_search_table(results: Mapping[str, Mapping[str, float]]) -> str:
-    """EM, F1, answered rate, searches and gold recall per benchmark and data source (search agent); when some
-    recall is unknown (passages without ids), a ``gold_recall_unknown`` column counts those responses."""
-    cols = ["em", "f1", "answered_rate", "searches", "gold_recall"]
-    cols += ["gold_recall_unknown"] * any(k.endswith("/gold_recall_unknown") for m in results.values() for k in m)
-    cell = {"searches": "{:.2f}".format, "gold_recall_unknown": "{:.0f}".format}
-    lines = [f"{'benchmark / source':32s} " + " ".join(f"{c:>{max(13, len(c))}s}" for c in cols)]
-    for name, m in results.items():
-        sources = sorted({k.split("/")[1] for k in m if k.startswith("search/") and k.count("/") == 2})
-        for src, pre in [(name, "search/")] + [(f"  {src}", f"search/{src}/") for src in sources]:
-            cells = [m.get(pre + c, 0.0 if c == "gold_recall_unknown" else None) for c in cols]
-            text = ["-" if v is None else cell.get(c, lambda x: f"{100 * x:.1f}")(v) for c, v in zip(cols, cells)]
-            lines.append(f"{src:32s} " + " ".join(f"{t:>{max(13, len(c))}s}" for c, t in zip(cols, text)))
-    return "\n".join(lines)
 
 
 def add_eval_parser(sub) -> None:
     """Register the ``eval`` subcommand on an ``argparse`` subparsers object."""
-    from ..agents import AGENTS
-    from ..search.protocol import OBSERVATION_FORMATS
-    from ..search.retrievers import RETRIEVERS
     from ..tasks.rewards import REWARDS
 
     e = sub.add_parser(
@@ -225,59 +209,8 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     e.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default cpu)")
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    g = e.add_argument_group("search agent", "--agent search runs the multi-turn search agent (docs/search_agents.md) "
-                             "on QA benchmarks: multihop_dev, multihop, nq, triviaqa, popqa, hotpotqa, "
-                             "2wikimultihopqa, musique, bamboogle, or .jsonl files with question/golden_answers")
-    g.add_argument("--agent", default="single_turn", choices=AGENTS.names(),
-                   help="how an episode runs (default single_turn: prompt -> one response)")
-    g.add_argument("--retriever", default="bm25", choices=RETRIEVERS.names(),
-                   help="search: bm25 or dense over --corpus, or http to a Search-R1 retrieval server at --url")
-    g.add_argument("--url", help="search, http: the retrieval server's base URL (POST URL/retrieve)")
-    g.add_argument("--corpus", help="search, bm25/dense: corpus JSONL (default: corpus.jsonl of the search data dir); "
-                   "http: the server's corpus, to recover the ids of documents it sends without one (gold recall)")
-    g.add_argument("--timeout", type=float, help="search, http: seconds per request (default 30)")
-    g.add_argument("--retries", type=int, help="search, http: extra attempts after a failed request (default 2)")
-    g.add_argument("--observation-format", default="search_r1", choices=OBSERVATION_FORMATS,
-                   help="search: search_r1 (Search-R1's exact observations, default) or clean (tether's old layout)")
-    g.add_argument("--search-data-dir", help="search: directory of the QA sets and corpus (default "
-                   "$TETHER_SEARCH_DATA_DIR, else <$TETHER_DATA_DIR>/../search)")
-    g.add_argument("--topk", type=int, default=3, help="search: passages per search (default 3)")
-    g.add_argument("--max-searches", dest="max_searches", type=int, default=4,
-                   help="search: searches per episode, then a final turn without search (default 4)")
-    g.add_argument("--max-obs-tokens", type=int, default=512, help="search: tokens per observation (default 512)")
-    g.add_argument("--max-context", dest="max_context", type=int, default=4096,
-                   help="search: prompt + response tokens per episode (default 4096)")
+    add_agent_arguments(e)
     e.set_defaults(fn=run_eval_cli)
-
-
-def _search_setup(args):
-    """--agent search: the QA benchmarks (search reward) and the agent's options, retriever built."""
-    from ..agents import AGENTS
-    from ..config import load_config
-    from ..search.data import load_search_examples
-    from ..tasks.benchmarks import Benchmark, slug
-    from ..tasks.rewards import load_reward
-
-    http = {k: v for k in ("url", "timeout", "retries") if (v := getattr(args, k, None)) not in (None, "")}
-    if http and args.retriever != "http":
-        raise EvalError(" and ".join(f"--{k}" for k in http) + f" need{'s' * (len(http) == 1)} --retriever http")
-    if args.retriever == "http" and not args.url:
-        raise EvalError("--retriever http needs --url (the retrieval server's base URL)")
-    over = {"rollout.agent": "search", "search.retriever": args.retriever,
-            **{f"search.{k}": getattr(args, k) for k in ("topk", "max_searches", "max_obs_tokens", "max_context")},
-            "search.observation_format": args.observation_format, **{f"search.{k}": v for k, v in http.items()}}
-    # --corpus with http too: the server's corpus, which names the documents it sends without an id
-    over.update({k: v for k, v in (("search.corpus", args.corpus), ("search.data_dir", args.search_data_dir)) if v})
-    cfg = load_config(None, over)
-    benches = []
-    for src in args.benchmarks:
-        ex = load_search_examples(src, data_dir=args.search_data_dir, max_searches=args.max_searches,
-                                  limit=args.limit, question_key=args.prompt_key or "question",
-                                  answers_key=args.answer_key)
-        benches.append(Benchmark(name=slug(Path(src).stem if src.endswith(".jsonl") else src), source=src,
-                                 split=None, examples=ex, reward="search", reward_fn=load_reward("search")))
-    meta = AGENTS.meta("search")
-    return benches, {k: v for k, v in meta["options"](cfg).items() if k != "system_prompt"} | meta["tools"](cfg)
 
 
 def _open_out(out: Path, files: Sequence[str], overwrite: bool) -> bool:
@@ -384,18 +317,10 @@ def run_eval_cli(args) -> int:
     this = sys.modules[__name__]  # look functions up at call time (tests patch them)
     settings = _eval_settings(args)
 
-    # 1. every benchmark, fully validated (and the search agent's corpus), before any model is touched
+    # 1. every benchmark, fully validated (and the agent's tools: the search corpus, the environment), before any
+    # model is touched
     search = getattr(args, "agent", "single_turn") == "search"
-    agent_options: dict[str, Any] = {}
-    if search:
-        if args.reward or args.split or args.data_dir:
-            raise EvalError("--agent search scores with the search reward (EM) on the search data dir; "
-                            "drop --reward/--split/--data-dir (use --search-data-dir)")
-        benches, agent_options = _search_setup(args)
-    else:
-        benches = this.load_benchmarks(args.benchmarks, limit=args.limit, data_dir=args.data_dir,
-                                       prompt_key=args.prompt_key, answer_key=args.answer_key, split=args.split,
-                                       reward=args.reward)
+    benches, agent_options = agent_setup(this, args)
     # 2. the model (cheap checks first: run without checkpoint, anchor without tensors)
     info = this.resolve_eval_spec(args.model)
     if args.anchor:
@@ -459,9 +384,10 @@ def _finish(table: dict, stopper, out: Path, created: bool, files: Sequence[str]
 def _run_benches(this, args, benches, info, out: Path, stopper, *, search: bool, agent_options: dict,
                  settings: EvalSettings, system_prompt: str) -> dict:
     """Load the model, build its engine (`tether.rollout.make_engine`, transformers, ``--batch-size``
-    sequences per generate call) and the agent (`tether.agents.make_agent`: ``single_turn`` or
-    ``search``, with the system prompt) once, then evaluate every benchmark with them until the end or
-    a stop signal. Returns the table (benchmark -> metrics) with the model's description under ``"_desc"``."""
+    sequences per generate call) and the agent (`tether.agents.make_agent`: ``--agent``, with the system
+    prompt and the options `tether.eval.agents.agent_setup` gave) once, then evaluate every benchmark with
+    them until the end or a stop signal. Returns the table (benchmark -> metrics) with the model's
+    description under ``"_desc"``."""
     from .. import __version__
     from ..agents import make_agent
     from ..config import RolloutConfig
@@ -470,7 +396,7 @@ def _run_benches(this, args, benches, info, out: Path, stopper, *, search: bool,
     print(f"[tether] loading {args.model!r}{' (anchor)' if args.anchor else ''}", file=sys.stderr)
     model, tok, desc = this.load_eval_model(info, anchor=args.anchor, dtype=args.dtype, device=args.device)
     engine = make_engine(RolloutConfig(engine="hf", batch_size=settings.batch_size), model, tok, show_progress=False)
-    agent = make_agent("search" if search else "single_turn", engine, tok, system_prompt=system_prompt,
+    agent = make_agent(getattr(args, "agent", "single_turn"), engine, tok, system_prompt=system_prompt,
                        **agent_options)
     print(f"[tether] evaluating {desc}\n[tether] writing to {out}", file=sys.stderr)
     if search:
@@ -488,7 +414,9 @@ def _run_benches(this, args, benches, info, out: Path, stopper, *, search: bool,
                          split=args.split, prompt_key=args.prompt_key, answer_key=args.answer_key, reward=args.reward,
                          agent=getattr(args, "agent", "single_turn"),
                          search={k: getattr(args, k) for k in ("retriever", "url", "corpus", "topk", "max_searches",
-                                                                 "max_obs_tokens", "max_context")} if search else None),
+                                                                 "max_obs_tokens", "max_context")} if search else None,
+                         env={k: getattr(args, k) for k in ("env", "max_turns", "max_obs_tokens", "max_context")}
+                         if getattr(args, "agent", "") == "multi_turn" else None),
         "benchmarks": {},
         "created": datetime.now().isoformat(timespec="seconds"),
         "tether_version": __version__,

@@ -1,0 +1,131 @@
+"""``tether eval``'s agents: their command-line options and what each needs before the model loads.
+
+* :func:`add_agent_arguments` -- ``--agent`` and the options of the multi-turn (``--env``) and search agents;
+* :func:`agent_setup` -- the benchmarks and the agent's options (the search agent's retriever, the
+  multi-turn agent's environment), built and checked before any model is touched;
+* :func:`format_search_table` -- the search agent's table (EM, F1, answered rate, searches, gold recall).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import EvalError
+
+__all__ = ["add_agent_arguments", "agent_setup", "format_search_table", "search_setup", "env_setup"]
+
+
+def add_agent_arguments(e) -> None:
+    """``--agent`` and the agents' own options, on the ``eval`` parser ``e``."""
+    from ..agents import AGENTS
+    from ..search.protocol import OBSERVATION_FORMATS
+    from ..search.retrievers import RETRIEVERS
+
+    e.add_argument("--agent", default="single_turn", choices=AGENTS.names(),
+                   help="how an episode runs: single_turn (default: prompt -> one response) | multi_turn (the "
+                   "environment --env, e.g. calculator on gsm8k) | search (the search agent on QA benchmarks)")
+    m = e.add_argument_group("multi-turn agent", "--agent multi_turn runs an environment (docs/environments.md) on the "
+                             "benchmarks; the task's reward scores the episodes' text")
+    m.add_argument("--env", default=None, help="multi_turn: calculator (default) | module:Class | path.py:Class")
+    m.add_argument("--max-turns", dest="max_turns", type=int, default=0,
+                   help="multi_turn: policy turns per episode (default 0: the environment's own)")
+    g = e.add_argument_group("search agent", "--agent search runs the multi-turn search agent (docs/search_agents.md) "
+                             "on QA benchmarks: multihop_dev, multihop, nq, triviaqa, popqa, hotpotqa, "
+                             "2wikimultihopqa, musique, bamboogle, or .jsonl files with question/golden_answers")
+    g.add_argument("--retriever", default="bm25", choices=RETRIEVERS.names(),
+                   help="search: bm25 or dense over --corpus, or http to a Search-R1 retrieval server at --url")
+    g.add_argument("--url", help="search, http: the retrieval server's base URL (POST URL/retrieve)")
+    g.add_argument("--corpus", help="search, bm25/dense: corpus JSONL (default: corpus.jsonl of the search data dir); "
+                   "http: the server's corpus, to recover the ids of documents it sends without one (gold recall)")
+    g.add_argument("--timeout", type=float, help="search, http: seconds per request (default 30)")
+    g.add_argument("--retries", type=int, help="search, http: extra attempts after a failed request (default 2)")
+    g.add_argument("--observation-format", default="search_r1", choices=OBSERVATION_FORMATS,
+                   help="search: search_r1 (Search-R1's exact observations, default) or clean (tether's old layout)")
+    g.add_argument("--search-data-dir", help="search: directory of the QA sets and corpus (default "
+                   "$TETHER_SEARCH_DATA_DIR, else <$TETHER_DATA_DIR>/../search)")
+    g.add_argument("--topk", type=int, default=3, help="search: passages per search (default 3)")
+    g.add_argument("--max-searches", dest="max_searches", type=int, default=4,
+                   help="search: searches per episode, then a final turn without search (default 4)")
+    g.add_argument("--max-obs-tokens", type=int, default=512,
+                   help="search, multi_turn: tokens per observation (default 512)")
+    g.add_argument("--max-context", dest="max_context", type=int, default=4096,
+                   help="search, multi_turn: prompt + response tokens per episode (default 4096)")
+
+
+def agent_setup(this, args) -> tuple[list, dict[str, Any]]:
+    """The benchmarks (each fully loaded and checked) and the options of ``args.agent`` (its tools built)."""
+    agent = getattr(args, "agent", "single_turn")
+    env_keys = [f"--{k.replace('_', '-')}" for k in ("env", "max_turns") if getattr(args, k, None)]
+    if agent != "multi_turn" and env_keys:
+        raise EvalError(" and ".join(env_keys) + " only apply with --agent multi_turn")
+    if agent == "search":
+        if args.reward or args.split or args.data_dir:
+            raise EvalError("--agent search scores with the search reward (EM) on the search data dir; "
+                            "drop --reward/--split/--data-dir (use --search-data-dir)")
+        return search_setup(args)
+    benches = this.load_benchmarks(args.benchmarks, limit=args.limit, data_dir=args.data_dir,
+                                   prompt_key=args.prompt_key, answer_key=args.answer_key, split=args.split,
+                                   reward=args.reward)
+    return benches, env_setup(args) if agent == "multi_turn" else {}
+
+
+def env_setup(args) -> dict[str, Any]:
+    """--agent multi_turn: the environment (``--env``, ``--max-turns``) and the agent's budgets, as
+    ``rollout.agent=multi_turn`` with ``env.*`` builds them in training."""
+    from ..agents import AGENTS
+    from ..config import load_config
+
+    over = {"rollout.agent": "multi_turn", "env.max_obs_tokens": args.max_obs_tokens,
+            "env.max_context": args.max_context, "env.max_turns": args.max_turns}
+    if args.env:
+        over["env.name"] = args.env
+    cfg = load_config(None, over)
+    meta = AGENTS.meta("multi_turn")
+    return {k: v for k, v in meta["options"](cfg).items() if k != "system_prompt"} | meta["tools"](cfg)
+
+
+def search_setup(args):
+    """--agent search: the QA benchmarks (search reward) and the agent's options, retriever built."""
+    from ..agents import AGENTS
+    from ..config import load_config
+    from ..search.data import load_search_examples
+    from ..tasks.benchmarks import Benchmark, slug
+    from ..tasks.rewards import load_reward
+
+    http = {k: v for k in ("url", "timeout", "retries") if (v := getattr(args, k, None)) not in (None, "")}
+    if http and args.retriever != "http":
+        raise EvalError(" and ".join(f"--{k}" for k in http) + f" need{'s' * (len(http) == 1)} --retriever http")
+    if args.retriever == "http" and not args.url:
+        raise EvalError("--retriever http needs --url (the retrieval server's base URL)")
+    over = {"rollout.agent": "search", "search.retriever": args.retriever,
+            **{f"search.{k}": getattr(args, k) for k in ("topk", "max_searches", "max_obs_tokens", "max_context")},
+            "search.observation_format": args.observation_format, **{f"search.{k}": v for k, v in http.items()}}
+    # --corpus with http too: the server's corpus, which names the documents it sends without an id
+    over.update({k: v for k, v in (("search.corpus", args.corpus), ("search.data_dir", args.search_data_dir)) if v})
+    cfg = load_config(None, over)
+    benches = []
+    for src in args.benchmarks:
+        ex = load_search_examples(src, data_dir=args.search_data_dir, max_searches=args.max_searches,
+                                  limit=args.limit, question_key=args.prompt_key or "question",
+                                  answers_key=args.answer_key)
+        benches.append(Benchmark(name=slug(Path(src).stem if src.endswith(".jsonl") else src), source=src,
+                                 split=None, examples=ex, reward="search", reward_fn=load_reward("search")))
+    meta = AGENTS.meta("search")
+    return benches, {k: v for k, v in meta["options"](cfg).items() if k != "system_prompt"} | meta["tools"](cfg)
+
+
+def format_search_table(results: Mapping[str, Mapping[str, float]]) -> str:
+    """EM, F1, answered rate, searches and gold recall per benchmark and data source (search agent); when some
+    recall is unknown (passages without ids), a ``gold_recall_unknown`` column counts those responses."""
+    cols = ["em", "f1", "answered_rate", "searches", "gold_recall"]
+    cols += ["gold_recall_unknown"] * any(k.endswith("/gold_recall_unknown") for m in results.values() for k in m)
+    cell = {"searches": "{:.2f}".format, "gold_recall_unknown": "{:.0f}".format}
+    lines = [f"{'benchmark / source':32s} " + " ".join(f"{c:>{max(13, len(c))}s}" for c in cols)]
+    for name, m in results.items():
+        sources = sorted({k.split("/")[1] for k in m if k.startswith("search/") and k.count("/") == 2})
+        for src, pre in [(name, "search/")] + [(f"  {src}", f"search/{src}/") for src in sources]:
+            cells = [m.get(pre + c, 0.0 if c == "gold_recall_unknown" else None) for c in cols]
+            text = ["-" if v is None else cell.get(c, lambda x: f"{100 * x:.1f}")(v) for c, v in zip(cols, cells)]
+            lines.append(f"{src:32s} " + " ".join(f"{t:>{max(13, len(c))}s}" for c, t in zip(cols, text)))
+    return "\n".join(lines)
