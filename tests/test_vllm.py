@@ -238,3 +238,5 @@ def test_search_agent_runs_on_vllm(setup):
     assert torch.all(rb.sampler_logp[obs] == 0)
     lp = _trainer_logp(model, rb)
     assert float((lp - rb.sampler_logp).abs()[rb.loss_mask].max()) < 1e-4
+    # each token once: the engine takes the agent's sessions, and vLLM's prefix cache reuses each episode's context
+    assert eng.supports_sessions and eng.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
