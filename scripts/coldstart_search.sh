@@ -8,7 +8,7 @@
 #   bash scripts/coldstart_search.sh rl 0 1          # then RL (grpo, ema_pg) with seeds 0 and 1, and their evals
 #
 # Settings (environment variables): OUT (default runs/coldstart), DEV_LIMIT (300 dev questions), SFT_EPOCHS (3),
-# SFT_LR (2e-5), RL_STEPS (30), RL_LR (1e-6). Run nothing else CPU-heavy at the same time.
+# SFT_LR (2e-5), RL_STEPS (30), RL_LR (1e-5, tether train's CPU default). Run nothing else CPU-heavy at the same time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 T=.venv/bin/tether
@@ -17,7 +17,7 @@ DEV_LIMIT=${DEV_LIMIT:-300}
 SFT_EPOCHS=${SFT_EPOCHS:-3}
 SFT_LR=${SFT_LR:-2e-5}
 RL_STEPS=${RL_STEPS:-30}
-RL_LR=${RL_LR:-1e-6}
+RL_LR=${RL_LR:-1e-5}
 mkdir -p "$OUT"
 
 evaluate() {  # evaluate MODEL OUTDIR: greedy, the first DEV_LIMIT multihop_dev questions (skipped when done)
