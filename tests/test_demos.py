@@ -184,3 +184,20 @@ def test_tether_demos_command(tmp_path):
                          (["calculator", "--out", tmp_path / "x", "--difficulty", "7"], "--difficulty must be 1")):
         r = run_module("demos", *args)
         assert_clean_error(r.returncode, r.stderr, needle)
+
+
+def test_demo_edges():
+    turns = gsm8k_turns("He pays 10*2 = <<10*2=20>>200 cents.\n#### 200")  # 200 is not the 20 shown again
+    assert turns[0] == ("He pays 10*2 = <calc>10*2</calc>", "20") and turns[1][0].startswith("200 cents")
+
+
+def test_tether_demos_refuses_a_directory_and_an_empty_result(tmp_path):
+    from helpers import assert_clean_error, run_module
+
+    r = run_module("demos", "calculator", "--out", tmp_path, "--limit", "2")
+    assert_clean_error(r.returncode, r.stderr, "is a directory")
+    data = tmp_path / "nosolution.jsonl"
+    data.write_text(json.dumps({"question": "1 + 1?", "answer": "2"}) + "\n")
+    r = run_module("demos", "calculator", "--data", data, "--out", tmp_path / "out.jsonl")
+    assert_clean_error(r.returncode, r.stderr, "no demonstration could be built")
+    assert not (tmp_path / "out.jsonl").exists()

@@ -49,7 +49,7 @@ def test_calculator_episode_keeps_the_policys_ids_and_masks_the_result(tok):
     assert eng.calls[1][0] == [prompt + segs[0][1] + segs[1][1]]  # the whole context, as ids
     assert rb.finish_reason == ["stop"] and rb.texts[0].endswith("#### 24")
     assert rb.info[0] == {"turns": 2, "tool_calls": 1, "invalid_actions": 0, "obs_tokens": len(segs[1][1]),
-                          "env_reward": 0.0}
+                          "env_reward": 0.0, "start": {"id": EX.id, "calls": 1}}
     m = agent.metrics()
     assert (m["calculator/turns"], m["calculator/tool_calls"], m["calculator/invalid_action_rate"]) == (2, 1, 0)
     assert m["calculator/obs_tokens"] == len(segs[1][1]) and m["calculator/env_s"] >= 0
@@ -295,3 +295,77 @@ def test_tether_eval_runs_the_calculator(tiny_model_dir, tmp_path):
     r = run_module("eval", "--model", tiny_model_dir, "--benchmarks", data, "--env", "calculator", "--out",
                    tmp_path / "ev2")
     assert_clean_error(r.returncode, r.stderr, "--env only apply with --agent multi_turn")
+
+
+# ---------------------------------------------------------------- edges (review findings)
+
+
+def test_per_response_rollout_options_are_errors_with_a_multi_turn_agent():
+    from tether.algo.recipes import ConfigError
+    from tether.config import load_config
+
+    for over, msg in (({"rollout.stop": ["\n\n"]}, "rollout.stop with rollout.agent=multi_turn"),
+                      ({"rollout.min_new_tokens": 4}, "rollout.min_new_tokens with rollout.agent=multi_turn"),
+                      ({"recipe": "dapo"}, "rollout.overlong_buffer_frac with rollout.agent=multi_turn")):
+        with pytest.raises(ConfigError, match=msg):
+            load_config(None, {"rollout.agent": "multi_turn", **over})
+    with pytest.raises(ConfigError, match="overlong_buffer_frac with rollout.agent=search"):
+        load_config(None, {"recipe": "dapo"}, task="search")
+    load_config(None, {"recipe": "dapo", "rollout.agent": "multi_turn", "rollout.overlong_buffer_frac": 0.0})
+
+
+def test_a_failed_rollout_leaves_no_open_episode_and_start_info_is_kept(tok):
+    class Boom(ScriptedEngine):
+        def generate(self, prompts, params):
+            raise RuntimeError("engine down")
+
+    env = CalculatorEnv(max_turns=2)
+    with pytest.raises(RuntimeError, match="engine down"):
+        MultiTurnAgent(Boom(tok, []), tok, env).rollout([EX], SamplingParams(n=2, max_new_tokens=8))
+    assert env.active() == [0, 1]  # left open by the failure ...
+    eng = ScriptedEngine(tok, [[char_ids(tok, "#### 24")] * 2])
+    rb = MultiTurnAgent(eng, tok, env).rollout([EX], SamplingParams(n=2, max_new_tokens=8, seed=0))
+    assert len(rb) == 2 and env.active() == [] and [e.index for e in env.episodes] == [0, 1]  # ... closed here
+    assert rb.info[0]["start"] == {"id": EX.id, "calls": 1}
+
+
+def test_a_cut_observation_keeps_its_closing_tag_and_the_final_note(tok):
+    eng = ScriptedEngine(tok, [[char_ids(tok, "hmm")], [char_ids(tok, "#### 1")]])
+    agent = MultiTurnAgent(eng, tok, CalculatorEnv(max_turns=2), max_obs_tokens=len(ids_of(tok, FINAL_TURN.note)) + 12)
+    rb = agent.rollout([EX], SamplingParams(n=1, max_new_tokens=16, seed=0))
+    obs = tok.decode(segments(rb)[1][1])
+    assert obs.endswith("</result>" + FINAL_TURN.note) and len(segments(rb)[1][1]) == agent.max_obs_tokens
+
+
+def test_results_shared_between_episodes_are_copied():
+    class Same(TextEnv):
+        name, stop, max_turns = "same", ("</x>",), 2
+
+        def start(self, example):
+            return Start(prompt=example.prompt)
+
+        def act_batch(self, episodes, actions):
+            r = StepResult(observation="obs")
+            return [r for _ in episodes]
+
+    from tether.envs import FinalTurn
+
+    Same.final_turn = FinalTurn(note=" LAST")
+    env = Same()
+    for ex in (Example("a", "1", "a"), Example("b", "2", "b")):
+        env.reset(ex)
+    assert [r.observation for r in env.step(["x", "y"])] == ["obs LAST", "obs LAST"]
+
+
+def test_a_retriever_that_answers_fewer_queries_is_a_failed_search():
+    from tether.envs import SearchEnv
+
+    class Short:
+        def search(self, queries, k):
+            return []
+
+    env = SearchEnv(Short(), topk=1)
+    env.reset(Example("q", "a", "0", {"golden_answers": ["a"]}))
+    [r] = env.step(["<search> x </search>"])
+    env.finish(0, "")
+    assert "The search failed" in r.observation and env.metrics()["search/failures"] == 1  # counted, not dropped

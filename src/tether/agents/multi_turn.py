@@ -15,8 +15,10 @@ assistant turn (Search-R1's format), or ``chat``, a turn of the chat template
 (:mod:`tether.agents.chat_turns`, token-exact as well).
 
 Budgets: ``params.max_new_tokens`` new tokens per policy turn; ``max_obs_tokens`` per observation
-(cut, keeping the environment's ``observation_tail``); ``max_context`` tokens of prompt + response
-in all, at most the model's context (a larger one is lowered to it, with a warning). A turn that
+(raw format: cut keeping the environment's ``observation_tail`` and the final-turn note; chat format:
+the observation's text is cut and the template closes its turn); ``max_context`` tokens of prompt +
+response in all, at most the model's context and the engine's (``engine.max_model_len`` when it has
+one, e.g. ``rollout.vllm_max_model_len``); a larger one is lowered to it, with a warning. A turn that
 fills the context is the episode's last (``env.cut``: no tool runs on it); an observation that
 fills it ends the episode. Either way the finish reason is ``"length"``. An episode the
 environment ends on its own terms (an answer) finishes ``"stop"``; one whose turn budget ran out
@@ -30,8 +32,10 @@ cache is released when it ends.
 Metrics (per episode, since the last call, under the environment's name): ``turns``,
 ``tool_calls``, ``invalid_action_rate`` (invalid turns / turns), ``obs_tokens``, ``env_s``
 (seconds in ``env.step``), plus the environment's own ``metrics()``. ``RolloutBatch.info`` holds
-each episode's record (its counters, its reward parts ``env_reward``, and ``env.episode_info``),
-and ``samples.jsonl`` the whole trajectory.
+each episode's record (its counters, its reward parts ``env_reward``, ``env.finish``'s record and,
+under ``start``, what ``reset`` said of it), and ``samples.jsonl`` the whole trajectory. In the chat
+format a turn the environment answers with no observation leaves the assistant message open: the
+next turn's text joins it.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class _Episode:
     index: int
     prompt: list[int]
     messages: Optional[list] = None  # the conversation so far (chat observation format)
+    start_info: dict = field(default_factory=dict)  # what the environment's reset said of the episode
+    pending: tuple = ("", ())  # chat format: the text and ids of turns not yet closed by an observation
     ids: list[int] = field(default_factory=list)
     policy: list[bool] = field(default_factory=list)
     logp: list[float] = field(default_factory=list)
@@ -129,11 +135,13 @@ class MultiTurnAgent:
             raise ValueError(f"{env.name} agent: unknown observation_format {observation_format!r} "
                              f"(known: {', '.join(OBSERVATION_FORMATS)})")
         self.engine, self.tokenizer, self.env, self.system_prompt = engine, tokenizer, env, system_prompt
-        encoder = agent_prompt_encoder(engine, tokenizer, system_prompt, prompt_overflow, max_context=max_context,
-                                       reserve=1)
+        served = getattr(engine, "max_model_len", None)  # an engine that serves less than the model (vLLM's cap)
+        cap = max_context if not served else min(max_context, int(served))
+        encoder = agent_prompt_encoder(engine, tokenizer, system_prompt, prompt_overflow, max_context=cap, reserve=1)
         if encoder.context < max_context:
             print(f"[tether] warning: {env.name} agent: max_context={max_context} is more than the model's context "
-                  f"({encoder.context} tokens); episodes end at {encoder.context} tokens", file=sys.stderr)
+                  f"or the engine's ({encoder.context} tokens); episodes end at {encoder.context} tokens",
+                  file=sys.stderr)
         self.encoder = encoder
         self.prompts = _EnvPrompts(self)
         self.max_obs_tokens, self.max_context = max_obs_tokens, encoder.context
@@ -148,6 +156,8 @@ class MultiTurnAgent:
 
     def rollout(self, examples: Sequence[Example], params: SamplingParams) -> RolloutBatch:
         """``params.n`` episodes per example (rows of example ``i`` contiguous, ``group == i``)."""
+        for i in self.env.active():  # a rollout that raised left its episodes open: close them
+            self.env.end(i)
         eps, first = self._start(examples, params)
         key, t_gen, t_env = next(_SESSIONS), 0.0, 0.0
         self._got_logp = True
@@ -176,7 +186,7 @@ class MultiTurnAgent:
                 self.engine.release([(key, e.index) for e in eps])
         rb = self._batch(eps, params.n, t_gen)
         for e, text in zip(eps, rb.texts):
-            rb.info[e.index].update(self.env.finish(e.index, text))
+            rb.info[e.index].update(self.env.finish(e.index, text), start=e.start_info)
         self._count(eps, t_env)
         return rb
 
@@ -187,8 +197,8 @@ class MultiTurnAgent:
         for ex in examples:
             starts = [self.env.reset(ex) for _ in range(params.n)]
             encoded = [self._encode(s.prompt, ex, params.max_new_tokens) for s in starts]
-            for ids, messages in encoded:
-                eps.append(_Episode(index=len(eps), prompt=list(ids), messages=messages))
+            for (ids, messages), s in zip(encoded, starts):
+                eps.append(_Episode(index=len(eps), prompt=list(ids), messages=messages, start_info=dict(s.info)))
             shared.append(encoded[0][0] if all(ids == encoded[0][0] for ids, _ in encoded) else None)
         return eps, (shared if all(p is not None for p in shared) else None)
 
@@ -235,10 +245,14 @@ class MultiTurnAgent:
             e.finish = "stop" if not r.truncated else "length" if e.length >= self.max_context else reason
         elif r.observation is not None:
             self._observe(e, r.observation, ids, text)
+        elif self.chat is not None:  # the assistant message goes on: the next turn's text joins it
+            e.pending = (e.pending[0] + text, (*e.pending[1], *ids))
 
     def _observe(self, e: _Episode, observation: str, turn_ids: list[int], turn_text: str) -> None:
         """Append an observation's tokens (not the policy's), cut to max_obs_tokens and to the context cap."""
         if self.chat is not None:
+            turn_text, turn_ids = e.pending[0] + turn_text, [*e.pending[1], *turn_ids]
+            e.pending = ("", ())
             obs = self._ids(observation)
             if len(obs) > self.max_obs_tokens:  # cut the text; the template closes the turn after it
                 observation = self.tokenizer.decode(obs[:self.max_obs_tokens])
@@ -248,8 +262,7 @@ class MultiTurnAgent:
         else:
             ids = self._ids(observation)
             if len(ids) > self.max_obs_tokens:
-                keep = max(self.max_obs_tokens - len(self._tail), 0)
-                ids = ids[:keep] + self._tail[: self.max_obs_tokens - keep]
+                ids = self._cut(observation)
         room = self.max_context - e.length
         if len(ids) >= room:  # no room left for the policy to act on it
             ids = ids[:room]
@@ -257,6 +270,21 @@ class MultiTurnAgent:
             self.env.end(e.index)
         e.add(ids, False)
         e.obs_tokens += len(ids)
+
+    def _cut(self, observation: str) -> list[int]:
+        """An observation's ids cut to ``max_obs_tokens``, keeping ``env.observation_tail`` and, when it ends with
+        it and both fit, the final-turn rule's note (``TextEnv`` adds it after the tail; a note cut short would
+        say nothing, so it is kept whole or dropped)."""
+        note = getattr(getattr(self.env, "final_turn", None), "note", "")
+        note = note if note and observation.endswith(note) else ""
+        body, end = self._ids(observation[:len(observation) - len(note)]), self._ids(note) if note else []
+        if len(end) + len(self._tail) > self.max_obs_tokens:
+            body, end = self._ids(observation), []
+        room = self.max_obs_tokens - len(end)
+        if len(body) <= room:
+            return body + end
+        keep = max(room - len(self._tail), 0)
+        return body[:keep] + self._tail[: room - keep] + end
 
     # ------------------------------------------------------------ batch and metrics
 

@@ -179,6 +179,13 @@ def _check_rollout_values(cfg: Config) -> list[str]:
     for k in ("prompts_per_step", "n", "max_new_tokens", "batch_size"):
         if getattr(r, k) < 1:
             errs.append(f"rollout.{k} must be >= 1")
+    if _agent_reads(cfg) in ("env", "search"):  # a multi-turn agent: the environment sets stops; lengths are per turn
+        for k, why in (("overlong_buffer_frac", "measures a response against rollout.max_new_tokens, which a "
+                        "multi-turn agent caps each turn with, not the episode (set it to 0)"),
+                       ("stop", "would be ignored: the environment's stop strings end each turn"),
+                       ("min_new_tokens", "would be ignored by the multi-turn agents")):
+            if getattr(r, k) != getattr(dr, k):
+                errs.append(f"rollout.{k} with rollout.agent={r.agent}: it {why}")
     return errs
 
 

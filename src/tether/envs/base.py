@@ -12,9 +12,10 @@ object runs one *batch* of episodes at a time, so a tool can serve a whole turn 
         results = env.step(texts)                     # one StepResult per active episode, same order
 
 A ``reset`` while no episode is active begins a new batch (episode indices start again at 0);
-a ``reset`` while some are active adds an episode to the running batch. An episode leaves the
-batch when a step returns ``done`` for it, or when the agent ends it (``end(i)``, e.g. its context
-is full). Every episode of a batch takes its turns together, so their turn counts are equal.
+a ``reset`` while some are active adds an episode to the running batch (an agent opens a batch's
+episodes before its first step: the stop strings of a turn are those of the first active episode).
+An episode leaves the batch when a step returns ``done`` for it, or when the agent ends it
+(``end(i)``, e.g. its context is full). Every episode of a batch takes its turns together.
 
 :class:`TextEnv` keeps that bookkeeping, the turn budget and the final-turn rule; an environment
 subclasses it and writes :meth:`TextEnv.start` and :meth:`TextEnv.act` (or :meth:`TextEnv.act_batch`
@@ -23,6 +24,7 @@ to serve a turn's actions together). docs/environments.md shows one in about 30 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence, Union, runtime_checkable
@@ -42,7 +44,8 @@ class Start:
 
     Attributes:
         prompt: the first prompt (:data:`Prompt`): text, or chat messages.
-        info: anything the environment reports about the episode (logged, never shown to the model).
+        info: anything the environment reports about the episode (never shown to the model; the agent
+            keeps it in the episode's ``RolloutBatch.info`` under ``start``).
     """
 
     prompt: Prompt
@@ -239,7 +242,7 @@ class TextEnv:
         """The stop strings of the active episodes' next turn: :attr:`stop`, or the final-turn rule's
         at the budget's last turn (with none active: a new batch's first turn's)."""
         live = [e for e in self.episodes if not e.done]
-        last = (live[0].turns if live else 0) + 1 >= self.max_turns
+        last = live[0].turns + 1 >= live[0].max_turns if live else self.max_turns <= 1
         return list(self.final_turn.stop if last else self.stop)
 
     def step(self, actions: Sequence[str]) -> list[StepResult]:
@@ -254,7 +257,7 @@ class TextEnv:
                              f"({len(live)}), got {n}")
         for e in live:
             e.turns += 1
-        results = list(self.act_batch(live, [str(a) for a in actions]))
+        results = [dataclasses.replace(r, info=dict(r.info)) for r in self.act_batch(live, [str(a) for a in actions])]
         if len(results) != len(live):
             raise ValueError(f"{self.name} environment returned {len(results)} results for {len(live)} actions")
         for e, r in zip(live, results):
@@ -265,7 +268,7 @@ class TextEnv:
             r.done = bool(r.done) or e.final
             if r.done:
                 r.observation = None
-            elif e.turns + 1 >= self.max_turns and self.final_turn.note:
+            elif e.turns + 1 >= e.max_turns and self.final_turn.note:
                 r.observation = (r.observation or "") + self.final_turn.note
             e.done = r.done
         return results

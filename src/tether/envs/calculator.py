@@ -189,11 +189,12 @@ INSTRUCTION = (
     "up to {calls} times. When you are done, give the final answer as a number after '####', "
     "for example #### 21.\nProblem: {question}"
 )
-#: The observation of a turn with neither a call nor a final answer.
+#: The observation of a turn with neither a call nor a final answer (no "####" in it, nor in the note below: the
+#: reward reads the whole episode text, and a "####" there would spoil the answer-format check).
 NO_ACTION = ("\n<result>no calculator call and no final answer: write <calc>expression</calc> to calculate, "
-             "or give the final answer after '####'.</result>\n")
+             "or give the final answer as the problem asks.</result>\n")
 #: The last turn: no stop string (no call runs), and the observation before it says so.
-FINAL_TURN = FinalTurn(stop=(), note="\n(No calculator calls are left: give the final answer after '####'.)\n")
+FINAL_TURN = FinalTurn(stop=(), note="\n(No calculator calls are left: give the final answer now.)\n")
 
 
 class CalculatorEnv(TextEnv):

@@ -117,7 +117,8 @@ def gsm8k_turns(solution: str) -> Optional[list[tuple[str, str]]]:
         expr, value = m.group(1).strip(), m.group(2).strip()
         turns.append((body[pos:m.start()] + f"<calc>{expr}</calc>", value))
         pos = m.end()
-        if body.startswith(value, pos):  # "<<48/2=24>>24 clips": the result shows the 24
+        nxt = body[pos + len(value):pos + len(value) + 1]
+        if body.startswith(value, pos) and not (nxt.isdigit() or nxt == "."):  # "<<48/2=24>>24 clips": shown
             pos += len(value)
     rest = body[pos:].rstrip()
     turns.append(((rest + "\n" if rest else "") + f"#### {final.strip()}", ""))
@@ -238,6 +239,8 @@ def _demos(args) -> int:
     from ..errors import OutputError
 
     out = Path(args.out)
+    if out.is_dir():
+        raise OutputError(f"--out {out} is a directory; name the JSONL file to write")
     if out.exists() and not args.overwrite:
         raise OutputError(f"{out} exists; pass --overwrite to replace it")
     if not out.parent.is_dir():
@@ -264,6 +267,11 @@ def _demos(args) -> int:
         with open(tmp, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
+        if not stats.written:
+            from ..tasks.base import DataError
+
+            raise DataError(f"no demonstration could be built from {len(examples)} examples of {args.data} ({stats}); "
+                            f"nothing was written")
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
@@ -318,6 +326,8 @@ def _demos_main(args) -> int:
     from ..algo.recipes import ConfigError
 
     args.data = args.data or ("arithmetic" if args.env == "calculator" else "multihop")
+    if args.data.lower() in ("arithmetic", "gsm8k", "multihop"):
+        args.data = args.data.lower()
     if args.env == "calculator" and args.max_turns < 2:
         raise ConfigError(f"--max-turns must be >= 2 (a call and the answer), got {args.max_turns}")
     if args.env == "calculator" and args.data == "arithmetic" and args.difficulty not in (1, 2, 3, 4):

@@ -102,6 +102,8 @@ class SearchEnv(TextEnv):
         c, t0 = self._counters, time.perf_counter()
         try:
             found = self.retriever.search(queries, self.topk)
+            if len(found) != len(queries):
+                raise RetrievalError(f"the retriever answered {len(found)} of {len(queries)} queries", attempts=1)
             out = [(render_observation(r, self.observation_format), [p.id for p in r]) for r in found]
         except RetrievalError as err:
             out = [(render_search_error(str(err).splitlines()[0][:200]), [])] * len(queries)

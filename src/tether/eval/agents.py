@@ -27,7 +27,8 @@ def add_agent_arguments(e) -> None:
                    "environment --env, e.g. calculator on gsm8k) | search (the search agent on QA benchmarks)")
     m = e.add_argument_group("multi-turn agent", "--agent multi_turn runs an environment (docs/environments.md) on the "
                              "benchmarks; the task's reward scores the episodes' text")
-    m.add_argument("--env", default=None, help="multi_turn: calculator (default) | module:Class | path.py:Class")
+    m.add_argument("--env", default=None, help="multi_turn: calculator (default) | module:Class | path.py:Class (a "
+                   "run's env.* settings are not read: give the ones it trained with)")
     m.add_argument("--max-turns", dest="max_turns", type=int, default=0,
                    help="multi_turn: policy turns per episode (default 0: the environment's own)")
     g = e.add_argument_group("search agent", "--agent search runs the multi-turn search agent (docs/search_agents.md) "
@@ -59,6 +60,15 @@ def agent_setup(this, args) -> tuple[list, dict[str, Any]]:
     env_keys = [f"--{k.replace('_', '-')}" for k in ("env", "max_turns") if getattr(args, k, None)]
     if agent != "multi_turn" and env_keys:
         raise EvalError(" and ".join(env_keys) + " only apply with --agent multi_turn")
+    defaults = {"retriever": "bm25", "url": None, "corpus": None, "timeout": None, "retries": None,
+                "observation_format": "search_r1", "search_data_dir": None, "topk": 3, "max_searches": 4}
+    if agent not in ("multi_turn", "search"):
+        defaults.update(max_obs_tokens=512, max_context=4096)
+    wasted = [f"--{k.replace('_', '-')}" for k, v in defaults.items()
+              if agent != "search" and k in vars(args) and getattr(args, k) != v and
+              (agent != "multi_turn" or k not in ("max_obs_tokens", "max_context"))]
+    if wasted:
+        raise EvalError(", ".join(wasted) + f" {'has' if len(wasted) == 1 else 'have'} no effect with --agent {agent}")
     if agent == "search":
         if args.reward or args.split or args.data_dir:
             raise EvalError("--agent search scores with the search reward (EM) on the search data dir; "

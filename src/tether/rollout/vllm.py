@@ -252,6 +252,12 @@ class VLLMEngine(RowPostprocess):
         self.llm.reset_prefix_cache()
         self.last_sync_s, self.last_sync_mb = time.perf_counter() - t0, sent[0] / 2**20
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + response the engine serves (``rollout.vllm_max_model_len``, or the model's own):
+        a multi-turn agent caps its episodes there."""
+        return int(self.llm.llm_engine.model_config.max_model_len)
+
     def release(self, sessions: Optional[Iterable[Hashable]] = None) -> None:
         """Nothing to free: vLLM's prefix cache holds the episodes' KV and evicts it itself (module doc)."""
 
