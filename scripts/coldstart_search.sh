@@ -30,10 +30,10 @@ if [ "${1:-}" != rl ]; then
   [ -f "$OUT/demos_search.jsonl" ] || $T demos search --out "$OUT/demos_search.jsonl"
   evaluate smollm2 "$OUT/eval_base"
   if [ -f "$OUT/sft_search/config.yaml" ]; then
-    $T sft --resume "$OUT/sft_search" || true  # a finished run says so and exits non-zero
+    $T sft --resume "$OUT/sft_search" run.save_every=5 || true  # a finished run says so and exits non-zero
   else
     $T sft --data "$OUT/demos_search.jsonl" --output-dir "$OUT/sft_search" train.epochs="$SFT_EPOCHS" \
-      train.lr="$SFT_LR" data.val_fraction=0.1 run.progress=false
+      train.lr="$SFT_LR" data.val_fraction=0.1 run.progress=false run.save_every=5
   fi
   evaluate "$OUT/sft_search" "$OUT/eval_sft"
   exit 0
@@ -47,7 +47,7 @@ for seed in "${@:-0}"; do
       $T train --resume "$run" || true
     else
       $T train --task search --recipe "$recipe" --model "$OUT/sft_search" --output-dir "$run" --steps "$RL_STEPS" \
-        train.lr="$RL_LR" train.seed="$seed" eval.before=false eval.after=false run.progress=false
+        train.lr="$RL_LR" train.seed="$seed" eval.before=false eval.after=false run.progress=false run.save_every=2
     fi
     evaluate "$run" "$OUT/eval_${recipe}_s${seed}"
   done
