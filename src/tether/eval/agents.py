@@ -60,13 +60,13 @@ def agent_setup(this, args) -> tuple[list, dict[str, Any]]:
     env_keys = [f"--{k.replace('_', '-')}" for k in ("env", "max_turns") if getattr(args, k, None)]
     if agent != "multi_turn" and env_keys:
         raise EvalError(" and ".join(env_keys) + " only apply with --agent multi_turn")
-    defaults = {"retriever": "bm25", "url": None, "corpus": None, "timeout": None, "retries": None,
-                "observation_format": "search_r1", "search_data_dir": None, "topk": 3, "max_searches": 4}
-    if agent not in ("multi_turn", "search"):
-        defaults.update(max_obs_tokens=512, max_context=4096)
-    wasted = [f"--{k.replace('_', '-')}" for k, v in defaults.items()
-              if agent != "search" and k in vars(args) and getattr(args, k) != v and
-              (agent != "multi_turn" or k not in ("max_obs_tokens", "max_context"))]
+    wasted = []
+    if agent != "search":  # the search options at their parser defaults (the budgets are multi_turn's too)
+        defaults = {"retriever": "bm25", "url": None, "corpus": None, "timeout": None, "retries": None,
+                    "observation_format": "search_r1", "search_data_dir": None, "topk": 3, "max_searches": 4}
+        if agent != "multi_turn":
+            defaults.update(max_obs_tokens=512, max_context=4096)
+        wasted = [f"--{k.replace('_', '-')}" for k, v in defaults.items() if k in vars(args) and getattr(args, k) != v]
     if wasted:
         raise EvalError(", ".join(wasted) + f" {'has' if len(wasted) == 1 else 'have'} no effect with --agent {agent}")
     if agent == "search":
