@@ -478,3 +478,24 @@ def test_held_out_evaluation_runs_through_the_trainers_agent_and_engine(tiny_mod
     assert len(synced) == 5 and synced[2:5:2] == [policy, policy] and synced[3] != policy
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["eval/arithmetic/n_problems"] == rows[-1]["eval_anchor/arithmetic/n_problems"] == 3
+
+
+def test_arithmetic_benchmark_is_the_runs_held_out_split(tiny_model_dir, tmp_path):
+    """``arithmetic-dN`` is the synthetic task's test split at difficulty N (seed 0): the very problems a
+    ``train.seed=0`` run at ``data.difficulty=N`` evaluates on, so a model is comparable across the two."""
+    from tether.tasks.benchmarks import load_benchmark
+    from tether.tasks.stream import held_out_sets
+
+    cfg = load_config(overrides={"data.task": "arithmetic", "data.difficulty": 3, "train.seed": 0, "eval.limit": 7})
+    ex, _ = held_out_sets(cfg, ["arithmetic"])["arithmetic"]
+    b = load_benchmark("arithmetic-d3", limit=7)
+    assert b.name == "arithmetic_d3" and b.split == "test" and b.reward == "arithmetic"
+    assert [(e.prompt, e.answer) for e in b.examples] == [(e.prompt, e.answer) for e in ex]
+    assert [e.prompt for e in load_benchmark("arithmetic", limit=3).examples] != [e.prompt for e in b.examples[:3]]
+    with pytest.raises(EvalError, match="arithmetic-d9"):
+        load_benchmark("arithmetic-d9")
+    out = tmp_path / "out"
+    assert main(["eval", "--model", str(tiny_model_dir), "--benchmarks", "arithmetic-d2", "--limit", "3", "--greedy",
+                 "--max-new-tokens", "4", "--out", str(out), "--no-progress"]) == 0
+    m = json.loads((out / "results.json").read_text())["benchmarks"]["arithmetic_d2"]["metrics"]
+    assert m["n_problems"] == 3

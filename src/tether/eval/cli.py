@@ -184,7 +184,8 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--anchor", action="store_true",
                    help="evaluate the run's anchor (EMA/fixed/reset) instead of its policy")
     e.add_argument("--benchmarks", nargs="+", required=True, metavar="BENCH",
-                   help="gsm8k math500 aime24 amc minerva olympiadbench, or .jsonl/.json/.parquet files")
+                   help="gsm8k math500 aime24 amc minerva olympiadbench, arithmetic-dN (the synthetic task's "
+                        "test split at difficulty N, seed 0), or .jsonl/.json/.parquet files")
     e.add_argument("--n", type=int, default=None, help="samples per problem (default 4; 1 with --greedy)")
     e.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     e.add_argument("--top-p", dest="top_p", type=float, default=1.0, help="nucleus mass (default 1.0 = off)")

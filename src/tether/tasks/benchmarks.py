@@ -5,6 +5,8 @@ benchmark (``gsm8k``, ``math500``, ``aime24``, ``amc``, ``minerva``, ``olympiadb
 alias, see :data:`tether.tasks.data.NAMED_DATASETS`) reads split ``test`` by default; a file
 or hub id reads what it is given. The reward defaults to
 :func:`tether.tasks.data.default_reward_name` (``gsm8k`` for GSM8K, ``math`` otherwise).
+``arithmetic`` / ``arithmetic-dN`` is the synthetic task's test split at difficulty N (1-4;
+default 1), seed 0: the problems a run with ``train.seed=0`` holds out, never trained on.
 
 Data layer: imports nothing from eval, train, rollout or models.
 """
@@ -49,6 +51,26 @@ def slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", str(s)).strip("._") or "x"
 
 
+_ARITHMETIC_RE = re.compile(r"arithmetic(?:-d(\d+))?")
+
+
+def _arithmetic_benchmark(difficulty: int, limit: Optional[int], reward: Optional[str]) -> Benchmark:
+    """The synthetic arithmetic task's test split (seed 0) at ``difficulty``; ``limit`` problems (default 100)."""
+    from .arithmetic import LEVELS, ArithmeticTask
+    from .rewards import load_reward
+
+    if difficulty not in LEVELS:
+        raise EvalError(f"benchmark 'arithmetic-d{difficulty}': the difficulty must be one of {sorted(LEVELS)}")
+    spec = reward or "arithmetic"
+    try:
+        fn = load_reward(spec)
+    except (ValueError, ImportError) as e:
+        raise EvalError(f"benchmark 'arithmetic-d{difficulty}': {e}") from None
+    examples = ArithmeticTask(seed=0, difficulty=difficulty, split="test").examples(limit or 100)
+    return Benchmark(name=f"arithmetic_d{difficulty}", source=f"arithmetic-d{difficulty}", split="test",
+                     examples=examples, reward=spec, reward_fn=fn)
+
+
 def load_benchmark(
     source: str,
     *,
@@ -61,7 +83,8 @@ def load_benchmark(
 ) -> Benchmark:
     """Load and validate one benchmark, and resolve its reward.
 
-    ``source`` is a named benchmark (``gsm8k``, ``math500``, ``aime24``, ``amc``, ``minerva``,
+    ``source`` is ``arithmetic`` / ``arithmetic-dN`` (the synthetic task's test split at difficulty
+    N, seed 0, ``limit`` problems, default 100), a named benchmark (``gsm8k``, ``math500``, ``aime24``, ``amc``, ``minerva``,
     ``olympiadbench``, or an alias), read from ``data_dir`` / ``$TETHER_DATA_DIR`` / the hub
     by :func:`tether.tasks.load_examples` with split ``test`` unless ``split`` says
     otherwise; or a ``.jsonl``/``.json``/``.parquet`` file (fields chosen by ``prompt_key`` /
@@ -74,6 +97,10 @@ def load_benchmark(
     """
     from .data import default_reward_name, load_examples, resolve_dataset_name
     from .rewards import load_reward
+
+    m = _ARITHMETIC_RE.fullmatch(str(source))
+    if m and not Path(str(source)).expanduser().exists():
+        return _arithmetic_benchmark(int(m.group(1) or 1), limit, reward)
 
     named = resolve_dataset_name(str(source))
     is_file = Path(str(source)).expanduser().is_file()
