@@ -10,7 +10,8 @@
 # RL recipes: grpo, ema_pg (EMA anchor every RL_EVERY steps with eta RL_ETA), ema_pg_fixed (ema_pg with a fixed
 # anchor: its only change). Settings (environment variables): OUT (default runs/coldstart), DEV_LIMIT (300 dev
 # questions), SFT_EPOCHS (1), SFT_LR (2e-5), RL_STEPS (10), RL_PROMPTS (4 prompts x 5 samples a step), RL_LR
-# (1e-5), RL_CONTEXT (2048 tokens an episode while training; evaluation keeps 4096), RL_EVERY (2), RL_ETA (0.9).
+# (1e-5), RL_CONTEXT (2048 tokens an episode while training; evaluation keeps 4096), RL_EVERY (2), RL_ETA (0.9),
+# RL_MICRO (2 episodes a forward/backward: 8 took 20 GB of activations at 2048 tokens).
 # Two lanes fit this 2-core CPU with OMP_NUM_THREADS=1 each (taskset -c 0 / -c 1); never more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +27,7 @@ RL_LR=${RL_LR:-1e-5}
 RL_CONTEXT=${RL_CONTEXT:-2048}
 RL_EVERY=${RL_EVERY:-2}
 RL_ETA=${RL_ETA:-0.9}
+RL_MICRO=${RL_MICRO:-2}
 mkdir -p "$OUT"
 
 evaluate() {  # evaluate MODEL OUTDIR: greedy, the first DEV_LIMIT multihop_dev questions (skipped when done)
@@ -62,8 +64,8 @@ for spec in "${@:-grpo:0}"; do
   else
     $T train --task search --recipe "$recipe" --model "$SFT" --output-dir "$run" --steps "$RL_STEPS" \
       train.lr="$RL_LR" train.seed="$seed" rollout.prompts_per_step="$RL_PROMPTS" rollout.max_new_tokens=128 \
-      search.max_context="$RL_CONTEXT" eval.before=false eval.after=false run.progress=false run.save_every=1 \
-      "${extra[@]}"
+      search.max_context="$RL_CONTEXT" train.micro_batch_size="$RL_MICRO" eval.before=false eval.after=false \
+      run.progress=false run.save_every=1 "${extra[@]}"
   fi
   evaluate "$run" "$OUT/eval_${name}_s${seed}"
 done

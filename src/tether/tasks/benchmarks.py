@@ -84,9 +84,9 @@ def load_benchmark(
     """Load and validate one benchmark, and resolve its reward.
 
     ``source`` is ``arithmetic`` / ``arithmetic-dN`` (the synthetic task's test split at difficulty
-    N, seed 0, ``limit`` problems, default 100), a named benchmark (``gsm8k``, ``math500``, ``aime24``, ``amc``, ``minerva``,
-    ``olympiadbench``, or an alias), read from ``data_dir`` / ``$TETHER_DATA_DIR`` / the hub
-    by :func:`tether.tasks.load_examples` with split ``test`` unless ``split`` says
+    N, seed 0, ``limit`` problems, default 100), a named benchmark (``gsm8k``, ``math500``,
+    ``aime24``, ``amc``, ``minerva``, ``olympiadbench``, or an alias), read from ``data_dir`` /
+    ``$TETHER_DATA_DIR`` / the hub by :func:`tether.tasks.load_examples` with split ``test`` unless ``split`` says
     otherwise; or a ``.jsonl``/``.json``/``.parquet`` file (fields chosen by ``prompt_key`` /
     ``answer_key``), or a hub id. The reward is ``reward`` when given, else
     :func:`tether.tasks.default_reward_name` (``gsm8k`` for GSM8K, ``math`` otherwise).
