@@ -1,96 +1,216 @@
-"""Rollout correction: truncated importance sampling (TIS) for a sampler that is not pi_old.
+"""Rollout correction: re-weight and mask samples drawn by a behaviour policy mu != pi_old.
 
-An inference engine (vLLM) samples from pi_vllm, which differs from the trainer's own
-pi_old at the same weights (other kernels, other precision, a stale copy). The loss is
-built around pi_old (the ratio rho = pi / pi_old, the trust region, the KL), so the
-samples are re-weighted from pi_vllm to pi_old. Per response token t with
-r_t = pi_old(y_t | y_<t) / pi_vllm(y_t | y_<t) and the cap C = ``AlgoConfig.tis_cap``:
+Three policies meet in an update (asynchronous or engine-sampled RL):
 
-    token     w_t = min(r_t, C)                           (Yao et al.'s token-level TIS)
-    sequence  w_t = min(prod_s r_s, C)  for every t of y   (sequence-level TIS)
-    mask      w_t = min(r_t, C) * 1[g(y) <= C],  g(y) = exp(mean_s log r_s)
-              (token-level TIS, and whole sequences whose geometric-mean ratio exceeds C
-              are masked out of the policy-gradient term)
+    mu       the behaviour policy that drew the tokens (the engine's log-probs, ``sampler_logp``;
+             another kernel / precision, or a stale copy of the weights)
+    pi_old   the proximal policy: the trainer's own forward at the rollout's weights (``old_logp``)
+    pi       the policy being optimized (``logp``); the trust region is around pi_old
 
-The weight is a constant (no gradient) that multiplies the per-token policy-gradient term
-(``compute_loss``); the KL term is not re-weighted. What each mode estimates, with
-gradient g_t = A(y) grad log pi(y_t | y_<t) at pi = pi_old:
+The loss is built around pi_old (rho = pi / pi_old, the trust region, the KL), so the samples
+are moved from mu to pi_old. Per response token, r_t = pi_old(y_t | y_<t) / mu(y_t | y_<t), and
+the policy-gradient term pg_t is multiplied by the constant (detached) weight
+
+    w_t = W_t * M_t
+
+**The IS weight W** (``AlgoConfig.tis_cap`` = C, ``tis_mode``; C = 0: W = 1, no weight; C = inf:
+untruncated):
+
+    token     W_t = min(r_t, C)                          (Yao et al.'s token-level TIS)
+    sequence  W_t = min(prod_s r_s, C)  for every t of y  (sequence-level TIS)
+    mask      W_t = min(r_t, C) * 1[g(y) <= C],  g(y) = exp(mean_s log r_s)   (kept as it was)
+
+**The masks M** (``AlgoConfig.mask_*``, each 0 / none = off; M_t = the product of those on):
+
+    mask_token_low  a, mask_token_high b   M_t = 1[a <= r_t <= b]         token MIS (b = C), IcePop ([a, b])
+    mask_seq_high   C                      M = 1[prod_t r_t <= C]         sequence MIS
+    mask_geo        C                      M = 1[1/C <= g(y) <= C]        geometric-mean mask (two-sided)
+    mask_kl k, mask_kl_max t               M = 1[mean_t k_t(y) <= t]      rejection by k1 / k2 / k3 of
+                                           KL(mu || pi_old): k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r
+    mask_opsm       delta                  M_t = 0 if A_t < 0 and mean_s log(mu / sg(pi))(y) > delta   (OPSM)
+
+A masked token contributes exactly nothing to the policy-gradient term (weight 0, value and
+gradient). Masked IS is IS with a mask at the same threshold: min(r, C) 1[r <= C] = r 1[r <= C],
+so token MIS is ``tis_cap: inf`` (or any cap >= C) with ``mask_token_high: C``; AReaL's decoupled
+PPO with its ``behav_imp_weight_cap`` is that too (``tether.algo.objectives``).
+
+OPSM (DeepSeek-V3.2) measures the divergence against the *current* policy pi, detached, as
+DeepSeek does: the samples it protects against are those the policy being updated has moved
+away from (on the first mini-batch pi = pi_old, where it is the k1 rejection restricted to
+negative advantages; over later mini-batches and epochs it also sees the drift of pi). A is
+the advantage the policy-gradient term uses (after the KL placement).
+
+What each estimates, with g_t = A(y) grad log pi(y_t | y_<t) at pi = pi_old (proofs by exact
+enumeration: ``tests/test_correction.py``, ``tests/test_correction_masks.py``):
 
 * ``sequence`` with C = inf is exact importance sampling of whole sequences:
-  E_{y ~ pi_vllm}[prod_s r_s * sum_t g_t] = E_{y ~ pi_old}[sum_t g_t], the policy gradient
-  under pi_old. A finite C trades that exactness for bounded variance.
+  E_{y ~ mu}[prod_s r_s * sum_t g_t] = E_{y ~ pi_old}[sum_t g_t], the policy gradient
+  under pi_old. A finite C trades that exactness for bounded variance. With sequence masks
+  (mask_seq_high, mask_geo, mask_kl, mask_opsm with a per-sequence A) it is exactly
+  E_{pi_old}[1[y kept] sum_t g_t]: the policy gradient restricted to the kept sequences.
 * ``token`` corrects each token's own sampling distribution only: its context (the prefix,
-  and the suffix the advantage depends on) stays pi_vllm's. It is exact for one-token
-  responses (a bandit); for longer ones it is the low-variance, slightly biased estimator
-  used in practice, whose bias vanishes as pi_vllm -> pi_old.
+  and the suffix the advantage depends on) stays mu's. It is exact for one-token
+  responses (a bandit; with a token mask: the gradient under pi_old restricted to the kept
+  tokens); for longer ones it is the low-variance, slightly biased estimator used in
+  practice, whose bias vanishes as mu -> pi_old.
 * ``mask`` is ``token`` that, in addition, drops sequences whose mismatch is large on
   average; with C = inf it equals ``token``.
-
-`tests/test_correction.py` checks each statement by exact enumeration.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 TIS_MODES = ("token", "sequence", "mask")
 
+# Per-token estimates of KL(mu || pi_old) from log r = log pi_old/mu on tokens drawn from mu
+# (Schulman's k1 / k2 / k3): E_mu[k1] = E_mu[k3] = KL(mu || pi_old); k2 is biased, >= 0.
+KL_REJECT: dict[str, Callable[[Tensor], Tensor]] = {
+    "k1": lambda log_r: -log_r,
+    "k2": lambda log_r: 0.5 * log_r ** 2,
+    "k3": lambda log_r: torch.expm1(log_r) - log_r,
+}
 
-def correction_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float,
-                       mode: str = "token") -> tuple[Tensor, dict]:
-    """Per-token weights [B, T] (detached) and the mismatch metrics of one batch.
+
+@dataclass(frozen=True)
+class Masks:
+    """The masks of the correction (module doc); 0 / ``none`` turns each off."""
+
+    token_low: float = 0.0  # a: mask tokens with r_t < a (IcePop's alpha)
+    token_high: float = 0.0  # b: mask tokens with r_t > b (token MIS's C; IcePop's beta)
+    seq_high: float = 0.0  # C: mask sequences with prod_t r_t > C (sequence MIS)
+    geo: float = 0.0  # C: mask sequences whose geometric-mean ratio is outside [1/C, C]
+    kl: str = "none"  # k1 | k2 | k3: mask sequences whose mean_t k_t exceeds kl_max
+    kl_max: float = 0.0
+    opsm: float = 0.0  # delta: mask A < 0 tokens of sequences with mean_t log(mu/sg(pi)) > delta (OPSM)
+
+    def any(self) -> bool:
+        return bool(self.token_low or self.token_high or self.seq_high or self.geo or self.kl != "none"
+                    or self.opsm)
+
+
+NO_MASKS = Masks()
+
+
+def _seq_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """[B, 1] mean_t x_t over each row's own tokens (0 for a row without any)."""
+    n = mask.sum(-1, keepdim=True).clamp_min(1).to(x.dtype)
+    return torch.where(mask, x, torch.zeros_like(x)).sum(-1, keepdim=True) / n
+
+
+def is_weight(log_r: Tensor, mask: Tensor, cap: float, mode: str) -> tuple[Tensor, Tensor, Tensor]:
+    """The IS weight W [B, T] (module doc), with ``cut`` (tokens whose weight the cap changed) and
+    ``veto`` (tokens ``mode='mask'`` zeroes). cap 0: W = 1 (no IS weight)."""
+    zero = torch.zeros((), dtype=log_r.dtype, device=log_r.device)
+    no = torch.zeros_like(mask)
+    r = log_r.exp()
+    if cap == 0:
+        return torch.ones_like(r), no, no
+    log_cap = math.log(cap) if math.isfinite(cap) else math.inf
+    if mode == "token":
+        return r.clamp(max=cap), mask & (log_r > log_cap), no
+    if mode == "sequence":
+        seq = log_r.sum(-1, keepdim=True)  # log prod_s r_s
+        return seq.clamp(max=log_cap).exp().expand_as(r), mask & (seq > log_cap), no
+    n = mask.sum(-1, keepdim=True).clamp_min(1).to(log_r.dtype)
+    veto = (log_r.sum(-1, keepdim=True) / n) > log_cap  # geometric mean > C
+    return torch.where(veto, zero, r.clamp(max=cap)), mask & (veto | (log_r > log_cap)), mask & veto
+
+
+def keep_mask(log_r: Tensor, mask: Tensor, masks: Masks, log_mu_over_pi: Optional[Tensor] = None,
+              adv: Optional[Tensor] = None) -> Tensor:
+    """M [B, T] bool: the tokens every mask that is on keeps (module doc); bounds are inclusive."""
+    keep = mask.clone()
+    if masks.token_low:
+        keep &= log_r >= math.log(masks.token_low)
+    if masks.token_high:
+        keep &= log_r <= math.log(masks.token_high)
+    if masks.seq_high:
+        keep &= torch.where(mask, log_r, torch.zeros_like(log_r)).sum(-1, keepdim=True) <= math.log(masks.seq_high)
+    if masks.geo:
+        keep &= _seq_mean(log_r, mask).abs() <= math.log(masks.geo)
+    if masks.kl != "none":
+        keep &= _seq_mean(KL_REJECT[masks.kl](log_r), mask) <= masks.kl_max
+    if masks.opsm:
+        if log_mu_over_pi is None or adv is None:
+            raise ValueError("mask_opsm needs the current log-probs and the advantages")
+        keep &= ~((adv < 0) & (_seq_mean(log_mu_over_pi, mask) > masks.opsm))
+    return keep
+
+
+def correction_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float, mode: str = "token",
+                       masks: Masks = NO_MASKS, logp: Optional[Tensor] = None,
+                       adv: Optional[Tensor] = None) -> tuple[Tensor, dict]:
+    """Per-token weights w = W * M [B, T] (detached) and the mismatch metrics of one batch.
 
     Args:
         old_logp: [B, T] log pi_old at the sampled tokens (the trainer's own forward).
-        sampler_logp: [B, T] log pi_vllm at the sampled tokens (what the engine reported).
+        sampler_logp: [B, T] log mu at the sampled tokens (what the engine reported).
         mask: [B, T] bool, the tokens that enter the loss; other positions are never read.
-        cap: C > 0 (``float('inf')`` = no truncation).
+        cap: C of the IS weight: 0 = no IS weight (W = 1), else >= 1; ``float('inf')`` = untruncated.
         mode: ``token`` | ``sequence`` | ``mask`` (see the module doc).
+        masks: the masks M that are on (module doc).
+        logp: [B, T] log pi, the current policy (read, detached, by ``masks.opsm`` only).
+        adv: [B, T] the advantage of the policy-gradient term (read by ``masks.opsm`` only).
 
     Returns:
         ``(w, metrics)``: ``w`` is 0 at masked positions; ``metrics`` holds detached 0-d
-        tensors ``rollout_corr/ratio_mean`` (token mean of r_t), ``rollout_corr/ratio_max``
-        (max of r_t) and ``rollout_corr/trunc_frac`` (fraction of tokens whose weight the cap
-        changed: r_t > C for ``token``; tokens of sequences whose ratio exceeds C for
-        ``sequence`` and ``mask``; ``mask`` counts tokens with r_t > C too).
+        tensors under ``rollout_corr/``: ``ratio_mean`` (token mean of r_t), ``ratio_max``,
+        ``trunc_frac`` (fraction of tokens whose weight the cap changed: r_t > C for ``token``;
+        tokens of sequences whose ratio exceeds C for ``sequence`` and ``mask``; ``mask`` counts
+        tokens with r_t > C too), ``kl_k1`` / ``kl_k3`` (token means of k1 = -log r and
+        k3 = r - 1 - log r: KL(mu || pi_old) per token), ``ppl_ratio`` (ppl under pi_old / ppl
+        under mu = exp(mean_t(log mu - log pi_old)) over the batch's tokens),
+        ``masked_token_frac`` (tokens with w = 0: the masks, and ``mode='mask'``'s veto) and
+        ``masked_seq_frac`` (responses with tokens, every one of them masked).
     """
     if mode not in TIS_MODES:
         raise ValueError(f"unknown rollout-correction mode {mode!r}. Valid choices: {', '.join(TIS_MODES)}")
     mask = mask.bool()
     zero = torch.zeros((), dtype=old_logp.dtype, device=old_logp.device)
     with torch.no_grad():
-        log_r = torch.where(mask, old_logp.detach() - sampler_logp.detach().to(old_logp.dtype), zero)  # [B, T]
-        r = log_r.exp()
-        log_cap = math.log(cap) if math.isfinite(cap) else math.inf
-        if mode == "token":
-            cut = mask & (log_r > log_cap)
-            w = r.clamp(max=cap)
-        elif mode == "sequence":
-            seq = log_r.sum(-1, keepdim=True)  # log prod_s r_s
-            cut = mask & (seq > log_cap)
-            w = seq.clamp(max=log_cap).exp().expand_as(r)
-        else:
-            n = mask.sum(-1, keepdim=True).clamp_min(1).to(log_r.dtype)
-            veto = (log_r.sum(-1, keepdim=True) / n) > log_cap  # geometric mean > C
-            cut = mask & (veto | (log_r > log_cap))
-            w = torch.where(veto, zero, r.clamp(max=cap))
+        samp = sampler_logp.detach().to(old_logp.dtype)
+        log_r = torch.where(mask, old_logp.detach() - samp, zero)  # [B, T] log pi_old/mu
+        w, cut, veto = is_weight(log_r, mask, cap, mode)
+        dropped = veto
+        if masks.any():
+            log_mu_pi = None if logp is None else torch.where(mask, samp - logp.detach().to(samp.dtype), zero)
+            keep = keep_mask(log_r, mask, masks, log_mu_pi, None if adv is None else adv.detach())
+            w = torch.where(keep, w, zero)
+            dropped = dropped | (mask & ~keep)
         w = torch.where(mask, w, zero)
-        count = mask.sum().clamp_min(1).to(r.dtype)
-        any_tok = mask.any()
-        metrics = {
-            "rollout_corr/ratio_mean": torch.where(mask, r, zero).sum() / count,
-            "rollout_corr/ratio_max": torch.where(any_tok, torch.where(mask, r, zero - math.inf).max(), zero + 1),
-            "rollout_corr/trunc_frac": cut.sum().to(r.dtype) / count,
-        }
+        metrics = mismatch_metrics(log_r, mask, cut, dropped)
     return w, metrics
 
 
+def mismatch_metrics(log_r: Tensor, mask: Tensor, cut: Tensor, dropped: Tensor) -> dict:
+    """The ``rollout_corr/*`` metrics (``correction_weights``) from log r [B, T] (0 off the mask)."""
+    zero = torch.zeros((), dtype=log_r.dtype, device=log_r.device)
+    r = log_r.exp()
+    count = mask.sum().clamp_min(1).to(r.dtype)
+    tok_mean = lambda x: torch.where(mask, x, zero).sum() / count  # noqa: E731
+    rows = mask.any(-1)  # [B] responses with a loss token
+    k1 = tok_mean(-log_r)
+    return {
+        "rollout_corr/ratio_mean": tok_mean(r),
+        "rollout_corr/ratio_max": torch.where(mask.any(), torch.where(mask, r, zero - math.inf).max(), zero + 1),
+        "rollout_corr/trunc_frac": cut.sum().to(r.dtype) / count,
+        "rollout_corr/kl_k1": k1,
+        "rollout_corr/kl_k3": tok_mean(torch.expm1(log_r) - log_r),
+        "rollout_corr/ppl_ratio": k1.exp(),
+        "rollout_corr/masked_token_frac": (mask & dropped).sum().to(r.dtype) / count,
+        "rollout_corr/masked_seq_frac": (rows & ~(mask & ~dropped).any(-1)).sum().to(r.dtype)
+        / rows.sum().clamp_min(1).to(r.dtype),
+    }
+
+
 def check_correction(cap: float, mode: str) -> Optional[str]:
-    """An error message for an invalid (cap, mode), or None. cap 0 = off; otherwise cap >= 1."""
+    """An error message for an invalid (cap, mode), or None. cap 0 = no IS weight; otherwise cap >= 1."""
     if mode not in TIS_MODES:
         return f"unknown tis_mode {mode!r}. Valid choices: {', '.join(TIS_MODES)}"
     if cap != 0 and not cap >= 1:

@@ -13,9 +13,23 @@ Tokens the trust region rejects keep their value but lose their gradient (``rho`
     reward     A_t  -= beta * sum_{s >= t} sg(KL_s)          (per-token penalty-to-go; REINFORCE++)
     advantage  A_t  -= beta * sg(C_KL_t)                     (RPG-Style Clip: the regularized advantage A')
 
-Rollout correction (``AlgoConfig.tis_cap`` > 0, ``tether.algo.correction``): when the engine
-samples from pi_vllm != pi_old, pg_t is multiplied by the constant weight w_t (truncated
-pi_old / pi_vllm); the KL term is not re-weighted.
+Three policies (``tether.algo.correction``): mu, the behaviour policy that drew the tokens
+(the engine's ``sampler_logp``), pi_old, the proximal policy the trainer recomputes, and pi.
+Rollout correction (``AlgoConfig.tis_cap`` / ``mask_*``) multiplies pg_t by the constant weight
+w_t = W_t M_t (an IS weight of r_t = pi_old / mu, truncated, times masks); the KL term is not
+re-weighted by w. With ``tis_mode: token`` and ``tis_cap: inf`` this is **decoupled PPO**
+(AReaL, Hilton et al.'s proximal-policy form), with no code of its own:
+
+    loss_t = -(pi_old / mu) * min(rho_t A, clip(rho_t, 1 - eps_lo, 1 + eps_hi) A),   rho_t = pi / pi_old
+
+the trust region around pi_old, the behaviour weight pi_old / mu (AReaL's ``behav_imp_weight_cap``
+is ``mask_token_high``; a finite ``tis_cap`` truncates instead). Its gradient at pi = pi_old is
+the policy gradient under pi_old, exactly for one-token responses (``tests/test_three_policies.py``).
+
+``AlgoConfig.kl_sampler: mu`` makes the KL term's sampling weights (s, rho, c of
+``tether.algo.kl``: the ratios that turn an expectation over the sampler into one over pi or
+pi_a) ratios against mu, which really drew the tokens; the anchor and the trust region stay
+pi_old's. RPG's KL terms then have the gradient of the KL-regularized objective they claim.
 """
 
 from __future__ import annotations
@@ -28,7 +42,7 @@ import torch
 from torch import Tensor
 
 from .aggregation import aggregate
-from .correction import correction_weights
+from .correction import Masks, correction_weights
 from .kl import KL_ESTIMATORS, RPG_ESTIMATORS, KLInputs, KLOptions, rpg_advantage_penalty, rpg_score_coef
 from .registry import Registry
 from .trust_region import REGIONS, RegionOut
@@ -75,8 +89,8 @@ class LossInputs:
     mask: Tensor  # bool: the tokens that enter the loss (the policy's own response tokens)
     adv: Tensor  # [B] per sequence or [B, T] per token
     old_logp: Optional[Tensor] = None  # log pi_old of the sampler; None = exactly on-policy (pi_old = sg(pi))
-    sampler_logp: Optional[Tensor] = None  # log pi_vllm the rollout engine reported
-    # (rollout correction, AlgoConfig.tis_cap)
+    sampler_logp: Optional[Tensor] = None  # log mu, the behaviour policy: what the rollout engine reported
+    # (rollout correction, AlgoConfig.tis_cap / mask_*; kl_sampler mu)
     ref_logp: Optional[Tensor] = None  # log pi_a of the anchor (needed when the KL term is on)
     head_logp: Optional[Tensor] = None  # [B, T, k] log pi at the top-k head ids (top-k estimators)
     head_ref_logp: Optional[Tensor] = None  # [B, T, k] log pi_a at the head ids
@@ -97,7 +111,8 @@ class LossNeeds:
     k: int  # head size (the vocabulary size for "all"; 0 without a head)
     ref_logp: bool  # the anchor's log-probs at the sampled tokens
     old_logp: bool  # the sampler's log-probs (read only when the update is off-policy)
-    sampler_logp: bool = False  # rollout correction: the engine's log-probs, and pi_old recomputed even on-policy
+    sampler_logp: bool = False  # rollout correction / kl_sampler mu: the engine's log-probs, and pi_old
+    # recomputed even on-policy
 
 
 _HEADS = {"sampled": None, "sampler_topk": "sampler", "anchor_topk": "anchor", "full_vocab": "all"}
@@ -110,7 +125,24 @@ def loss_needs(cfg, vocab_size: int) -> LossNeeds:
     head = _HEADS[KL_ESTIMATORS.meta(kl.estimator)["inputs"]] if use_kl else None
     k = vocab_size if head == "all" else min(kl.topk, vocab_size) if head else 0
     old = REGIONS.meta(cfg.region.kind)["needs_old_logp"] or SURROGATES.meta(cfg.surrogate)["needs_old_logp"]
-    return LossNeeds(head=head, k=k, ref_logp=use_kl, old_logp=bool(old), sampler_logp=getattr(cfg, "tis_cap", 0) > 0)
+    return LossNeeds(head=head, k=k, ref_logp=use_kl, old_logp=bool(old), sampler_logp=uses_sampler_logp(cfg))
+
+
+def correction_masks(cfg) -> Masks:
+    """The masks of ``AlgoConfig.mask_*`` (``tether.algo.correction.Masks``)."""
+    g = lambda name, default=0.0: getattr(cfg, name, default)  # noqa: E731
+    return Masks(token_low=g("mask_token_low"), token_high=g("mask_token_high"), seq_high=g("mask_seq_high"),
+                 geo=g("mask_geo"), kl=g("mask_kl", "none"), kl_max=g("mask_kl_max"), opsm=g("mask_opsm"))
+
+
+def correction_on(cfg) -> bool:
+    """Whether the policy-gradient term is corrected (an IS weight or a mask)."""
+    return getattr(cfg, "tis_cap", 0) > 0 or correction_masks(cfg).any()
+
+
+def uses_sampler_logp(cfg) -> bool:
+    """Whether the loss reads the engine's log-probs (mu): the correction, or the KL weighted against mu."""
+    return correction_on(cfg) or getattr(cfg, "kl_sampler", "pi_old") == "mu"
 
 
 @dataclass
@@ -151,7 +183,7 @@ def compute_loss(cfg, inputs: LossInputs) -> LossOut:
 
     region = REGIONS[cfg.region.kind](logp, old, adv, mask, cfg.region)
     pg = policy_term(logp, adv, region, cfg.surrogate)  # [B, T]
-    pg, corr_metrics = _rollout_correction(cfg, inp, pg, old, mask)
+    pg, corr_metrics = _rollout_correction(cfg, inp, pg, old, mask, logp, adv)
     tok = pg if kl_tok is None else pg + kl_cfg.beta * kl_tok
     # The configured L wins; the caller's max_len (the rollout's max_new_tokens) is the fallback.
     agg = dict(max_len=cfg.agg_max_len or inp.max_len, num_tokens=inp.num_tokens, num_seqs=inp.num_seqs)
@@ -185,7 +217,12 @@ def _kl_terms(cfg, inp: LossInputs, logp: Tensor, old: Tensor, adv: Tensor,
     if use_kl:
         if inp.ref_logp is None:
             raise ValueError(f"KL estimator {kl_cfg.estimator!r} needs the anchor's log-probs (ref_logp)")
-        kin = KLInputs(logp=logp, ref_logp=_masked(inp.ref_logp, mask), old_logp=old,
+        sampler = old  # the distribution the sampling weights divide by: pi_old, or mu (kl_sampler)
+        if getattr(cfg, "kl_sampler", "pi_old") == "mu":
+            if inp.sampler_logp is None:
+                raise ValueError("algo.kl_sampler 'mu' needs the engine's log-probs (sampler_logp)")
+            sampler = _masked(inp.sampler_logp.to(logp.dtype), mask)
+        kin = KLInputs(logp=logp, ref_logp=_masked(inp.ref_logp, mask), old_logp=sampler,
                        head_logp=_masked(inp.head_logp, mask), head_ref_logp=_masked(inp.head_ref_logp, mask),
                        in_head=inp.in_head, full_logp=_masked(inp.full_logp, mask),
                        full_ref_logp=_masked(inp.full_ref_logp, mask))
@@ -207,15 +244,18 @@ def _kl_terms(cfg, inp: LossInputs, logp: Tensor, old: Tensor, adv: Tensor,
     return adv, kl_tok, kl_val
 
 
-def _rollout_correction(cfg, inp: LossInputs, pg: Tensor, old: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
-    """pg_t * w_t, w_t the truncated pi_old / pi_vllm (``AlgoConfig.tis_cap`` > 0, `tether.algo.correction`),
-    and the correction's metrics; ``(pg, {})`` unchanged when the correction is off."""
+def _rollout_correction(cfg, inp: LossInputs, pg: Tensor, old: Tensor, mask: Tensor, logp: Tensor,
+                        adv: Tensor) -> tuple[Tensor, dict]:
+    """pg_t * w_t, w_t = W_t M_t from pi_old / mu (``AlgoConfig.tis_cap`` / ``mask_*``, `tether.algo.correction`),
+    and the correction's metrics; ``(pg, {})`` unchanged when the correction is off. ``adv`` is the
+    advantage pg uses (OPSM reads its sign), ``logp`` the current policy (OPSM, detached)."""
     corr_metrics = {}
-    if getattr(cfg, "tis_cap", 0) > 0:  # rollout correction: re-weight the samples from the engine's pi_vllm to pi_old
+    if correction_on(cfg):  # rollout correction: re-weight the samples from the engine's mu to pi_old
         if inp.sampler_logp is None or inp.old_logp is None:
-            raise ValueError("algo.tis_cap > 0 needs the engine's log-probs (sampler_logp) and the trainer's "
-                             "recomputed pi_old (old_logp)")
-        w, corr_metrics = correction_weights(old, inp.sampler_logp, mask, cfg.tis_cap, cfg.tis_mode)
+            raise ValueError("algo.tis_cap > 0 / algo.mask_* need the engine's log-probs (sampler_logp) and the "
+                             "trainer's recomputed pi_old (old_logp)")
+        w, corr_metrics = correction_weights(old, inp.sampler_logp, mask, cfg.tis_cap, cfg.tis_mode,
+                                             correction_masks(cfg), logp=logp, adv=adv)
         pg = pg * w.to(pg.dtype)
     return pg, corr_metrics
 

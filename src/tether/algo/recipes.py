@@ -9,19 +9,21 @@ cannot work, or options that would have no effect, into errors that list valid c
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 from .advantages import ADVANTAGES
 from .anchors import ANCHOR_KINDS
 from .aggregation import AGGREGATIONS
-from .correction import check_correction
-from .kl import KL_ESTIMATORS, RPG_ESTIMATORS, TOPK_ESTIMATORS
+from .correction import KL_REJECT, check_correction
+from .kl import EXACT_ESTIMATORS, KL_ESTIMATORS, RPG_ESTIMATORS, TOPK_ESTIMATORS
 from .objectives import SURROGATES
 from .registry import unknown_choice
 from .trust_region import REGIONS, REINFORCE_ONLY_REGIONS, RegionConfig, kl3_bounds
 
 ANCHORS = ("none", *ANCHOR_KINDS.names())  # "none": no anchor and no KL term; the kinds: tether.algo.anchors
 PLACEMENTS = ("loss", "reward", "advantage")
+KL_SAMPLERS = ("pi_old", "mu")  # AlgoConfig.kl_sampler
 
 
 @dataclass
@@ -65,12 +67,25 @@ class AlgoConfig:
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     agg_max_len: int = 0  # seq-mean-token-sum-norm: the fixed length L (0 = the rollout's max_new_tokens)
-    tis_cap: float = 0.0  # rollout correction (truncated importance sampling) for an engine that reports its
-    # log-probs (vLLM): cap C on the weight pi_old/pi_vllm of the policy-gradient term; pi_old is recomputed by the
-    # trainer (0 = off; else >= 1; tether.algo.correction)
-    tis_mode: str = "token"  # tis_cap > 0: token (w_t = min(r_t, C)) | sequence
-    # (w = min(prod_t r_t, C) on the whole response; exact IS as C -> inf)
+    # Rollout correction (tether.algo.correction) for an engine that reports its log-probs (vLLM, async
+    # workers): tokens drawn by the behaviour policy mu, r_t = pi_old/mu with pi_old recomputed by the trainer;
+    # the policy-gradient term is weighted by w_t = W_t * M_t (an IS weight times masks). Every mask is 0/none = off.
+    tis_cap: float = 0.0  # the IS weight W of the policy-gradient term, truncated at C (TIS); inf = untruncated
+    # (with tis_mode token and a ratio region: AReaL's decoupled PPO); 0 = no IS weight; else >= 1
+    tis_mode: str = "token"  # tis_cap > 0: token (W_t = min(r_t, C)) | sequence
+    # (W = min(prod_t r_t, C) on the whole response; exact IS as C -> inf)
     # | mask (token, and responses whose geometric-mean ratio exceeds C are masked)
+    mask_token_low: float = 0.0  # mask tokens with r_t < a, 0 < a < 1 (IcePop's alpha: 0.5)
+    mask_token_high: float = 0.0  # mask tokens with r_t > b > 1 (token MIS's cap, with tis_cap inf; IcePop's beta: 5)
+    mask_seq_high: float = 0.0  # mask responses with prod_t r_t > C > 1 (sequence MIS, with tis_mode sequence)
+    mask_geo: float = 0.0  # mask responses whose geometric-mean ratio exp(mean_t log r_t) is outside [1/C, C], C > 1
+    mask_kl: str = "none"  # none | k1 | k2 | k3: mask responses whose mean_t k_t estimate of KL(mu||pi_old)
+    # exceeds mask_kl_max (k1 = -log r, k2 = (log r)^2/2, k3 = r - 1 - log r)
+    mask_kl_max: float = 0.0  # mask_kl: the threshold (> 0)
+    mask_opsm: float = 0.0  # OPSM (DeepSeek-V3.2): delta > 0; mask the A < 0 tokens of responses whose
+    # mean_t log(mu/pi) > delta, pi the current policy (detached)
+    kl_sampler: str = "pi_old"  # pi_old | mu: the distribution the KL term's sampling weights (s, rho, c of
+    # tether.algo.kl) divide by; mu (the engine's log-probs) keeps RPG's KL gradients exact when mu != pi_old
 
     def copy(self) -> "AlgoConfig":
         return copy.deepcopy(self)
@@ -106,12 +121,49 @@ def _top_level_errors(cfg: AlgoConfig) -> list[str]:
         errs.append(f"adv_eps has no effect with advantage {cfg.advantage!r} (no std normalization)")
     if cfg.agg_max_len and cfg.aggregation != "seq-mean-token-sum-norm":
         errs.append("agg_max_len only applies to aggregation seq-mean-token-sum-norm")
+    return errs + _correction_errors(cfg)
+
+
+def _correction_errors(cfg: AlgoConfig) -> list[str]:
+    """The rollout correction's ranges (tis_cap, mask_*), and settings that have no effect."""
     bad = check_correction(cfg.tis_cap, cfg.tis_mode)
-    if bad:
-        errs.append(bad)
-    elif cfg.tis_cap == 0 and cfg.tis_mode != AlgoConfig.tis_mode:
-        errs.append("tis_mode has no effect while tis_cap is 0 (rollout correction off)")
+    errs = [bad] if bad else []
+    if not bad and cfg.tis_cap == 0 and cfg.tis_mode != AlgoConfig.tis_mode:
+        errs.append("tis_mode has no effect while tis_cap is 0 (no IS weight)")
+    if cfg.mask_token_low and not 0 < cfg.mask_token_low < 1:
+        errs.append(f"mask_token_low must be 0 (off) or in (0, 1) (IcePop: 0.5), got {cfg.mask_token_low}")
+    for f in ("mask_token_high", "mask_seq_high", "mask_geo"):
+        if getattr(cfg, f) and not getattr(cfg, f) > 1:
+            errs.append(f"{f} must be 0 (off) or > 1 (a bound <= 1 masks on-policy samples), got {getattr(cfg, f)}")
+    if cfg.mask_kl not in ("none", *KL_REJECT):
+        errs.append(unknown_choice("mask_kl", cfg.mask_kl, ["none", *KL_REJECT]))
+    elif cfg.mask_kl != "none" and not cfg.mask_kl_max > 0:
+        errs.append(f"mask_kl {cfg.mask_kl!r} needs mask_kl_max > 0")
+    if cfg.mask_kl == "none" and cfg.mask_kl_max:
+        errs.append("mask_kl_max has no effect while mask_kl is 'none'")
+    if cfg.mask_opsm < 0:
+        errs.append(f"mask_opsm must be 0 (off) or a threshold delta > 0, got {cfg.mask_opsm}")
+    for f, mode in (("mask_token_high", "token"), ("mask_seq_high", "sequence")):
+        b = getattr(cfg, f)
+        if b and cfg.tis_mode == mode and math.isfinite(cfg.tis_cap) and 0 < b <= cfg.tis_cap:
+            errs.append(f"tis_cap {cfg.tis_cap:g} truncates nothing that {f} {b:g} does not mask; "
+                        "set tis_cap=inf for masked IS")
+    if cfg.kl_sampler not in KL_SAMPLERS:
+        errs.append(unknown_choice("kl_sampler", cfg.kl_sampler, KL_SAMPLERS))
+    elif cfg.kl_sampler == "mu" and not _kl_has_sampling_weight(cfg):
+        errs.append(f"kl_sampler 'mu' has no effect: the KL term ({cfg.kl.estimator!r}, placement "
+                    f"{cfg.kl.placement!r}{', truncated' if cfg.kl.truncated else ''}) has no sampling weight")
     return errs
+
+
+def _kl_has_sampling_weight(cfg: AlgoConfig) -> bool:
+    """Whether the KL term reads the sampler's log-probs (a weight s, rho or c; tether.algo.kl)."""
+    k = cfg.kl
+    if k.estimator == "none" or k.estimator in EXACT_ESTIMATORS or k.estimator == "grpo_k3":
+        return False
+    if k.estimator in TOPK_ESTIMATORS and k.truncated:  # the head alone: exact, no weight
+        return False
+    return not (k.placement == "advantage" and cfg.surrogate == "reinforce")  # RPG's C_KL = log(pi/pi_a)
 
 
 def _region_errors(cfg: AlgoConfig) -> list[str]:
@@ -276,6 +328,21 @@ def describe(cfg: AlgoConfig) -> str:
     kl = "none" if k.estimator == "none" else f"{k.estimator}(beta={k.beta:g}, {k.placement}" + (
         f", k={k.topk})" if k.estimator in TOPK_ESTIMATORS else ")")
     anc = a.kind + (f"(eta={a.eta:g}, every={a.every})" if a.kind == "ema" else "")
-    tis = f" tis={cfg.tis_mode}(C={cfg.tis_cap:g})" if cfg.tis_cap > 0 else ""
     return (f"{cfg.name}: advantage={cfg.advantage} surrogate={cfg.surrogate} region={reg} kl={kl} "
-            f"anchor={anc} aggregation={cfg.aggregation}{tis}")
+            f"anchor={anc} aggregation={cfg.aggregation}{_describe_correction(cfg)}")
+
+
+def _describe_correction(cfg: AlgoConfig) -> str:
+    """' tis=token(C=2) mask=[icepop[0.5,5], opsm(0.1)] kl_sampler=mu', or '' with no correction."""
+    out = f" tis={cfg.tis_mode}(C={cfg.tis_cap:g})" if cfg.tis_cap > 0 else ""
+    lo, hi = cfg.mask_token_low, cfg.mask_token_high
+    masks = [f"icepop[{lo:g},{hi or math.inf:g}]" if lo else f"token<={hi:g}" if hi else "",
+             f"seq<={cfg.mask_seq_high:g}" if cfg.mask_seq_high else "",
+             f"geo[1/{cfg.mask_geo:g},{cfg.mask_geo:g}]" if cfg.mask_geo else "",
+             f"{cfg.mask_kl}<={cfg.mask_kl_max:g}" if cfg.mask_kl != "none" else "",
+             f"opsm({cfg.mask_opsm:g})" if cfg.mask_opsm else ""]
+    masks = [m for m in masks if m]
+    out += f" mask=[{', '.join(masks)}]" if masks else ""
+    if cfg.tis_mode == "token" and math.isinf(cfg.tis_cap) and cfg.region.kind in ("ratio", "dual"):
+        out += " (decoupled PPO)"
+    return out + (" kl_sampler=mu" if cfg.kl_sampler == "mu" else "")
