@@ -67,11 +67,10 @@ class AlgoConfig:
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
     aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     agg_max_len: int = 0  # seq-mean-token-sum-norm: the fixed length L (0 = the rollout's max_new_tokens)
-    # Rollout correction (tether.algo.correction) for an engine that reports its log-probs (vLLM, async
-    # workers): tokens drawn by the behaviour policy mu, r_t = pi_old/mu with pi_old recomputed by the trainer;
-    # the policy-gradient term is weighted by w_t = W_t * M_t (an IS weight times masks). Every mask is 0/none = off.
-    tis_cap: float = 0.0  # the IS weight W of the policy-gradient term, truncated at C (TIS); inf = untruncated
-    # (with tis_mode token and a ratio region: AReaL's decoupled PPO); 0 = no IS weight; else >= 1
+    tis_cap: float = 0.0  # rollout correction (tether.algo.correction) for an engine that reports its log-probs
+    # (vLLM, async workers): tokens drawn by mu, r_t = pi_old/mu, pi_old recomputed by the trainer; the pg term is
+    # weighted by w_t = W_t * M_t. W: the IS weight, truncated at C (TIS); inf = untruncated (tis_mode token + a
+    # ratio region = AReaL's decoupled PPO); 0 = no IS weight; else >= 1. M: the mask_* below (each 0/none = off)
     tis_mode: str = "token"  # tis_cap > 0: token (W_t = min(r_t, C)) | sequence
     # (W = min(prod_t r_t, C) on the whole response; exact IS as C -> inf)
     # | mask (token, and responses whose geometric-mean ratio exceeds C are masked)
