@@ -78,8 +78,8 @@ class AlgoConfig:
     mask_token_high: float = 0.0  # mask tokens with r_t > b > 1 (token MIS's cap, with tis_cap inf; IcePop's beta: 5)
     mask_seq_high: float = 0.0  # mask responses with prod_t r_t > C > 1 (sequence MIS, with tis_mode sequence)
     mask_geo: float = 0.0  # mask responses whose geometric-mean ratio exp(mean_t log r_t) is outside [1/C, C], C > 1
-    mask_kl: str = "none"  # none | k1 | k2 | k3: mask responses whose mean_t k_t estimate of KL(mu||pi_old)
-    # exceeds mask_kl_max (k1 = -log r, k2 = (log r)^2/2, k3 = r - 1 - log r)
+    mask_kl: str = "none"  # none | k1 | k2 | k3: mask responses whose mean_t k_t, an estimate of
+    # KL(mu, pi_old) = E_mu[log mu/pi_old], exceeds mask_kl_max (k1 = -log r, k2 = (log r)^2/2, k3 = r - 1 - log r)
     mask_kl_max: float = 0.0  # mask_kl: the threshold (> 0)
     mask_opsm: float = 0.0  # OPSM (DeepSeek-V3.2): delta > 0; mask the A < 0 tokens of responses whose
     # mean_t log(mu/pi) > delta, pi the current policy (detached)
