@@ -7,6 +7,7 @@ Imports nothing but torch. Where to look:
 - ``objectives.py``   the loss: surrogate x region + beta x KL, and ``compute_loss``
 - ``advantages.py``   GRPO, Dr.GRPO, RLOO, REINFORCE++, RPG baselines
 - ``aggregation.py``  token-mean and the sequence-mean modes
+- ``correction.py``   rollout correction for a behaviour policy mu != pi_old: TIS, MIS, IcePop, geometric, k1-k3, OPSM
 - ``recipes.py``      ``AlgoConfig``, validation, and the named recipes
 
 The anchor (fixed / EMA / iterative / reset) lives in ``tether.anchor``.
