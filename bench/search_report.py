@@ -5,10 +5,16 @@ Reads run directories (``metrics.jsonl``) and ``tether eval --agent search`` out
 invalid-action rate, searches per response; one line per run) and prints Markdown tables:
 the per-step curves and the dev metrics of each evaluation.
 
+With ``--base NAME`` it also prints each evaluation's exact match paired against evaluation NAME
+on the same questions (the difference and its paired standard error, each question its own
+cluster, as bench/recipes_compare's ``clustered_se``), the EM of each source dataset beside the
+paper's search table, and ``--per-problem FILE`` keeps every question's EM per evaluation.
+
 Usage::
 
     python bench/search_report.py --runs grpo=RUN_A ema_pg=RUN_B \\
-        --evals initial=EVAL_0 grpo=EVAL_A ema_pg=EVAL_B --out docs/results_search.png
+        --evals initial=EVAL_0 grpo=EVAL_A ema_pg=EVAL_B --out docs/results_search.png \\
+        --base initial --per-problem docs/results_search.json
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recipes_compare.report import clustered_se  # noqa: E402
 
 CURVES = [("accuracy", "exact match (train samples)"), ("search/answered_rate", "answered rate"),
           ("search/invalid_action_rate", "invalid-action rate (per turn)"),
@@ -35,11 +44,71 @@ def _pairs(items: list[str], flag: str) -> dict[str, Path]:
     return out
 
 
+#: The paper's search table (EMA-PG, arXiv 2602.04417; Qwen2.5-3B base, e5 over Wikipedia-2018, top 3, up to 4
+#: turns, exact match): the figures it reports for the datasets our closed pool shares.
+PAPER = {"hotpotqa": {"grpo": 29.7, "ema_pg": 44.1}, "2wikimultihopqa": {"grpo": 27.4, "ema_pg": 40.1}}
+
+
+def _rows(d: Path) -> dict[str, list[dict]]:
+    """benchmark -> its per-question rows (``tether eval``'s BENCH.jsonl)."""
+    res = json.loads((d / "results.json").read_text())
+    return {b: [json.loads(x) for x in (d / v["file"]).read_text().splitlines() if x.strip()]
+            for b, v in res["benchmarks"].items()}
+
+
+def paired_table(evals: dict[str, Path], base: str) -> tuple[str, dict]:
+    """Markdown: each evaluation's EM minus ``base``'s on the same questions, with the paired s.e.; and the
+    per-question record {"id": [...], "em": {name: [0/1, ...]}} of the first benchmark."""
+    if base not in evals:
+        raise SystemExit(f"--base {base!r} is not one of --evals ({', '.join(evals)})")
+    rows = {n: _rows(d) for n, d in evals.items()}
+    bench = next(iter(rows[base]))
+    em = {}
+    for n, r in rows.items():
+        if bench not in r:
+            raise SystemExit(f"evaluation {n!r} has no benchmark {bench!r}")
+        em[n] = {q["id"]: int(bool(q["correct"][0])) for q in r[bench]}
+    ids = [q["id"] for q in rows[base][bench]]
+    lines = [f"| model | EM | vs {base}: difference | paired s.e. | questions |", "| --- | --- | --- | --- | --- |"]
+    for n in evals:
+        common = [i for i in ids if i in em[n]]
+        x, y = [em[base][i] for i in common], [em[n][i] for i in common]
+        mean = 100 * sum(y) / max(len(y), 1)
+        if n == base:
+            lines.append(f"| {n} | {mean:.1f} | - | - | {len(common)} |")
+            continue
+        se = clustered_se(x, y, common)
+        diff = 100 * (sum(y) - sum(x)) / max(len(common), 1)
+        lines.append(f"| {n} | {mean:.1f} | {diff:+.1f} | {'-' if se is None else f'{100 * se:.1f}'} | {len(common)} |")
+    record = {"benchmark": bench, "id": ids, "em": {n: [em[n].get(i) for i in ids] for n in evals}}
+    return "\n".join(lines), record
+
+
+def source_table(evals: dict[str, Path]) -> str:
+    """Markdown: EM per source dataset of each evaluation, beside the paper's figures (3B, full Wikipedia)."""
+    res = {n: json.loads((d / "results.json").read_text()) for n, d in evals.items()}
+    sources = sorted({k.split("/")[1] for r in res.values() for b in r["benchmarks"].values()
+                      for k in b["metrics"] if k.startswith("search/") and k.endswith("/em") and k.count("/") == 2})
+    head = "| model | " + " | ".join(sources) + " |"
+    lines = [head, "| --- |" + " --- |" * len(sources)]
+    for n, r in res.items():
+        m = next(iter(r["benchmarks"].values()))["metrics"]
+        cells = [f"{100 * m[f'search/{s}/em']:.1f}" if f"search/{s}/em" in m else "-" for s in sources]
+        lines.append(f"| {n} (closed pool, 135M, CPU) | " + " | ".join(cells) + " |")
+    for recipe in ("grpo", "ema_pg"):
+        cells = [f"{PAPER[s][recipe]:.1f}" if s in PAPER else "-" for s in sources]
+        lines.append(f"| paper {recipe} (Qwen2.5-3B, Wikipedia-2018) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", nargs="+", required=True, help="NAME=RUN_DIR of each training run")
     p.add_argument("--evals", nargs="*", default=[], help="NAME=EVAL_OUT of each tether eval --agent search")
     p.add_argument("--out", required=True, help="PNG of the curves")
+    p.add_argument("--base", default=None, help="NAME of the evaluation the others are paired against")
+    p.add_argument("--per-problem", default=None, help="JSON file for every question's EM per evaluation "
+                   "(with --base)")
     a = p.parse_args(argv)
     runs = {k: [json.loads(x) for x in (v / "metrics.jsonl").read_text().splitlines() if x.strip()]
             for k, v in _pairs(a.runs, "--runs").items()}
@@ -78,6 +147,13 @@ def main(argv=None) -> int:
                 m = b["metrics"]
                 cells = [f"{100 * m[k]:.1f}" if k != "search/searches" else f"{m[k]:.2f}" for k, _ in DEV]
                 print(f"| {name} ({bench}) | {int(m['n_problems'])} | " + " | ".join(cells) + " |")
+    if a.base:
+        evals = _pairs(a.evals, "--evals")
+        table, record = paired_table(evals, a.base)
+        print("\n" + table + "\n\n" + source_table(evals))
+        if a.per_problem:
+            Path(a.per_problem).write_text(json.dumps(record) + "\n")
+            print(f"\nper-question EM: {a.per_problem}")
     return 0
 
 
