@@ -195,3 +195,30 @@ def test_validation(over, msg):
         setattr(cfg, k, v)
     with pytest.raises(ConfigError, match=msg):
         validate(cfg)
+
+
+def test_update_stats_reduces_each_extreme_by_its_own_op():
+    """Across data-parallel ranks a *_ratio_max (the rollout correction's ``rollout_corr/ratio_max`` too) is
+    reduced with max and a *_ratio_min with min: a rank-local extreme must never be replaced by the others'."""
+    from tether.metrics import UpdateStats
+
+    st = UpdateStats()
+    one = torch.tensor(1.0)
+    st.add({"n_tokens": one, "ratio_max": torch.tensor(1.5), "rollout_corr/ratio_max": torch.tensor(2.0),
+            "ratio_min": torch.tensor(0.5)}, one, one, one)
+    st.end_mini_batch()
+    mine = {1.5: "ratio_max", 2.0: "rollout_corr/ratio_max", 0.5: "ratio_min"}  # this rank's extremes, by value
+    other = {"ratio_max": 3.0, "rollout_corr/ratio_max": 7.0, "ratio_min": 0.25}  # the other rank's
+    ops = {}
+
+    def reduce(x, op="sum"):  # a two-rank all-reduce of this rank's value with the other rank's
+        if op == "sum":
+            return x * 2
+        name = mine[float(x)]
+        ops[name] = op
+        return (torch.maximum if op == "max" else torch.minimum)(x, torch.tensor(other[name]))
+
+    row = st.result(reduce=reduce)
+    assert ops == {"ratio_max": "max", "rollout_corr/ratio_max": "max", "ratio_min": "min"}
+    assert row["rollout_corr/ratio_max"] == pytest.approx(7.0) and row["ratio_max"] == pytest.approx(3.0)
+    assert row["ratio_min"] == pytest.approx(0.25)

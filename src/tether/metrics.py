@@ -270,7 +270,7 @@ class UpdateStats:
         red = reduce or (lambda x, op="sum": x)
         weighted = {k: red(v) for k, v in self.weighted.items()}
         partial = {k: red(v) for k, v in self.partial.items()}
-        extreme = {k: red(v, "max" if k == "ratio_max" else "min") for k, v in self.extreme.items()}
+        extreme = {k: red(v, "max" if k.endswith("ratio_max") else "min") for k, v in self.extreme.items()}
         weight, entropy, entropy_tokens, train_tokens = (
             red(x) for x in (self.weight, self.entropy, self.entropy_tokens, self.train_tokens))
         names = list(weighted) + list(partial) + list(extreme) + ["_entropy", "_tokens"]
