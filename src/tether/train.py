@@ -6,6 +6,7 @@
              --passes (no grad)--> old / anchor log-probs, KL heads (tether.passes: what runs is algo.loss_needs)
              --update--> epochs x mini-batches x micro-batches      (_update: compute_loss, tether.schedule's LR)
              --anchor update--> EMA / reset / kl_reset              (tether.anchor)
+             --push--> the new weights version to the rollout workers (train.max_staleness >= 1)
              --log--> metrics.jsonl, samples.jsonl, checkpoint      (tether.report, tether.metrics, tether.checkpoint)
 
 `Trainer` builds a run's pieces from its config and calls them in this order; it moves tensors
@@ -13,6 +14,10 @@ between them and decides nothing they own (docs/architecture.md names each arrow
 mathematics lives in ``tether.algo`` and ``tether.anchor``. Under ``torchrun`` the policy is
 sharded with FSDP2 and rollouts are data-parallel: the loop calls ``tether.distributed``'s helpers
 (``rank_share``, ``lockstep``, ``gathered``, ``all_reduce``...), no-ops in a single process.
+With ``train.max_staleness`` K >= 1 the rollout arrow runs ahead in worker processes
+(``tether.rollout.workers``, docs/async.md): the trainer submits each step's examples as a job,
+takes the batch of the oldest job (sampled by weights at most K updates old) and scores it, and
+pushes its weights after each step; K = 0 is the synchronous loop, unchanged.
 `train` / `resume` run a Trainer inside its locked run directory (``tether.rundir``).
 """
 
@@ -33,12 +38,14 @@ from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, over
 from .anchor import make_anchor
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, to_dict
+from .algo.recipes import ConfigError
 from .errors import GenerationError
 from .logprobs import response_stats
 from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
 from .optim import make_adamw, optimizer_step, skipped_update_line
 from .passes import Passes, StepBatch, exact_kl_sample, head_inputs, idle_backward, micro_batches
 from .rollout import RolloutBatch, SamplingParams, make_engine
+from .rollout.workers import Job, RolloutWorkers
 from .report import HeldOut, Progress, RewardErrorLog, rollout_metrics, sample_rows
 from .rundir import RunDirectory, restore_latest, resume_config
 from .schedule import LRSchedule
@@ -95,7 +102,8 @@ class Trainer:
         self.step, self.skipped_updates = 0, 0
         self.reward_errors = RewardErrorLog(self.run_dir, self.log)  # counted; the first of each kind logged
         self.needs = loss_needs(cfg.algo, model.get_output_embeddings().weight.shape[0])
-        self.passes = Passes(model, self.anchor, self.needs, on_policy=t.epochs == 1 and t.mini_batches == 1,
+        self._on_policy = t.epochs == 1 and t.mini_batches == 1  # one optimizer step per (fresh) rollout
+        self.passes = Passes(model, self.anchor, self.needs, on_policy=self._on_policy,
                              temperature=cfg.rollout.temperature, micro_batch_size=t.micro_batch_size,
                              chunk_size=t.logprob_chunk, share_prompt=t.share_prompt)
         self.held_out = HeldOut(cfg, self.log)  # tether.report: eval.* sets (none when the run does not evaluate)
@@ -103,12 +111,30 @@ class Trainer:
         # makes two when a micro-batch repeats a prompt (data-dependent), so only no-grad passes share.
         self._share_grad = t.share_prompt and not dist.enabled()
         self._fwd = dict(temperature=cfg.rollout.temperature, chunk_size=t.logprob_chunk)  # as every pass runs
+        self.workers: Optional[RolloutWorkers] = None  # train.max_staleness >= 1: the rollout worker processes
+        if t.max_staleness > 0:
+            self._start_workers()
+
+    def _start_workers(self) -> None:
+        """Asynchronous rollouts: spawn the workers (last in __init__: nothing after them can fail) with the
+        policy as version 0; up to max(K + 1, workers) jobs in flight (tether.rollout.workers)."""
+        t = self.cfg.train
+        if dist.enabled():
+            raise ConfigError("train.max_staleness >= 1 runs in one trainer process; under torchrun it is not "
+                              "built yet (docs/async.md)")
+        self.jobs_submitted = self.jobs_consumed = 0  # job ids; no drops: job i trains step i + 1
+        self.consumed_position = self.data.position  # the data position after the last consumed job
+        self.dropped = 0
+        self.staleness_counts = [0] * max(t.max_staleness + 1, t.rollout_workers)  # index: staleness
+        self.workers = RolloutWorkers(self.cfg, self.model, n=t.rollout_workers,
+                                      lookahead=max(t.max_staleness + 1, t.rollout_workers),
+                                      verify=t.verify_sync, version=self.step, log=self.log)
 
     # ------------------------------------------------------------ rollout and rewards
 
-    def _sampling(self, round_: int) -> SamplingParams:
-        r = self.cfg.rollout
-        seed = dist.rank_seed((self.cfg.train.seed * 1_000_003 + self.step * 1009 + round_) % (2**31))
+    def _sampling(self, round_: int, step: Optional[int] = None) -> SamplingParams:
+        r, step = self.cfg.rollout, self.step if step is None else step  # an async job: its id
+        seed = dist.rank_seed((self.cfg.train.seed * 1_000_003 + step * 1009 + round_) % (2**31))
         return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
                               stop=list(r.stop), seed=seed)
@@ -126,6 +152,8 @@ class Trainer:
 
     def _rollout(self) -> tuple[StepBatch, dict]:
         """Generate one step's groups (refilling with new prompts under dynamic sampling), score them."""
+        if self.workers is not None:
+            return self._async_rollout()
         r = self.cfg.rollout
         kept, seen, n_groups, rounds = [], [], 0, 0
         while True:
@@ -146,6 +174,47 @@ class Trainer:
             rounds += 1
         if not kept:  # dynamic sampling found no informative group: train on the last batch (zero advantages)
             kept = [(rb, ex_rows, rew, cor)]
+        batch, stats = self._step_batch(kept, seen, self.agent.metrics())
+        if r.dynamic_sampling:
+            stats.update(ds_rounds=rounds + 1, ds_groups_kept=n_groups)
+        return batch, stats
+
+    def _async_rollout(self) -> tuple[StepBatch, dict]:
+        """K >= 1: keep the workers' jobs topped up from the data stream, take the oldest job's batch and score
+        it. A batch more than K versions old (possible only with more than K + 1 workers) is dropped
+        (train.stale_batches=drop: its prompts are skipped) and the next one taken, or kept."""
+        t, dropped, wait = self.cfg.train, 0, 0.0
+        while True:
+            while self.workers.wants_job():  # one step's examples and seed per job
+                examples = self.data.take(self.cfg.rollout.prompts_per_step)
+                self.workers.submit(Job(self.jobs_submitted, examples, self._sampling(0, step=self.jobs_submitted),
+                                        self.data.position))
+                self.jobs_submitted += 1
+            w0 = time.perf_counter()
+            got = self.workers.next_batch()
+            wait += time.perf_counter() - w0
+            self.jobs_consumed, self.consumed_position = got.job.id + 1, got.job.position
+            staleness = self.step - got.version
+            if staleness <= t.max_staleness or t.stale_batches == "keep":
+                break
+            dropped += 1
+        self.dropped += dropped
+        self.staleness_counts[staleness] += 1
+        rb = got.rb
+        ex_rows = [got.job.examples[int(g)] for g in rb.group]
+        rew, cor = self._score(rb, ex_rows)
+        batch, stats = self._step_batch([(rb, ex_rows, rew, cor)], [(rb, rew, cor)], got.agent_metrics)
+        self.passes.on_policy = self._on_policy and staleness == 0  # a stale batch: pi_old recomputed here
+        stats.update({"async/staleness": staleness, "async/version": got.version, "async/worker": got.worker,
+                      "async/dropped": self.dropped, "async/wait_s": wait, "async/worker_gen_s": got.gen_s,
+                      "async/worker_load_s": got.load_s,
+                      **{f"async/staleness_{k}": c for k, c in enumerate(self.staleness_counts)}})
+        return batch, stats
+
+    def _step_batch(self, kept: list, seen: list, agent_metrics: dict) -> tuple[StepBatch, dict]:
+        """The StepBatch of the kept (rollout, examples, rewards, correct) with its advantages, and the rollout
+        metrics over every generation round ``seen``."""
+        r = self.cfg.rollout
         rb = RolloutBatch.concat([k[0] for k in kept])
         rewards, correct = torch.cat([k[2] for k in kept]), torch.cat([k[3] for k in kept])
         # on the global batch (all ranks' rows in rank order), so batch-level normalizations see all of it
@@ -156,9 +225,7 @@ class Trainer:
         loss_mask = rb.loss_mask.clone()
         if r.mask_truncated:
             loss_mask[torch.tensor([f == "length" for f in rb.finish_reason], dtype=torch.bool)] = False
-        stats = rollout_metrics(seen, all_rewards, all_groups, self.agent.metrics())
-        if r.dynamic_sampling:
-            stats.update(ds_rounds=rounds + 1, ds_groups_kept=n_groups)
+        stats = rollout_metrics(seen, all_rewards, all_groups, agent_metrics)
         batch = StepBatch(rb=rb.to(self.device), examples=[e for k in kept for e in k[1]], rewards=rewards,
                           correct=correct, adv=adv.to(self.device), loss_mask=loss_mask.to(self.device),
                           row_offset=offset, global_rows=len(all_rewards))
@@ -229,8 +296,8 @@ class Trainer:
         t0 = time.perf_counter()
         try:
             b, m = self._rollout()
-        except GenerationError as e:  # non-finite logits, an overlong prompt: say at which step
-            raise GenerationError(f"trainer step {self.step + 1}: {e}") from e
+        except GenerationError as e:  # non-finite logits, an overlong prompt, a rollout worker: say at which step
+            raise type(e)(f"trainer step {self.step + 1}: {e}") from e
         t1 = time.perf_counter()
         self.passes.sampler(b)
         t2 = time.perf_counter()
@@ -244,6 +311,8 @@ class Trainer:
             moved = self.anchor.update(self.model, self.step, token_kl=upd.get("kl"))
         t5 = time.perf_counter()
         self.engine.sync_weights(self.model)  # a copy's engine (vLLM) reloads its weights here
+        if self.workers is not None:
+            self.workers.push(self.model, self.step)  # the rollout workers' next jobs sample with this version
         m.update(upd, time_sync_s=time.perf_counter() - t5)
         if exact is not None:
             m["exact_kl_sample"] = exact
@@ -262,8 +331,12 @@ class Trainer:
         return kl if kl is None else dist.all_reduce(kl) / dist.world_size()  # the mean of the ranks' samples
 
     def state(self) -> dict:
-        return {"data_position": self.data.position, "skipped_updates": self.skipped_updates,
-                "reward_errors": self.reward_errors.count, "schedule": self.schedule.plan}
+        st = {"data_position": self.data.position, "skipped_updates": self.skipped_updates,
+              "reward_errors": self.reward_errors.count, "schedule": self.schedule.plan}
+        if self.workers is not None:  # the jobs in flight are not saved: a resume regenerates them
+            st.update(data_position=self.consumed_position,
+                      async_={"jobs": self.jobs_consumed, "dropped": self.dropped, "staleness": self.staleness_counts})
+        return st
 
     def save(self) -> Path:
         return save_checkpoint(self.run_dir, self.step, self.model, self.anchor, self.optimizer, self.scheduler,
@@ -278,6 +351,18 @@ class Trainer:
         if "schedule" in st:  # absent in checkpoints written before it was saved: those keep the config's schedule
             self.schedule.continue_from(st["schedule"], self.step, self.run_dir)
         self.engine.sync_weights(self.model)
+        if self.workers is not None:  # restored before the first job: nothing is in flight
+            a = st.get("async_", {})
+            self.jobs_submitted = self.jobs_consumed = a.get("jobs", self.step)
+            self.consumed_position, self.dropped = self.data.position, a.get("dropped", 0)
+            for k, c in enumerate(a.get("staleness", [])[:len(self.staleness_counts)]):
+                self.staleness_counts[k] = c
+            self.workers.push(self.model, self.step)
+
+    def close(self) -> None:
+        """Stop the rollout workers (K >= 1); ``run()`` calls it however it ends."""
+        if self.workers is not None:
+            self.workers.close()
 
     def run(self, resume: bool = False) -> Path:
         """Train until ``train.steps``; checkpoints every ``run.save_every`` steps and at the end.
@@ -286,8 +371,11 @@ class Trainer:
         a checkpoint is written, and ``run()`` returns with ``self.stopped_by`` set to the signal's
         name; a second signal aborts at once (``tether.stop.Aborted``).
         """
-        with GracefulStop(self.run_dir, announce=dist.is_main()) as stop:
-            self._run(resume, stop)
+        try:
+            with GracefulStop(self.run_dir, announce=dist.is_main()) as stop:
+                self._run(resume, stop)
+        finally:
+            self.close()  # the rollout workers end with the run: normally, on an error or a stop signal
         return self.run_dir
 
     def _run(self, resume: bool, stop: GracefulStop) -> None:

@@ -158,6 +158,19 @@ class TrainConfig:
     share_prompt: bool = True  # forward each group's prompt once per micro-batch and reuse its KV cache for the G
     # responses (exact; off under gradient checkpointing)
     seed: int = 0  # seeds data order, sampling and initialization
+    max_staleness: int = 0  # K, asynchronous RL (docs/async.md): rollouts are generated in worker processes while the
+    # trainer updates, each batch by weights at most K trainer updates older than the policy it trains (0 = the
+    # synchronous loop: generate, then update, with the same weights). K >= 1: rollout.engine=hf, one process, no
+    # rollout.dynamic_sampling; the workers record the engine's log-probs, so algo.tis_cap can correct the lag
+    rollout_workers: int = 1  # max_staleness >= 1: rollout worker processes, each with its own copy of the model; up
+    # to max(max_staleness + 1, rollout_workers) batches are in flight, so more than max_staleness + 1 workers make
+    # batches older than K possible (train.stale_batches)
+    stale_batches: str = "drop"  # rollout_workers > max_staleness + 1 (the only setting where a batch can be older than
+    # K): drop (discard it, its prompts skipped, counted in async/dropped; the default, as K stays a hard bound on what
+    # trains) | keep (train on it: the staleness is then bounded by rollout_workers - 1, and algo.tis_cap corrects it)
+    verify_sync: bool = False  # max_staleness >= 1: checksum every pushed weights version on both sides (the trainer:
+    # what it pushed; a worker: its model's weights read back after loading) and stop with an error on a mismatch
+    # (one hash pass over the weights per version and side; tests turn it on)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from .schema import (
     EvalConfig,
     RolloutConfig,
     SearchConfig,
+    TrainConfig,
     eval_benchmarks,
 )
 
@@ -202,7 +203,36 @@ def _check_train(cfg: Config) -> list[str]:
         errs.append("anchor 'iterative' with train.epochs=1 and train.mini_batches=1 is exactly on-policy: "
                     "pi_a = pi_old = pi, so the KL term is identically zero; use train.mini_batches > 1 "
                     "or train.epochs > 1, or another anchor")
+    return errs + _check_async(cfg)
+
+
+STALE_BATCHES = ("drop", "keep")
+
+
+def _check_async(cfg: Config) -> list[str]:
+    """train.max_staleness and the options of asynchronous training (tether.rollout.workers)."""
+    r, t, dt, errs = cfg.rollout, cfg.train, TrainConfig(), []
+    keys = ("rollout_workers", "stale_batches", "verify_sync")
+    if t.max_staleness < 0:
+        errs.append("train.max_staleness must be >= 0 (0 = synchronous)")
+    if t.max_staleness <= 0:
+        return errs + [f"train.{k} only applies with train.max_staleness >= 1 (asynchronous rollouts)"
+                       for k in keys if getattr(t, k) != getattr(dt, k)]
+    if t.rollout_workers < 1:
+        errs.append("train.rollout_workers must be >= 1")
+    if t.stale_batches not in STALE_BATCHES:
+        errs.append(unknown_choice("train.stale_batches", t.stale_batches, STALE_BATCHES))
+    elif t.stale_batches != dt.stale_batches and t.rollout_workers <= t.max_staleness + 1:
+        errs.append(f"train.stale_batches has no effect: with train.rollout_workers={t.rollout_workers} <= "
+                    f"train.max_staleness + 1 no batch can be more than {t.max_staleness} versions old")
+    if r.engine != "hf":
+        errs.append(f"train.max_staleness >= 1 runs rollout.engine=hf in the workers; rollout.engine={r.engine} "
+                    "workers are not built yet (docs/async.md)")
+    if r.dynamic_sampling:
+        errs.append("train.max_staleness >= 1 does not support rollout.dynamic_sampling (its refills are decided "
+                    "after scoring, in the trainer)")
     return errs
+
 
 
 def _check_eval(cfg: Config) -> list[str]:
@@ -451,7 +481,10 @@ def _check_engine(cfg: Config) -> list[str]:
         for k in ("share_prompt", "prune_every"):
             if getattr(r, k) != getattr(dr, k):
                 errs.append(f"rollout.{k} is an option of engine hf; vLLM schedules its own batches")
-    if cfg.algo.tis_cap > 0 and r.engine in ENGINES and not engine_reports_logp(r.engine):
+    # (train.max_staleness >= 1: the rollout workers' engine records its log-probs)
+    if (cfg.algo.tis_cap > 0 and r.engine in ENGINES and not engine_reports_logp(r.engine)
+            and cfg.train.max_staleness == 0):
         errs.append(f"algo.tis_cap > 0 (rollout correction) needs an engine that reports its log-probs; "
-                    f"rollout.engine={r.engine} reports none (use rollout.engine=vllm)")
+                    f"rollout.engine={r.engine} reports none (use rollout.engine=vllm, or train.max_staleness >= 1: "
+                    f"the rollout workers record them)")
     return errs

@@ -1,0 +1,307 @@
+"""Asynchronous RL (train.max_staleness K, tether.rollout.workers): real worker processes on the tiny model.
+
+K = 0 is the synchronous loop, bit for bit; K >= 1 trains with every consumed batch at most K versions old,
+tagged with the version that sampled it; verified sync catches a corrupted or stale push; LoRA and tied
+embeddings reach the workers as the weights the trainer samples with (checksums and log-probs); a
+multi-turn environment runs in a worker; a failing worker is a named error and a SIGTERM a graceful stop,
+with no process left behind. No timing thresholds: staleness depends on timing, its bound does not.
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import DIGITS, cli_args, rows, strip, subprocess_env, tiny_config
+from tether.algo.recipes import ConfigError
+from tether.checkpoint import latest_checkpoint
+from tether.rollout import SamplingParams
+from tether.rollout.workers import Job, WeightSyncError, effective_weights
+from tether.train import Trainer, train
+
+REWARD = DIGITS + '''
+import os, signal
+
+
+def signals_self(completion, example):
+    """digits; sends $TETHER_TEST_SIGNAL to this very process once (the trainer's: data.reward_timeout=0)."""
+    name = os.environ.pop("TETHER_TEST_SIGNAL", None)
+    if name:
+        os.kill(os.getpid(), getattr(signal, name))
+    return digits(completion, example)
+'''
+
+CRASHING_AGENT = '''
+from tether.agents import SingleTurnAgent
+
+
+class Crashing(SingleTurnAgent):
+    def rollout(self, examples, params):
+        raise RuntimeError("boom in the rollout worker")
+
+
+def crashing(engine, tokenizer, **options):
+    return Crashing(engine, tokenizer, **options)
+'''
+
+QUIET = dict(log=lambda *a: None)
+pytestmark = pytest.mark.usefixtures("one_thread")
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def workdir(make_workdir):
+    return make_workdir("async", REWARD)
+
+
+def asynchronous(k: int, **over) -> dict:
+    return {"train.max_staleness": k, "train.verify_sync": True, **over}
+
+
+def gone(pid: int, wait_s: float = 10.0) -> bool:
+    """Whether process ``pid`` has ended (a zombie counts as ended) within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split(") ")[-1].startswith("Z"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+# ---------------------------------------------------------------- K = 0 and the options
+
+
+def test_k0_is_the_synchronous_loop_bit_for_bit(workdir, tiny_model_dir, tmp_path):
+    """train.max_staleness=0 is today's loop: the same metrics and weights, to exact equality, as the config
+    without the option, and no worker process, no async/* metric."""
+    out = []
+    for name, over in (("absent", {}), ("zero", {"train.max_staleness": 0})):
+        cfg = tiny_config(workdir, tiny_model_dir, "grpo", 3, **{"train.mini_batches": 2, **over})
+        t = Trainer(cfg, tmp_path / name, **QUIET)
+        assert t.workers is None
+        ms = [strip(t.train_step()) for _ in range(3)]
+        assert not any(k.startswith("async/") for m in ms for k in m)
+        out.append((ms, [p.detach().clone() for p in t.model.parameters()]))
+    assert out[0][0] == out[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+
+
+@pytest.mark.parametrize("over,msg", [
+    ({"train.rollout_workers": 2}, "train.rollout_workers only applies with train.max_staleness >= 1"),
+    ({"train.verify_sync": True}, "train.verify_sync only applies with train.max_staleness >= 1"),
+    ({"train.max_staleness": 1, "train.stale_batches": "keep"}, "train.stale_batches has no effect"),
+    ({"train.max_staleness": 1, "train.rollout_workers": 3, "train.stale_batches": "maybe"},
+     "unknown train.stale_batches"),
+    ({"train.max_staleness": -1}, "train.max_staleness must be >= 0"),
+    ({"train.max_staleness": 1, "rollout.dynamic_sampling": True}, "does not support rollout.dynamic_sampling"),
+])
+def test_async_options_are_never_silent(over, msg, workdir, tiny_model_dir):
+    with pytest.raises(ConfigError, match=msg):
+        tiny_config(workdir, tiny_model_dir, "grpo", 2, **over)
+
+
+def test_rollout_correction_needs_a_logp_engine_only_when_synchronous(workdir, tiny_model_dir):
+    with pytest.raises(ConfigError, match="train.max_staleness >= 1"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"algo.tis_cap": 2.0})
+    tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"algo.tis_cap": 2.0, "train.max_staleness": 1})
+
+
+# ---------------------------------------------------------------- K >= 1 trains, staleness <= K
+
+
+@pytest.mark.parametrize("k,over", [(1, {"algo.tis_cap": 2.0}), (2, {}), (1, {"train.rollout_workers": 3})])
+def test_async_trains_with_staleness_at_most_k(k, over, workdir, tiny_model_dir, tmp_path):
+    """Every consumed batch is at most K versions old (or dropped, with more than K + 1 workers), tagged with
+    the version that sampled it; the loss is finite and the weights move; with algo.tis_cap the correction
+    runs on the workers' log-probs (ratio exactly 1 on a batch of the current version)."""
+    steps = 5
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", steps, **asynchronous(k, **over))
+    t = Trainer(cfg, tmp_path / "run", **QUIET)
+    try:
+        before = [p.detach().clone() for p in t.model.parameters()]
+        ms = [t.train_step() for _ in range(steps)]
+    finally:
+        t.close()
+    for step, m in enumerate(ms):
+        assert 0 <= m["async/staleness"] <= k, m
+        assert m["async/version"] == step - m["async/staleness"]  # the trainer was at version `step`
+        assert math.isfinite(m["pg_loss"]) and m["skipped_updates"] == 0
+        assert m["async/worker_gen_s"] > 0 and m["async/wait_s"] >= 0
+        if "algo.tis_cap" in over:
+            assert math.isfinite(m["rollout_corr/ratio_mean"])
+            if m["async/staleness"] == 0:
+                assert m["rollout_corr/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    last = ms[-1]
+    hist = [last[f"async/staleness_{s}"] for s in range(max(k + 1, cfg.train.rollout_workers))]
+    assert sum(hist) == steps and hist == [sum(m["async/staleness"] == s for m in ms) for s in range(len(hist))]
+    assert all(hist[s] == 0 for s in range(k + 1, len(hist)))
+    assert t.jobs_consumed == steps + last["async/dropped"]
+    assert any(not torch.equal(a, p) for a, p in zip(before, t.model.parameters()))
+    assert all(not p.is_alive() for p in t.workers.procs)
+
+
+# ---------------------------------------------------------------- verified sync
+
+
+def _job(t, i: int, n_examples: int = 2) -> Job:
+    return Job(i, t.data.take(n_examples), SamplingParams(n=2, temperature=0.7, max_new_tokens=6, seed=i),
+               t.data.position)
+
+
+def test_verified_sync_catches_a_corrupted_and_a_stale_push(workdir, tiny_model_dir, tmp_path, monkeypatch):
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 2, **asynchronous(1))
+    t = Trainer(cfg, tmp_path / "run", **QUIET)
+    w = t.workers
+    try:
+        w.submit(_job(t, 100))  # version 0, as pushed: checksums agree
+        r = w.next_batch()
+        assert r.version == 0 and r.checksum == w.checksums[0] and r.rb.sampler_logp is not None
+
+        real = w.shared.write
+
+        def corrupted(weights, version):  # the push lands, then one number flips in the shared copy
+            real(weights, version)
+            next(iter(w.shared.tensors.values())).view(-1)[0] += 1.0
+
+        monkeypatch.setattr(w.shared, "write", corrupted)
+        w.push(t.model, 1)
+        w.submit(_job(t, 101))
+        with pytest.raises(WeightSyncError, match="not version 1's"):
+            w.next_batch()
+
+        # a stale push: the version moves on, the weights do not
+        monkeypatch.setattr(w.shared, "write", lambda weights, version: setattr(w.shared.version, "value", version))
+        with torch.no_grad():
+            next(t.model.parameters()).add_(0.01)
+        w.push(t.model, 2)
+        w.submit(_job(t, 102))
+        with pytest.raises(WeightSyncError, match="not version 2's"):
+            w.next_batch()
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("kind", ["lora", "tied"])
+def test_lora_and_tied_weights_reach_the_workers(kind, workdir, tiny_model_dir, tmp_path_factory, tmp_path):
+    """After a trainer step the worker samples with the trainer's weights at that version: LoRA merged into the
+    base (not the base alone), a tied lm_head = the new embeddings. Checksums agree and the worker's
+    log-probs of its sampled tokens equal the trainer's own forward at that version."""
+    from tether.logprobs import response_stats
+    from tether.testing import make_tiny_model_dir
+
+    if kind == "lora":
+        model_dir, over = tiny_model_dir, {"model.lora_r": 4, "model.lora_target_modules": ["q_proj", "v_proj"]}
+    else:
+        model_dir, over = make_tiny_model_dir(tmp_path_factory.mktemp("tied"), tie_word_embeddings=True), {}
+    cfg = tiny_config(workdir, model_dir, "grpo", 2, **asynchronous(1, **over))
+    t = Trainer(cfg, tmp_path / "run", **QUIET)
+    try:
+        t.train_step()  # the update changes the adapter / the (tied) embeddings; version 1 is pushed
+        eff = effective_weights(t.model)
+        if kind == "lora":
+            base = dict(t.model.get_base_model().named_parameters())
+            q = "model.layers.0.self_attn.q_proj"
+            assert not torch.equal(eff[f"{q}.weight"], base[f"{q}.base_layer.weight"])  # the adapter moved
+        else:
+            assert eff["lm_head.weight"].data_ptr() == eff["model.embed_tokens.weight"].data_ptr()  # one tensor
+            shared = t.workers.shared  # stored once, pushed under both names
+            assert {"lm_head.weight", "model.embed_tokens.weight"} <= shared.names() and len(shared.alias) == 1
+        t.workers.next_batch()  # job 1, submitted during step 1
+        t.workers.submit(_job(t, 200, n_examples=1))
+        r = t.workers.next_batch()
+        assert r.version == 1 and r.checksum == t.workers.checksums[1]
+        rb = r.rb
+        with torch.no_grad():
+            st = response_stats(t.model, rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask,
+                                temperature=0.7, entropy=False)
+        m = rb.response_mask
+        assert torch.allclose(rb.sampler_logp[m], st.logp.float()[m], atol=1e-5, rtol=0)
+    finally:
+        t.close()
+
+
+# ---------------------------------------------------------------- agents and environments in a worker
+
+
+@pytest.mark.parametrize("env", ["calculator", "user"])
+def test_a_multi_turn_environment_runs_in_a_worker(env, tiny_model_dir, tmp_path):
+    from tether.config import load_config
+
+    over = {"model.name": str(tiny_model_dir), "rollout.max_new_tokens": 12, "rollout.prompts_per_step": 2,
+            "rollout.n": 2, "train.steps": 2, "run.progress": False, "run.plot": False, "run.save_every": 0,
+            "eval.before": False, "eval.after": False, "env.max_context": 600, "rollout.agent": "multi_turn",
+            **asynchronous(1)}
+    if env == "user":
+        (tmp_path / "always.py").write_text(
+            "from tether.envs import FinalTurn, Start, StepResult, TextEnv\n\n"
+            "class Always(TextEnv):\n"
+            "    name, stop, max_turns, final_turn = 'always', ('.',), 2, FinalTurn()\n"
+            "    def start(self, example):\n"
+            "        return Start(prompt=example.prompt)\n"
+            "    def act(self, episode, action):\n"
+            "        return StepResult(observation=' ok.', reward=5.0)\n")
+        over["env.name"] = f"{tmp_path / 'always.py'}:Always"
+    run = train(load_config(None, over), tmp_path / "run", **QUIET)
+    for r in rows(run):
+        assert r["async/staleness"] <= 1 and r["skipped_updates"] == 0 and math.isfinite(r["pg_loss"])
+        if env == "calculator":
+            assert r["calculator/turns"] >= 1 and "calculator/invalid_action_rate" in r
+        else:  # two turns, an observation each; the environment's reward parts came back with the batch
+            assert r["always/turns"] == 2 and r["reward_mean"] >= 10.0
+
+
+# ---------------------------------------------------------------- failures and signals
+
+
+def test_a_failing_worker_is_a_named_error_and_leaves_no_process(workdir, tiny_model_dir, tmp_path, capsys):
+    from tether.cli import main
+
+    (tmp_path / "crash.py").write_text(CRASHING_AGENT)
+    args = cli_args(workdir, tiny_model_dir, tmp_path / "run", 2, "grpo",
+                    **{**asynchronous(1), "rollout.agent": f"{tmp_path / 'crash.py'}:crashing", "eval.before": False,
+                       "eval.after": False})
+    assert main(args) == 2
+    err = capsys.readouterr()
+    assert "tether: error: trainer step 1: rollout worker 0 (pid" in err.err
+    assert "failed: RuntimeError: boom in the rollout worker (at crash.py:" in err.err
+    pids = [int(ln.split("pid ")[1].rstrip(")")) for ln in err.out.splitlines() if "rollout worker 0 started" in ln]
+    assert len(pids) == 1 and gone(pids[0])
+
+
+def test_sigterm_stops_with_a_checkpoint_no_orphan_workers_and_resumes(workdir, tiny_model_dir, tmp_path):
+    """`tether train` in a subprocess sends itself SIGTERM during step 1 (its reward): the step finishes, a
+    checkpoint is written, the process exits 143 and its workers are gone; --resume regenerates the batches
+    that were in flight and trains to the end."""
+    run, log = tmp_path / "run", tmp_path / "train.log"
+    args = cli_args(workdir, tiny_model_dir, run, 3, "grpo", reward="signals_self",
+                    **{**asynchronous(2), "data.reward_timeout": 0, "eval.before": False, "eval.after": False})
+    tether = str(Path(sys.executable).parent / "tether")
+    env = subprocess_env(OMP_NUM_THREADS="1", TETHER_TEST_SIGNAL="SIGTERM")
+    with open(log, "w") as out:
+        p = subprocess.run([tether, *args], stdout=out, stderr=subprocess.STDOUT, env=env, timeout=TIMEOUT)
+    text = log.read_text()
+    assert p.returncode == 128 + signal.SIGTERM, text[-3000:]
+    assert "stopped by SIGTERM after step 1" in text, text[-3000:]
+    assert latest_checkpoint(run).name.endswith("1"), text[-3000:]
+    pids = [int(ln.split("pid ")[1].rstrip(")")) for ln in text.splitlines() if "rollout worker 0 started" in ln]
+    assert len(pids) == 1 and gone(pids[0]), text[-3000:]
+    state = json.loads((latest_checkpoint(run) / "state.json").read_text())["trainer"]
+    assert state["async_"]["jobs"] == 1 and state["data_position"] == 4  # job 1 and 2 were in flight: not saved
+    env.pop("TETHER_TEST_SIGNAL")
+    r = subprocess.run([tether, "train", "--resume", str(run)], env=env, capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    ms = rows(run)
+    assert [m["step"] for m in ms] == [1, 2, 3] and all(m["async/staleness"] <= 2 for m in ms)
+    assert not any(os.path.exists(f"/proc/{pid}") and not gone(pid, 0.1) for pid in pids)
