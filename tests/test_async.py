@@ -305,3 +305,56 @@ def test_sigterm_stops_with_a_checkpoint_no_orphan_workers_and_resumes(workdir, 
     ms = rows(run)
     assert [m["step"] for m in ms] == [1, 2, 3] and all(m["async/staleness"] <= 2 for m in ms)
     assert not any(os.path.exists(f"/proc/{pid}") and not gone(pid, 0.1) for pid in pids)
+
+
+# ---------------------------------------------------------------- drop / keep, deterministically
+
+
+class ScriptedWorkers:
+    """RolloutWorkers' interface in this process: batches from the trainer's own agent, tagged with the
+    versions of ``VERSIONS`` in turn (what timing decides with real workers)."""
+
+    VERSIONS: list = []
+
+    def __init__(self, cfg, model, n, lookahead, verify, version=0, log=print):
+        self.lookahead, self.jobs, self.agent, self.versions = lookahead, [], None, list(self.VERSIONS)
+
+    def wants_job(self):
+        return len(self.jobs) < self.lookahead
+
+    def submit(self, job):
+        self.jobs.append(job)
+
+    def next_batch(self):
+        from tether.rollout.workers import Rollout
+
+        job = self.jobs.pop(0)
+        return Rollout(job=job, rb=self.agent.rollout(job.examples, job.params), version=self.versions.pop(0),
+                       worker=0, checksum=None)
+
+    def push(self, model, version):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("policy", ["drop", "keep"])
+def test_a_batch_older_than_k_is_dropped_or_kept(policy, workdir, tiny_model_dir, tmp_path, monkeypatch):
+    """K = 1 with 3 workers: the third job was sampled by version 0 and is consumed at version 2. drop discards
+    it (its prompts skipped, counted; the checkpointed data position is past it) and trains on the next
+    batch; keep trains on it at staleness 2."""
+    import tether.train as tt
+
+    monkeypatch.setattr(ScriptedWorkers, "VERSIONS", [0, 0, 0, 2, 2])
+    monkeypatch.setattr(tt, "RolloutWorkers", ScriptedWorkers)
+    over = {"train.rollout_workers": 3, "train.stale_batches": policy}
+    t = Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 3, **asynchronous(1, **over)), tmp_path / "r", **QUIET)
+    t.workers.agent = t.agent
+    ms = [t.train_step() for _ in range(3)]
+    assert [m["async/staleness"] for m in ms] == ([0, 1, 0] if policy == "drop" else [0, 1, 2])
+    assert ms[-1]["async/dropped"] == (1 if policy == "drop" else 0)
+    assert [ms[-1][f"async/staleness_{s}"] for s in range(3)] == ([2, 1, 0] if policy == "drop" else [1, 1, 1])
+    assert t.passes.on_policy == (policy == "drop")  # a stale batch: pi_old recomputed by the trainer
+    jobs = 4 if policy == "drop" else 3
+    assert t.state()["async_"]["jobs"] == jobs and t.state()["data_position"] == 4 * jobs
