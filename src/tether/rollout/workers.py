@@ -216,7 +216,17 @@ def _worker_main(rank: int, cfg, shared: SharedWeights, jobs, results, verify: b
 # ------------------------------------------------------------------ the trainer's side
 
 
-def _kill(procs: list) -> None:
+def _kill(procs: list, jobs=None, grace_s: float = 2.0) -> None:
+    """End the workers: an idle one exits on its ``None`` job within ``grace_s``; the others are killed."""
+    if jobs is not None:
+        for _ in procs:
+            try:
+                jobs.put_nowait(None)
+            except (queue.Full, ValueError, OSError):
+                break
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -256,7 +266,7 @@ class RolloutWorkers:
             p.start()
             self.procs.append(p)
             log(f"[tether] rollout worker {i} started (pid {p.pid})")
-        self._finalizer = weakref.finalize(self, _kill, list(self.procs))
+        self._finalizer = weakref.finalize(self, _kill, list(self.procs), self.jobs)
 
     def wants_job(self) -> bool:
         """Whether fewer than ``lookahead`` jobs are submitted and not yet consumed."""
@@ -327,7 +337,8 @@ class RolloutWorkers:
         return [p.pid for p in self.procs]
 
     def close(self) -> None:
-        """Kill the workers (they hold nothing worth saving: jobs in flight are regenerated on resume)."""
+        """End the workers: idle ones on a ``None`` job, busy ones killed (they hold nothing worth saving: the
+        jobs in flight are regenerated on resume)."""
         self._finalizer()
         for q in (self.jobs, self.results):
             q.cancel_join_thread()
