@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..algo.objectives import uses_sampler_logp
 from ..algo.recipes import ConfigError, validate
 from ..algo.registry import unknown_choice
 from ..models import DTYPES, ModelConfig
@@ -232,7 +233,6 @@ def _check_async(cfg: Config) -> list[str]:
         errs.append("train.max_staleness >= 1 does not support rollout.dynamic_sampling (its refills are decided "
                     "after scoring, in the trainer)")
     return errs
-
 
 
 def _check_eval(cfg: Config) -> list[str]:
@@ -482,9 +482,10 @@ def _check_engine(cfg: Config) -> list[str]:
             if getattr(r, k) != getattr(dr, k):
                 errs.append(f"rollout.{k} is an option of engine hf; vLLM schedules its own batches")
     # (train.max_staleness >= 1: the rollout workers' engine records its log-probs)
-    if (cfg.algo.tis_cap > 0 and r.engine in ENGINES and not engine_reports_logp(r.engine)
+    if (uses_sampler_logp(cfg.algo) and r.engine in ENGINES and not engine_reports_logp(r.engine)
             and cfg.train.max_staleness == 0):
-        errs.append(f"algo.tis_cap > 0 (rollout correction) needs an engine that reports its log-probs; "
+        errs.append(f"algo.tis_cap > 0 / algo.mask_* / algo.kl_sampler=mu (rollout correction) needs an engine "
+                    f"that reports its log-probs; "
                     f"rollout.engine={r.engine} reports none (use rollout.engine=vllm, or train.max_staleness >= 1: "
                     f"the rollout workers record them)")
     return errs
