@@ -9,9 +9,9 @@
 #
 # RL recipes: grpo, ema_pg (EMA anchor every RL_EVERY steps with eta RL_ETA), ema_pg_fixed (ema_pg with a fixed
 # anchor: its only change). Settings (environment variables): OUT (default runs/coldstart), DEV_LIMIT (300 dev
-# questions), SFT_EPOCHS (1), SFT_LR (2e-5), RL_STEPS (10), RL_PROMPTS (4 prompts x 5 samples a step), RL_LR
+# questions), SFT_EPOCHS (1), SFT_LR (2e-5), RL_STEPS (8), RL_PROMPTS (4 prompts x 5 samples a step), RL_LR
 # (1e-5), RL_CONTEXT (2048 tokens an episode while training; evaluation keeps 4096), RL_EVERY (2), RL_ETA (0.9),
-# RL_MICRO (2 episodes a forward/backward: 8 took 20 GB of activations at 2048 tokens).
+# RL_MICRO (1 episode a forward/backward: 8 took 20 GB of activations at 2048 tokens, 2 took 11 GB).
 # Two lanes fit this 2-core CPU with OMP_NUM_THREADS=1 each (taskset -c 0 / -c 1); never more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,13 +21,13 @@ DEV_LIMIT=${DEV_LIMIT:-300}
 SFT_EPOCHS=${SFT_EPOCHS:-1}
 SFT_LR=${SFT_LR:-2e-5}
 SFT="$OUT/sft_search_e$SFT_EPOCHS"
-RL_STEPS=${RL_STEPS:-10}
+RL_STEPS=${RL_STEPS:-8}
 RL_PROMPTS=${RL_PROMPTS:-4}
 RL_LR=${RL_LR:-1e-5}
 RL_CONTEXT=${RL_CONTEXT:-2048}
 RL_EVERY=${RL_EVERY:-2}
 RL_ETA=${RL_ETA:-0.9}
-RL_MICRO=${RL_MICRO:-2}
+RL_MICRO=${RL_MICRO:-1}
 mkdir -p "$OUT"
 
 evaluate() {  # evaluate MODEL OUTDIR: greedy, the first DEV_LIMIT multihop_dev questions (skipped when done)
@@ -60,7 +60,7 @@ for spec in "${@:-grpo:0}"; do
   esac
   run="$OUT/rl_${name}_s${seed}"
   if [ -f "$run/config.yaml" ]; then
-    $T train --resume "$run" || true  # a finished run says so and exits non-zero
+    $T train --resume "$run" train.steps="$RL_STEPS" train.micro_batch_size="$RL_MICRO" || true  # a finished run says so and exits non-zero
   else
     $T train --task search --recipe "$recipe" --model "$SFT" --output-dir "$run" --steps "$RL_STEPS" \
       train.lr="$RL_LR" train.seed="$seed" rollout.prompts_per_step="$RL_PROMPTS" rollout.max_new_tokens=128 \
