@@ -294,6 +294,37 @@ def _response_hidden(
     return h_resp, hidden[:, -1], last_logits
 
 
+def _packed_response_hidden(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(h [N, H] predicting each real response token in row-major order, last hidden [1, H], logits [1, V])``
+    from one packed row: every row's real prompt then real response tokens one after another, no padding,
+    positions restarting at 0 for each, no attention mask (transformers keeps each sequence's attention
+    to itself from the positions, as `sequence_logp`'s packed rows). The padded forward gives the same
+    values: it masks the padding out and numbers the real tokens from 0 (``(mask.cumsum - 1)``).
+    Needs a prompt token in every row, and contiguous masks (left-padded prompts, right-padded responses).
+    """
+    pm, rm = prompt_mask.bool(), response_mask.bool()
+    plen, rlen = pm.sum(-1), rm.sum(-1)  # [B]
+    if bool((plen < 1).any()):
+        raise ValueError("packed: every row needs a prompt token to predict its first response token")
+    keep = torch.cat([pm, rm], dim=1)  # [B, P+T]
+    ids = torch.cat([prompt_ids, response_ids], dim=1)[keep][None]  # [1, L]: row by row
+    lens = plen + rlen  # [B]
+    starts = lens.cumsum(0) - lens  # [B] where each row's sequence starts in the packed row
+    dev = ids.device
+    position_ids = (torch.arange(ids.shape[1], device=dev) - starts.repeat_interleave(lens))[None]  # [1, L]
+    hidden, last_logits = _final_hidden(model, ids, None, position_ids)  # [1, L, H], [1, V]
+    rows = torch.arange(len(rlen), device=dev).repeat_interleave(rlen)  # [N] the row of each response token
+    k = torch.arange(len(rows), device=dev) - (rlen.cumsum(0) - rlen)[rows]  # [N] its index in its response
+    at = starts[rows] + plen[rows] - 1 + k  # [N] the packed position predicting it (the token before)
+    return hidden[0, at], hidden[:, -1], last_logits
+
+
 def _unpack_stats(st: TokenStats, mask: torch.Tensor) -> TokenStats:
     """Packed statistics [N, ...] laid out as [B, T, ...] at ``mask`` (0 and id 0 elsewhere)."""
 
@@ -322,6 +353,7 @@ def response_stats(
     entropy: bool = True,
     chunk_size: int = 1024,
     share_prompt: bool = True,
+    packed: bool = False,
 ) -> TokenStats:
     """Statistics of a causal LM's next-token distribution at each response token.
 
@@ -348,27 +380,37 @@ def response_stats(
             group), with its KV cache expanded to the rows (see `_shared_prompt_hidden`). Same
             values and gradients up to float rounding; off, or with gradient checkpointing in
             training (which refuses a cache), every row recomputes its prompt.
+        packed: forward the rows as one packed row without padding (`_packed_response_hidden`;
+            ``share_prompt`` is then not used). Same values and gradients up to float rounding where
+            the model's attention keeps packed sequences apart (transformers' eager / SDPA / flash
+            masks do, from the restarting positions; `tether.passes.check_packing` verifies it).
 
     Returns:
         :class:`TokenStats` laid out as [B, T] (and [B, T, k]); positions where
         ``response_mask`` is False hold 0 (and id 0).
     """
     _check_response_shapes(prompt_ids, prompt_mask, response_ids, response_mask, gather_ids)
-    h_resp, last_hidden, last_logits = _response_hidden(
-        model, prompt_ids, prompt_mask, response_ids, response_mask, share_prompt
-    )  # [B, T, H], [B, H], [B, V]
+    mask = response_mask.bool()  # [B, T]
+    if packed:
+        h, last_hidden, last_logits = _packed_response_hidden(
+            model, prompt_ids, prompt_mask, response_ids, response_mask
+        )  # [N, H], [1, H], [1, V]
+    else:
+        h_resp, last_hidden, last_logits = _response_hidden(
+            model, prompt_ids, prompt_mask, response_ids, response_mask, share_prompt
+        )  # [B, T, H], [B, H], [B, V]
+        h = h_resp[mask]  # [N, H]
+        del h_resp
     weight, bias = _head_params(model)
     softcap = _logit_softcap(model)
     _check_head(last_hidden, weight, bias, softcap, last_logits)
     del last_logits
 
-    mask = response_mask.bool()  # [B, T]
-    packed = h_resp[mask]  # [N, H]
     targets = response_ids[mask]  # [N]
     ids = gather_ids[mask] if gather_ids is not None else None  # [N, k]
 
     st = _token_stats(
-        packed,
+        h,
         weight,
         targets,
         bias=bias,

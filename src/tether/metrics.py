@@ -225,6 +225,7 @@ class UpdateStats:
     ``compute_loss`` reports token-means per micro-batch (weighted here by the micro-batch's
     token count), except ``pg_loss`` / ``kl_loss``, which it normalizes by the whole
     mini-batch: their micro-batch parts add up, and the result is their mean over mini-batches.
+    ``pad_frac``: the fraction of the positions the micro-batches' forwards laid out that were padding.
     """
 
     PARTIAL_SUMS = ("pg_loss", "kl_loss")
@@ -233,12 +234,13 @@ class UpdateStats:
         self.weighted: dict[str, torch.Tensor] = {}
         self.partial: dict[str, torch.Tensor] = {}
         self.extreme: dict[str, torch.Tensor] = {}
-        self.weight = self.entropy = self.entropy_tokens = self.train_tokens = 0
+        self.weight = self.entropy = self.entropy_tokens = self.train_tokens = self.positions = 0
         self.mini_batches, self.grad_norms = 0, []
 
     def add(self, metrics: dict, entropy_sum: torch.Tensor, entropy_tokens: torch.Tensor,
-            train_tokens: torch.Tensor) -> None:
-        """One micro-batch: compute_loss's metrics, the masked entropy sum, tokens forwarded."""
+            train_tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> None:
+        """One micro-batch: compute_loss's metrics, the masked entropy sum, tokens forwarded, and the positions
+        its forward laid out, padding included (`tether.passes.forwarded_positions`; None = no padding)."""
         w = metrics["n_tokens"]
         for k, v in metrics.items():
             if k in self.PARTIAL_SUMS:
@@ -252,6 +254,7 @@ class UpdateStats:
         self.entropy = self.entropy + entropy_sum
         self.entropy_tokens = self.entropy_tokens + entropy_tokens
         self.train_tokens = self.train_tokens + train_tokens
+        self.positions = self.positions + (train_tokens if positions is None else positions)
 
     def optimizer_step(self, grad_norm: float) -> None:
         """Count a mini-batch whose update was applied (its grad norm already read)."""
@@ -271,18 +274,21 @@ class UpdateStats:
         weighted = {k: red(v) for k, v in self.weighted.items()}
         partial = {k: red(v) for k, v in self.partial.items()}
         extreme = {k: red(v, "max" if k.endswith("ratio_max") else "min") for k, v in self.extreme.items()}
-        weight, entropy, entropy_tokens, train_tokens = (
-            red(x) for x in (self.weight, self.entropy, self.entropy_tokens, self.train_tokens))
-        names = list(weighted) + list(partial) + list(extreme) + ["_entropy", "_tokens"]
+        weight, entropy, entropy_tokens, train_tokens, positions = (
+            red(x) for x in (self.weight, self.entropy, self.entropy_tokens, self.train_tokens, self.positions))
+        names = list(weighted) + list(partial) + list(extreme) + ["_entropy", "_tokens", "_pad_frac"]
         w = torch.as_tensor(weight).clamp_min(1.0)
         vals = ([v / w for v in weighted.values()]
                 + [v / max(self.mini_batches, 1) for v in partial.values()]
                 + list(extreme.values())
                 + [torch.as_tensor(entropy) / torch.as_tensor(entropy_tokens).clamp_min(1),
-                   torch.as_tensor(train_tokens)])
+                   torch.as_tensor(train_tokens),
+                   (torch.as_tensor(positions, dtype=torch.float64) - train_tokens)
+                   / torch.as_tensor(positions, dtype=torch.float64).clamp_min(1)])
         dev = next((v.device for v in vals if isinstance(v, torch.Tensor)), "cpu")
         out = dict(zip(names, torch.stack([torch.as_tensor(v, dtype=torch.float64, device=dev)
                                            for v in vals]).tolist()))
         out["entropy"], out["train_tokens"] = out.pop("_entropy"), int(out.pop("_tokens"))
+        out["pad_frac"] = out.pop("_pad_frac")
         out["grad_norm"] = max(self.grad_norms) if self.grad_norms else float("nan")
         return out

@@ -9,7 +9,8 @@ estimator names: on-policy with no sampler head the sampler pass is skipped (pi_
 unless rollout correction (``algo.tis_cap``) needs pi_old to compare with the engine's log-probs;
 with no KL term the anchor pass is skipped; under the iterative anchor the sampler pass *is*
 the anchor pass. Micro-batching (length-sorted, groups kept together for the shared-prompt
-forward) is shared with the update in ``micro_batches``, and ``head_inputs`` turns what the passes
+forward; ``size`` rows or a token budget; padded or packed) is shared with the update in
+``micro_batches``, and ``head_inputs`` turns what the passes
 filled into the KL head's fields of the update's ``LossInputs``, again as ``loss_needs`` says.
 Two more forwards sit here: ``exact_kl_sample`` (a diagnostic) and ``idle_backward`` (the zero-loss
 call a rank makes to keep in lockstep with the others under FSDP, `tether.distributed.lockstep`).
@@ -25,6 +26,7 @@ import torch
 
 from . import distributed as dist
 from .algo import LossNeeds
+from .algo.recipes import ConfigError
 from .logprobs import response_stats
 from .rollout import RolloutBatch
 
@@ -47,20 +49,64 @@ class StepBatch:
     global_rows: Optional[int] = None  # rows of the global batch (all ranks); None = B (one process)
 
 
-def micro_batches(rb: RolloutBatch, idx: list[int], size: int, by_group: bool = False) -> list[list[int]]:
-    """``idx`` in chunks of ``size`` rows, ordered so that micro-batches waste little padding.
+def micro_batches(rb: RolloutBatch, idx: list[int], size: int, by_group: bool = False, tokens: int = 0,
+                  packed: bool = False) -> list[list[int]]:
+    """``idx`` cut into micro-batches, ordered so that they waste little padding.
 
-    Plain: by total sequence length. ``by_group`` (shared prompts): by prompt length, then
-    group, then total length, so a group's rows stay adjacent and land in one micro-batch,
-    where its prompt is run once.
+    Order. Plain: by total sequence length. ``by_group`` (shared prompts): by prompt length, then
+    group, then total length, so a group's rows stay adjacent, where its prompt is run once.
+
+    Cut. ``tokens`` = 0: ``size`` rows at a time. ``tokens`` > 0: greedily, in that order, as many
+    rows as fit the budget: a micro-batch's forwarded length (`forwarded_positions`: rows x (longest
+    prompt + longest response) padded, the sum of its rows' lengths ``packed``) stays <= ``tokens``,
+    except that a row longer than the budget goes alone. ``by_group`` adds whole groups (a group that
+    does not fit in an empty micro-batch is cut row by row), so a group is split only when it alone
+    exceeds the budget.
     """
-    tot = (rb.prompt_mask.sum(-1) + rb.response_mask.sum(-1)).tolist()
+    plen, rlen = rb.prompt_mask.sum(-1).tolist(), rb.response_mask.sum(-1).tolist()
+    tot = [p + r for p, r in zip(plen, rlen)]
     if by_group:
-        plen, group = rb.prompt_mask.sum(-1).tolist(), rb.group.tolist()
+        group = rb.group.tolist()
         order = sorted(idx, key=lambda i: (plen[i], group[i], tot[i]))
     else:
         order = sorted(idx, key=lambda i: tot[i])
-    return [order[i:i + size] for i in range(0, len(order), size)]
+    if tokens <= 0:
+        return [order[i:i + size] for i in range(0, len(order), size)]
+    units: list[list[int]] = []  # whole groups (by_group) or single rows, in order
+    for i in order:
+        if by_group and units and group[units[-1][-1]] == group[i]:
+            units[-1].append(i)
+        else:
+            units.append([i])
+
+    def cost(n: int, p: int, r: int, s: int) -> int:  # forwarded length of n rows, longest p + r, lengths summing to s
+        return s if packed else n * (p + r)
+
+    out: list[list[int]] = []
+    cur, p_max, r_max, s_sum = [], 0, 0, 0
+    for unit in units:
+        up, ur, us = max(plen[i] for i in unit), max(rlen[i] for i in unit), sum(tot[i] for i in unit)
+        pieces = [unit] if cost(len(unit), up, ur, us) <= tokens else [[i] for i in unit]
+        for piece in pieces:
+            pp, pr, ps = max(plen[i] for i in piece), max(rlen[i] for i in piece), sum(tot[i] for i in piece)
+            if cur and cost(len(cur) + len(piece), max(p_max, pp), max(r_max, pr), s_sum + ps) > tokens:
+                out.append(cur)
+                cur, p_max, r_max, s_sum = [], 0, 0, 0
+            cur = cur + piece
+            p_max, r_max, s_sum = max(p_max, pp), max(r_max, pr), s_sum + ps
+    if cur:
+        out.append(cur)
+    return out
+
+
+def forwarded_positions(rb: RolloutBatch, idx: list[int], packed: bool = False) -> torch.Tensor:
+    """Positions the forward of micro-batch ``idx`` lays out (a 0-dim tensor): rows x (longest prompt +
+    longest response) padded (``rb.select(idx)``'s shape), its real tokens ``packed``. Real tokens over
+    this is 1 - the padding fraction (``pad_frac``)."""
+    pm, rm = rb.prompt_mask[idx], rb.response_mask[idx]
+    if packed:
+        return pm.sum() + rm.sum()
+    return len(idx) * (pm.sum(-1).max() + rm.sum(-1).max())
 
 
 def head_inputs(needs: LossNeeds, st, head_ids: Optional[torch.Tensor], head_ref_logp: Optional[torch.Tensor],
@@ -96,19 +142,30 @@ class Passes:
         anchor: a ``tether.anchor.Anchor`` or None.
         needs: ``tether.algo.loss_needs(cfg.algo, vocab)``.
         on_policy: one optimizer step per rollout (pi_old = pi exactly).
-        temperature, chunk_size, share_prompt: as the training forward uses them.
-        micro_batch_size: rows per no-grad forward.
+        temperature, chunk_size, share_prompt, packed: as the training forward uses them.
+        micro_batch_size, micro_batch_tokens: the update's micro-batch (rows, or a token budget when
+            ``micro_batch_tokens`` > 0); a no-grad forward takes twice as much (it keeps no activations).
     """
 
     def __init__(self, model, anchor, needs: LossNeeds, on_policy: bool, *, temperature: float,
-                 micro_batch_size: int, chunk_size: int, share_prompt: bool):
+                 micro_batch_size: int, chunk_size: int, share_prompt: bool, micro_batch_tokens: int = 0,
+                 packed: bool = False):
         self.model, self.anchor, self.needs, self.on_policy = model, anchor, needs, on_policy
         self.temperature, self.size, self.chunk, self.share = temperature, micro_batch_size, chunk_size, share_prompt
+        self.tokens, self.packed = micro_batch_tokens, packed
+        self.packing_checked = False
         self.vocab = model.get_output_embeddings().weight.shape[0]
         self.iterative = anchor is not None and not anchor.needs_forward  # the anchor is the sampler
 
     def sampler(self, b: StepBatch) -> None:
-        """pi_old's log-probs (and its top-k ids for a sampler head), unless exactly on-policy and not needed."""
+        """pi_old's log-probs (and its top-k ids for a sampler head), unless exactly on-policy and not needed.
+
+        The trainer calls it first at every step: under ``packed``, the first call checks on the batch that
+        the model keeps packed sequences apart (`check_packing`)."""
+        if self.packed and not self.packing_checked:
+            with dist.gathered(self.model):
+                check_packing(self.model, b.rb, temperature=self.temperature, chunk_size=self.chunk)
+            self.packing_checked = True
         n, device = self.needs, b.rb.response_ids.device
         if n.head == "all":
             b.head_ids = vocab_ids(self.vocab, *b.rb.response_ids.shape, device)
@@ -155,13 +212,13 @@ class Passes:
         head = torch.zeros(B, T, kdim, device=dev) if kdim else None
         ctx = self.anchor.applied(self.model) if with_anchor else contextlib.nullcontext()
         with torch.no_grad(), ctx, dist.gathered(self.model):  # ranks may run different numbers of forwards
-            for idx in micro_batches(rb, list(range(B)), 2 * self.size, self.share):
+            for idx in micro_batches(rb, list(range(B)), 2 * self.size, self.share, 2 * self.tokens, self.packed):
                 mb = rb.select(idx)
                 t = mb.response_ids.shape[1]
                 g = gather[idx, :t] if gather is not None else None
                 st = response_stats(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
                                     temperature=self.temperature, topk=topk, gather_ids=g, entropy=False,
-                                    chunk_size=self.chunk, share_prompt=self.share)
+                                    chunk_size=self.chunk, share_prompt=self.share, packed=self.packed)
                 logp[idx, :t] = st.logp.float()
                 if topk:
                     ids[idx, :t] = st.topk_ids
@@ -169,6 +226,34 @@ class Passes:
                 elif g is not None:
                     head[idx, :t] = st.ids_logp.float()
         return logp, ids, head
+
+
+def check_packing(model, rb: RolloutBatch, *, temperature: float, chunk_size: int, rows: int = 4) -> float:
+    """Raise ConfigError unless packed rows give the padded rows' log-probs on this model (``train.packing``).
+
+    The first ``rows`` rows of ``rb`` are run both ways, in eval mode without gradients; returns the largest
+    difference of the response log-probs. As `tether.sft.batches.check_packing` for SFT: an attention
+    implementation that ignores the restarting position ids lets packed sequences see each other.
+    """
+    mb = rb.select(list(range(min(rows, len(rb)))))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            lp = [response_stats(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                                 temperature=temperature, entropy=False, chunk_size=chunk_size, share_prompt=False,
+                                 packed=packed).logp.double() for packed in (True, False)]
+    finally:
+        model.train(was_training)
+    m = mb.response_mask.bool()
+    diff = float((lp[0] - lp[1])[m].abs().max()) if m.any() else 0.0
+    dtype = next(model.parameters()).dtype
+    tol = 1e-3 if dtype in (torch.float32, torch.float64) else 1e-1
+    if not diff <= tol:
+        raise ConfigError(f"train.packing: this model's attention does not keep packed sequences apart (log-probs "
+                          f"differ from the padded forward by up to {diff:.3g}; its attention implementation "
+                          f"ignores the restarting position ids); set train.packing=false")
+    return diff
 
 
 @torch.no_grad()

@@ -43,7 +43,7 @@ from .errors import GenerationError
 from .logprobs import response_stats
 from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
 from .optim import make_adamw, optimizer_step, skipped_update_line
-from .passes import Passes, StepBatch, exact_kl_sample, head_inputs, idle_backward, micro_batches
+from .passes import Passes, StepBatch, exact_kl_sample, forwarded_positions, head_inputs, idle_backward, micro_batches
 from .rollout import RolloutBatch, SamplingParams, make_engine
 from .rollout.workers import Job, RolloutWorkers
 from .report import HeldOut, Progress, RewardErrorLog, rollout_metrics, sample_rows
@@ -105,7 +105,8 @@ class Trainer:
         self._on_policy = t.epochs == 1 and t.mini_batches == 1  # one optimizer step per (fresh) rollout
         self.passes = Passes(model, self.anchor, self.needs, on_policy=self._on_policy,
                              temperature=cfg.rollout.temperature, micro_batch_size=t.micro_batch_size,
-                             chunk_size=t.logprob_chunk, share_prompt=t.share_prompt)
+                             chunk_size=t.logprob_chunk, share_prompt=t.share_prompt,
+                             micro_batch_tokens=t.micro_batch_tokens, packed=t.packing)
         self.held_out = HeldOut(cfg, self.log)  # tether.report: eval.* sets (none when the run does not evaluate)
         # Under FSDP all ranks must make the same forward calls with gradients: the shared-prompt forward
         # makes two when a micro-batch repeats a prompt (data-dependent), so only no-grad passes share.
@@ -241,7 +242,7 @@ class Trainer:
         head_ids = sl(b.head_ids)
         st = response_stats(self.model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
                             gather_ids=head_ids if n.k else None, entropy=True, share_prompt=self._share_grad,
-                            **self._fwd)
+                            packed=self.cfg.train.packing, **self._fwd)
         mask = b.loss_mask[idx, :T]
         kw = head_inputs(n, st, head_ids, sl(b.head_ref_logp), mb.response_ids, mask)  # as loss_needs says
         samp = mb.sampler_logp if n.sampler_logp else None  # the engine's log-probs (rollout correction)
@@ -266,14 +267,16 @@ class Trainer:
             size = math.ceil(B / t.mini_batches)
             for gmini in (perm[i:i + size] for i in range(0, B, size)):
                 mini, n_tok = dist.rank_share(gmini, b.row_offset, b.loss_mask)  # my rows; global token count
-                micro, losses = micro_batches(b.rb, mini, t.micro_batch_size, t.share_prompt), []
+                micro = micro_batches(b.rb, mini, t.micro_batch_size, t.share_prompt, t.micro_batch_tokens, t.packing)
+                losses = []
                 for idx in dist.lockstep(micro, idle=lambda: idle_backward(self.model, b.rb, **self._fwd)):
                     inputs, entropy = self._loss_inputs(b, idx, max(n_tok, 1.0), len(gmini))
                     out = compute_loss(self.cfg.algo, inputs)
                     out.loss.backward()
                     losses.append(out.loss.detach())
                     stats.add(out.metrics, torch.where(inputs.mask, entropy, 0).sum(), inputs.mask.sum(),
-                              b.rb.prompt_mask[idx].sum() + b.rb.response_mask[idx].sum())
+                              b.rb.prompt_mask[idx].sum() + b.rb.response_mask[idx].sum(),
+                              forwarded_positions(b.rb, idx, t.packing))
                 stats.end_mini_batch()
                 loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
                 self._optimizer_step(loss, stats)

@@ -154,9 +154,16 @@ class TrainConfig:
     epochs: int = 1  # passes over each rollout batch (> 1 makes the update off-policy)
     mini_batches: int = 1  # optimizer steps per epoch; each sees 1/mini_batches of the batch
     micro_batch_size: int = 8  # sequences per forward/backward (gradient accumulation)
+    micro_batch_tokens: int = 0  # a token budget per forward/backward in place of micro_batch_size (0 = off: rows):
+    # each mini-batch's rows sorted by length (a group's rows kept together under share_prompt), a micro-batch takes
+    # rows while rows x its padded length (longest prompt + longest response; the sum of lengths under packing) stays
+    # within it, a longer row alone; the no-grad passes take twice it. Same gradient; less padding (pad_frac)
     logprob_chunk: int = 1024  # tokens per chunk in the log-prob engine (peak memory ~ chunk x vocab)
     share_prompt: bool = True  # forward each group's prompt once per micro-batch and reuse its KV cache for the G
     # responses (exact; off under gradient checkpointing)
+    packing: bool = False  # forward each micro-batch as one row without padding (its sequences one after another,
+    # positions restarting at 0 for each; checked against the padded forward at the first step; needs
+    # share_prompt=false). Same log-probs and gradient up to float rounding; pad_frac 0
     seed: int = 0  # seeds data order, sampling and initialization
     max_staleness: int = 0  # K, asynchronous RL (docs/async.md): rollouts are generated in worker processes while the
     # trainer updates, each batch by weights at most K trainer updates older than the policy it trains (0 = the

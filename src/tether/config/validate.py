@@ -199,6 +199,14 @@ def _check_train(cfg: Config) -> list[str]:
             errs.append(f"train.{k} must be >= 1")
     if r.prompts_per_step * r.n < t.mini_batches:
         errs.append("train.mini_batches exceeds the number of sequences per step")
+    if t.micro_batch_tokens < 0:
+        errs.append("train.micro_batch_tokens must be >= 0 (0 = micro-batches of train.micro_batch_size rows)")
+    elif t.micro_batch_tokens > 0 and t.micro_batch_size != TrainConfig().micro_batch_size:
+        errs.append("train.micro_batch_size has no effect with train.micro_batch_tokens > 0 (micro-batches are cut "
+                    "by the token budget): set one of them")
+    if t.packing and t.share_prompt:
+        errs.append("train.packing runs each row's prompt in its own packed sequence, so train.share_prompt would "
+                    "have no effect: set train.share_prompt=false with train.packing=true")
     if (cfg.algo.anchor.kind == "iterative" and t.epochs == 1 and t.mini_batches == 1
             and cfg.algo.kl.estimator != "none"):
         errs.append("anchor 'iterative' with train.epochs=1 and train.mini_batches=1 is exactly on-policy: "
