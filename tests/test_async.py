@@ -316,7 +316,7 @@ class ScriptedWorkers:
 
     VERSIONS: list = []
 
-    def __init__(self, cfg, model, n, lookahead, verify, version=0, log=print):
+    def __init__(self, cfg, model, n, lookahead, verify, version=0, log=print, tokenizer=None):
         self.lookahead, self.jobs, self.agent, self.versions = lookahead, [], None, list(self.VERSIONS)
 
     def wants_job(self):

@@ -240,3 +240,97 @@ def test_search_agent_runs_on_vllm(setup):
     assert float((lp - rb.sampler_logp).abs()[rb.loss_mask].max()) < 1e-4
     # each token once: the engine takes the agent's sessions, and vLLM's prefix cache reuses each episode's context
     assert eng.supports_sessions and eng.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+
+
+# ---------------------------------------------------------------- asynchronous RL: vLLM rollout workers (docs/async.md)
+
+STALE_VLLM_AGENT = '''
+from tether.agents import SingleTurnAgent
+
+
+def stale_vllm(engine, tokenizer, **options):
+    """The single-turn agent on an engine whose weight sync is lost: vLLM keeps the weights it started with."""
+    if type(engine).__name__ == "VLLMEngine":
+        engine.sync_weights = lambda model: None
+    return SingleTurnAgent(engine, tokenizer, **options)
+'''
+
+
+def test_vllm_probe_reads_back_what_the_engine_samples_with(setup):
+    """Verified sync for vLLM workers: the engine's log-probs of the probe text equal the trainer's with the same
+    weights, differ once the trainer's weights moved without a sync, and agree again after it."""
+    from tether.rollout.workers import engine_probe_logp, model_probe_logp, probe_ids
+
+    _, model, tok, eng = setup
+    eng.sync_weights(model)
+    ids = probe_ids(tok)
+    assert len(ids) > 10
+
+    def gap():
+        a, b = engine_probe_logp(eng, ids), model_probe_logp(model, ids)
+        assert len(a) == len(b) == len(ids) - 1
+        return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+    same = gap()
+    _train_one_step(model, tok, eng)
+    stale = gap()
+    eng.sync_weights(model)
+    fresh = gap()
+    print(f"probe mean |dlogp|: synced {same:.2e}, after an unsynced step {stale:.3f}, synced again {fresh:.2e}")
+    assert same < 1e-4 and fresh < 1e-4 and stale > 0.02  # the default train.verify_logp_tol separates them
+
+
+DIGITS_REWARD = '''
+def digits(completion, example):
+    return sum(c.isdigit() for c in completion) / max(len(completion), 1)
+'''
+
+
+def _async_cmd(d, tmp_path, out, *extra):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)}) + "\n"
+                            for i in range(16)))
+    (tmp_path / "rew.py").write_text(DIGITS_REWARD)  # varies between samples: the updates move the weights
+    return [sys.executable, "-m", "tether", "train", "--recipe", "grpo", f"model.name={d}", f"data.task={data}",
+            f"data.reward={tmp_path / 'rew.py'}:digits", "rollout.prompts_per_step=2", "rollout.n=2",
+            "rollout.max_new_tokens=8", "train.lr=1e-2",
+            "rollout.engine=vllm", "rollout.vllm_enforce_eager=true", "rollout.vllm_kv_cache_gb=1",
+            "rollout.vllm_max_model_len=256", "train.max_staleness=1", "train.verify_sync=true",
+            "eval.before=false", "eval.after=false", "run.progress=false", "run.plot=false",
+            f"run.output_dir={out}", *extra]
+
+
+def test_async_training_with_vllm_workers(tmp_path_factory, tmp_path):
+    """`tether train rollout.engine=vllm train.max_staleness=1 train.verify_sync=true`: a vLLM engine in the rollout
+    worker, reloaded for every version (checksums and the probe agree), staleness <= 1, mu = vLLM's log-probs (the
+    rollout correction's ratio is 1 on a batch of the current version)."""
+    d = _model_dir(tmp_path_factory, True)
+    out = tmp_path / "run"
+    r = subprocess.run(_async_cmd(d, tmp_path, out, "train.steps=4", "algo.tis_cap=2"), capture_output=True,
+                       text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3, 4]
+    for step, x in enumerate(rows):
+        print({k: x[k] for k in ("async/staleness", "async/version", "rollout_corr/ratio_max", "async/worker_load_s")})
+        assert 0 <= x["async/staleness"] <= 1 and x["async/version"] == step - x["async/staleness"]
+        if x["async/staleness"] == 0:
+            assert abs(x["rollout_corr/ratio_max"] - 1.0) < 1e-3
+    assert rows[-1]["async/version"] >= 1
+    stale = [x for x in rows if x["async/staleness"] == 1]  # (timing decides how many)
+    assert not stale or any(x["rollout_corr/ratio_max"] > 1.0 + 1e-3 for x in stale)  # the updates moved the weights
+
+
+def test_a_vllm_worker_that_keeps_old_weights_is_caught(tmp_path_factory, tmp_path):
+    """The field's bug on purpose: the worker's model copy receives every version (its checksum matches) but
+    the vLLM engine keeps its first weights. The probe catches it at the first batch of a later version."""
+    d = _model_dir(tmp_path_factory, False)
+    (tmp_path / "stale.py").write_text(STALE_VLLM_AGENT)
+    out = tmp_path / "run"
+    agent = f"rollout.agent={tmp_path / 'stale.py'}:stale_vllm"
+    r = subprocess.run(_async_cmd(d, tmp_path, out, "train.steps=6", agent),
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "tether: error: trainer step" in r.stderr and "vLLM engine does not sample with version" in r.stderr, \
+        r.stderr[-3000:]
+    assert "> train.verify_logp_tol=0.02" in r.stderr

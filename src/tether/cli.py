@@ -1,4 +1,4 @@
-"""The ``tether`` command: train, sft, eval, export, plot, recipes, retrieve."""
+"""The ``tether`` command: train, sft, worker, eval, export, plot, recipes, retrieve."""
 
 from __future__ import annotations
 
@@ -87,6 +87,13 @@ def _interrupted(e: KeyboardInterrupt) -> int:
     return stop.exit_code("SIGINT")
 
 
+def _worker(args) -> int:
+    """A remote rollout worker (tether.rollout.remote.serve): 0 once the trainer ended the run."""
+    from .rollout.remote import serve
+
+    return serve(args.address, wait_s=args.wait)
+
+
 def _plot(args) -> int:
     """Write the plot and print the path of the file written: ``--out`` as `tether.plot.plot_path`
     resolves it (an existing directory gets curves.png inside it, a name without an image suffix
@@ -157,6 +164,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=_train)
 
     _add_sft_parser(sub)
+
+    w = sub.add_parser("worker", help="a remote rollout worker for a trainer with train.worker_address (docs/async.md)",
+                       description="Connect to a trainer started with train.max_staleness >= 1 and "
+                       "train.worker_address=HOST:PORT, and generate its rollouts: the run's config (model, engine, "
+                       "agent) comes from the trainer, weights after each update, jobs as they are due. The secret "
+                       "in $TETHER_WORKER_KEY must equal the trainer's. model.name and any agent / environment files "
+                       "must exist on this node under the same names.",
+                       epilog="Exit 0: the trainer ended the run; 2: no trainer answered within --wait, a wrong key, "
+                       "the trainer lost, or an error in this worker (also reported to the trainer).")
+    w.add_argument("address", help="the trainer's train.worker_address as reachable from here, HOST:PORT")
+    w.add_argument("--wait", type=float, default=600.0, help="seconds to keep retrying while no trainer listens "
+                   "yet (default 600)")
+    w.set_defaults(fn=_worker)
 
     pl = sub.add_parser("plot", help="plot the curves of one or more runs, overlaid")
     pl.add_argument("runs", nargs="+", help="run directories")

@@ -15,7 +15,8 @@ mathematics lives in ``tether.algo`` and ``tether.anchor``. Under ``torchrun`` t
 sharded with FSDP2 and rollouts are data-parallel: the loop calls ``tether.distributed``'s helpers
 (``rank_share``, ``lockstep``, ``gathered``, ``all_reduce``...), no-ops in a single process.
 With ``train.max_staleness`` K >= 1 the rollout arrow runs ahead in worker processes
-(``tether.rollout.workers``, docs/async.md): the trainer submits each step's examples as a job,
+(``tether.rollout.workers``; on other nodes with ``train.worker_address``: ``tether.rollout.remote``;
+docs/async.md): the trainer submits each step's examples as a job,
 takes the batch of the oldest job (sampled by weights at most K updates old) and scores it, and
 pushes its weights after each step; K = 0 is the synchronous loop, unchanged.
 `train` / `resume` run a Trainer inside its locked run directory (``tether.rundir``).
@@ -23,6 +24,7 @@ pushes its weights after each step; K = 0 is the synchronous loop, unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -94,7 +96,7 @@ class Trainer:
         self.schedule = LRSchedule(self.optimizer, t)  # a resume that extends the run re-lays it (continue_from)
         self.scheduler = self.schedule.scheduler
         self.anchor = make_anchor(cfg.algo.anchor, model)
-        self.engine = make_engine(cfg.rollout, model, tokenizer)
+        self.engine = make_engine(self._engine_config(), model, tokenizer)
         self.agent = agent_from_config(cfg, self.engine, tokenizer, tools)
         prompts = getattr(self.agent, "prompts", None)  # the agent's PromptEncoder (tether.tasks.prompts)
         if prompts is not None and self.data.examples is not None:  # an overlong row fails now, not at its step
@@ -116,20 +118,34 @@ class Trainer:
         if t.max_staleness > 0:
             self._start_workers()
 
+    def _engine_config(self):
+        """rollout.* for the trainer's own engine. With K >= 1 the workers sample; the trainer's engine only serves
+        the held-out evaluation (and its agent encodes prompts), so a run that does not evaluate gives the trainer
+        the hf engine on its own model, not a second vLLM copy of the weights reloaded every step."""
+        from .config import evaluating
+
+        r = self.cfg.rollout
+        if self.cfg.train.max_staleness > 0 and r.engine != "hf" and not evaluating(self.cfg):
+            return dataclasses.replace(r, engine="hf")
+        return r
+
     def _start_workers(self) -> None:
         """Asynchronous rollouts: spawn the workers (last in __init__: nothing after them can fail) with the
         policy as version 0; up to max(K + 1, workers) jobs in flight (tether.rollout.workers)."""
         t = self.cfg.train
         if dist.enabled():
             raise ConfigError("train.max_staleness >= 1 runs in one trainer process; under torchrun it is not "
-                              "built yet (docs/async.md)")
+                              "built yet (rollout workers on other nodes: train.worker_address, docs/async.md)")
         self.jobs_submitted = self.jobs_consumed = 0  # job ids; no drops: job i trains step i + 1
         self.consumed_position = self.data.position  # the data position after the last consumed job
         self.dropped = 0
         self.staleness_counts = [0] * max(t.max_staleness + 1, t.rollout_workers)  # index: staleness
-        self.workers = RolloutWorkers(self.cfg, self.model, n=t.rollout_workers,
-                                      lookahead=max(t.max_staleness + 1, t.rollout_workers),
-                                      verify=t.verify_sync, version=self.step, log=self.log)
+        pool = RolloutWorkers  # local processes, weights through shared memory
+        if t.worker_address:  # `tether worker` processes on other nodes, over TCP
+            from .rollout.remote import RemoteWorkers as pool
+        self.workers = pool(self.cfg, self.model, n=t.rollout_workers,
+                            lookahead=max(t.max_staleness + 1, t.rollout_workers),
+                            verify=t.verify_sync, version=self.step, log=self.log, tokenizer=self.tokenizer)
 
     # ------------------------------------------------------------ rollout and rewards
 

@@ -167,8 +167,9 @@ class TrainConfig:
     seed: int = 0  # seeds data order, sampling and initialization
     max_staleness: int = 0  # K, asynchronous RL (docs/async.md): rollouts are generated in worker processes while the
     # trainer updates, each batch by weights at most K trainer updates older than the policy it trains (0 = the
-    # synchronous loop: generate, then update, with the same weights). K >= 1: rollout.engine=hf, one process, no
-    # rollout.dynamic_sampling; the workers record the engine's log-probs, so algo.tis_cap can correct the lag
+    # synchronous loop: generate, then update, with the same weights). K >= 1: one trainer process (no torchrun), no
+    # rollout.dynamic_sampling; the workers (rollout.engine hf or vllm) report the engine's log-probs, so algo.tis_cap
+    # can correct the lag
     rollout_workers: int = 1  # max_staleness >= 1: rollout worker processes, each with its own copy of the model; up
     # to max(max_staleness + 1, rollout_workers) batches are in flight, so more than max_staleness + 1 workers make
     # batches older than K possible (train.stale_batches)
@@ -177,7 +178,17 @@ class TrainConfig:
     # trains) | keep (train on it: the staleness is then bounded by rollout_workers - 1, and algo.tis_cap corrects it)
     verify_sync: bool = False  # max_staleness >= 1: checksum every pushed weights version on both sides (the trainer:
     # what it pushed; a worker: its model's weights read back after loading) and stop with an error on a mismatch
-    # (one hash pass over the weights per version and side; tests turn it on)
+    # (one hash pass over the weights per version and side; tests turn it on). rollout.engine=vllm: the worker's vLLM
+    # engine also reports its log-probs of a fixed probe text, compared with the trainer's (train.verify_logp_tol)
+    verify_logp_tol: float = 0.02  # verify_sync with rollout.engine=vllm: the largest mean absolute log-prob
+    # difference per probe token between a worker's vLLM engine and the trainer at the same version (float32 engines
+    # agree to ~1e-5; raise it for bfloat16 if version 0 already fails); above it the run stops: vLLM kept older weights
+    worker_address: str = ""  # max_staleness >= 1: "" = the rollout workers are local processes; HOST:PORT = the
+    # trainer listens there for train.rollout_workers remote `tether worker HOST:PORT` processes (other nodes; jobs,
+    # weights per version and batches over TCP, authenticated with the secret in $TETHER_WORKER_KEY on both sides)
+    worker_timeout_s: float = 600.0  # worker_address set: how long the trainer waits for its remote workers to
+    # connect, and how long a connected worker may stay silent (they send a heartbeat every few seconds, also while
+    # generating) before the run stops with an error naming it; a closed connection is an error at once
 
 
 @dataclass

@@ -221,12 +221,25 @@ STALE_BATCHES = ("drop", "keep")
 def _check_async(cfg: Config) -> list[str]:
     """train.max_staleness and the options of asynchronous training (tether.rollout.workers)."""
     r, t, dt, errs = cfg.rollout, cfg.train, TrainConfig(), []
-    keys = ("rollout_workers", "stale_batches", "verify_sync")
+    keys = ("rollout_workers", "stale_batches", "verify_sync", "worker_address")
     if t.max_staleness < 0:
         errs.append("train.max_staleness must be >= 0 (0 = synchronous)")
+    if t.verify_logp_tol != dt.verify_logp_tol and not (t.verify_sync and r.engine == "vllm"):
+        errs.append("train.verify_logp_tol only applies with train.verify_sync=true and rollout.engine=vllm (the vLLM "
+                    "workers' probe)")
+    elif not t.verify_logp_tol > 0:
+        errs.append("train.verify_logp_tol must be > 0")
+    if t.worker_timeout_s != dt.worker_timeout_s and not t.worker_address:
+        errs.append("train.worker_timeout_s only applies with train.worker_address (remote rollout workers)")
+    elif not t.worker_timeout_s > 0:
+        errs.append("train.worker_timeout_s must be > 0")
     if t.max_staleness <= 0:
         return errs + [f"train.{k} only applies with train.max_staleness >= 1 (asynchronous rollouts)"
                        for k in keys if getattr(t, k) != getattr(dt, k)]
+    if t.worker_address:
+        host, _, port = t.worker_address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            errs.append(f"train.worker_address must be HOST:PORT (e.g. 0.0.0.0:29600), got {t.worker_address!r}")
     if t.rollout_workers < 1:
         errs.append("train.rollout_workers must be >= 1")
     if t.stale_batches not in STALE_BATCHES:
@@ -234,9 +247,6 @@ def _check_async(cfg: Config) -> list[str]:
     elif t.stale_batches != dt.stale_batches and t.rollout_workers <= t.max_staleness + 1:
         errs.append(f"train.stale_batches has no effect: with train.rollout_workers={t.rollout_workers} <= "
                     f"train.max_staleness + 1 no batch can be more than {t.max_staleness} versions old")
-    if r.engine != "hf":
-        errs.append(f"train.max_staleness >= 1 runs rollout.engine=hf in the workers; rollout.engine={r.engine} "
-                    "workers are not built yet (docs/async.md)")
     if r.dynamic_sampling:
         errs.append("train.max_staleness >= 1 does not support rollout.dynamic_sampling (its refills are decided "
                     "after scoring, in the trainer)")

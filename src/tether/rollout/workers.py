@@ -21,7 +21,18 @@ pushed, the worker of its own model's weights read back after loading, and `next
 `WeightSyncError` when they differ, so stale or corrupted weights are an error, not a silent
 off-policy bias.
 
-Workers ignore SIGINT / SIGTERM (the trainer's graceful stop needs them to finish the step in
+Engines: a worker's `Sampler` builds ``rollout.engine`` on its model copy. For ``vllm`` the engine keeps its
+own copy of the weights, reloaded from the model after each load (``VLLMEngine.sync_weights``); the model's
+checksum then says nothing about what vLLM samples with, so with ``verify`` the worker also reports the
+engine's log-probs of a fixed probe text (`PROBE_TEXT`, vLLM's ``prompt_logprobs``), and `WorkerPool`
+compares them with the trainer's own at that version (``train.verify_logp_tol``).
+
+Transports: `WorkerPool` holds what does not depend on where the workers run (jobs in flight, job order,
+versions, checksums, the checks); `RolloutWorkers` is the local transport below (spawned processes,
+queues, shared memory), `tether.rollout.remote.RemoteWorkers` the network one (``tether worker``
+processes on other nodes, over TCP).
+
+Local workers ignore SIGINT / SIGTERM (the trainer's graceful stop needs them to finish the step in
 progress; ``tether.stop``) and are killed by `close`, which the trainer calls however it ends;
 a worker also exits when its parent is gone. A worker that raises (or dies) becomes a
 `WorkerError` naming it and its exception at the trainer's next `next_batch`.
@@ -77,6 +88,7 @@ class Rollout:
     agent_metrics: dict = field(default_factory=dict)  # the worker agent's metrics() for this batch
     gen_s: float = 0.0  # seconds the worker spent generating the batch
     load_s: float = 0.0  # seconds it spent loading (and checksumming) new weights before it
+    probe_logp: Optional[list] = None  # verify, rollout.engine=vllm: the engine's log-probs of the probe (PROBE_TEXT)
 
 
 # ------------------------------------------------------------------ weights
@@ -132,15 +144,9 @@ class SharedWeights:
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], ctx):
-        self.alias, self.tensors, seen = {}, {}, {}
-        for name in sorted(weights):
-            t = weights[name]
-            key = (t.data_ptr(), tuple(t.shape), t.dtype, t.device)
-            if key in seen:  # tied: one buffer, every name
-                self.alias[name] = seen[key]
-                continue
-            seen[key] = name
-            self.tensors[name] = torch.empty(t.shape, dtype=t.dtype).share_memory_()
+        stored, self.alias = unique_weights(weights)  # tied: one buffer, every name
+        self.tensors = {name: torch.empty(weights[name].shape, dtype=weights[name].dtype).share_memory_()
+                        for name in stored}
         self.version = ctx.Value("q", -1, lock=False)
         self.lock = ctx.Lock()
 
@@ -157,37 +163,129 @@ class SharedWeights:
                 buf.copy_(weights[name])
             self.version.value = version
 
-    @torch.no_grad()
     def read_into(self, model) -> int:
         """Copy the newest weights into ``model`` (a plain model with the same names); returns their version."""
-        params = dict(model.named_parameters(remove_duplicate=False))
-        if set(params) != self.names():
-            raise WeightSyncError(f"the worker's model does not match the pushed weights (names differ: "
-                                  f"{sorted(set(params) ^ self.names())[:4]})")
         with self.lock:
-            for name, p in params.items():
-                p.copy_(self.tensors[self.alias.get(name, name)])
+            copy_weights(model, self.tensors, self.alias)
             return int(self.version.value)
 
 
-# ------------------------------------------------------------------ the worker process
+# ------------------------------------------------------------------ the worker's side
+
+#: the fixed text whose log-probs a vLLM worker's engine reports after each weights load (verified sync)
+PROBE_TEXT = ("The rollout worker samples with the weights the trainer pushed: 12 + 30 = 42, and every "
+              "token of this probe is scored by the engine itself.")
 
 
-def _worker_main(rank: int, cfg, shared: SharedWeights, jobs, results, verify: bool, parent: int) -> None:
-    """A worker: load the model and agent as the trainer does, then answer jobs until told to stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops gracefully and then kills its workers
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
+def probe_ids(tokenizer) -> list[int]:
+    """The token ids of `PROBE_TEXT` (the same on every side that has the run's tokenizer)."""
+    return [int(i) for i in tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]]
+
+
+@torch.no_grad()
+def model_probe_logp(model, ids: list[int]) -> list[float]:
+    """log pi(ids[i] | ids[:i]) for i >= 1 under ``model`` (temperature 1): the trainer's side of the probe."""
+    x = torch.tensor([ids], device=next(model.parameters()).device)
+    logits = model(input_ids=x).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0].tolist()
+
+
+def engine_probe_logp(engine, ids: list[int]) -> list[float]:
+    """The same log-probs as the vLLM engine computes them with the weights it holds (``prompt_logprobs``):
+    the weights vLLM samples with, read back through its own forward."""
+    from vllm import SamplingParams as VSP
+    from vllm.inputs import TokensPrompt
+
+    (out,) = engine.llm.generate([TokensPrompt(prompt_token_ids=list(ids))],
+                                 VSP(max_tokens=1, temperature=1.0, prompt_logprobs=0, seed=0), use_tqdm=False)
+    return [float(d[t].logprob) for d, t in zip(out.prompt_logprobs[1:], ids[1:])]
+
+
+def copy_weights(model, tensors: dict, alias: dict) -> None:
+    """Copy unique ``tensors`` (tied names in ``alias``: name -> stored name) into a plain ``model``."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    names = set(tensors) | set(alias)
+    if set(params) != names:
+        raise WeightSyncError(f"the worker's model does not match the pushed weights (names differ: "
+                              f"{sorted(set(params) ^ names)[:4]})")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(tensors[alias.get(name, name)])
+
+
+def unique_weights(weights: dict[str, torch.Tensor]) -> tuple[list[str], dict[str, str]]:
+    """(names stored, alias: tied name -> the stored name of its tensor) for ``weights`` in name order."""
+    stored, alias, seen = [], {}, {}
+    for name in sorted(weights):
+        t = weights[name]
+        key = (t.data_ptr(), tuple(t.shape), t.dtype, t.device)
+        if key in seen:
+            alias[name] = seen[key]
+        else:
+            seen[key] = name
+            stored.append(name)
+    return stored, alias
+
+
+class Sampler:
+    """A worker's model, engine and agent, built from the run's config as the trainer builds its own.
+
+    The model is a plain copy (``lora_r=0``: LoRA arrives merged); ``rollout.engine=hf`` samples with it
+    (recording its log-probs), ``rollout.engine=vllm`` builds a vLLM engine from it and reloads the engine
+    from it after each weights load (``VLLMEngine.sync_weights``). ``load`` takes a new version in; ``run``
+    answers a job with it.
+    """
+
+    def __init__(self, cfg, rank: int, verify: bool, probe: list[int]):
         from ..agents import agent_from_config, agent_tools
         from ..models import load_model
         from . import make_engine
 
-        # the trainer's loading code; LoRA is merged into the pushed weights, so the worker's model is plain
-        model, tokenizer = load_model(dataclasses.replace(cfg.model, lora_r=0, gradient_checkpointing=False))
-        model.requires_grad_(False)
-        engine = make_engine(cfg.rollout, model, tokenizer, record_logp=True)  # mu's log-probs for the trainer
-        agent = agent_from_config(cfg, engine, tokenizer, agent_tools(cfg))
-        loaded, sum_ = None, None
+        self.rank, self.verify, self.probe = rank, verify, probe
+        self.model, tokenizer = load_model(dataclasses.replace(cfg.model, lora_r=0, gradient_checkpointing=False))
+        self.model.requires_grad_(False)
+        self.vllm = cfg.rollout.engine == "vllm"
+        extra = {} if self.vllm else {"record_logp": True}  # mu's log-probs (vLLM reports them anyway)
+        self.engine = make_engine(cfg.rollout, self.model, tokenizer, **extra)
+        self.agent = agent_from_config(cfg, self.engine, tokenizer, agent_tools(cfg))
+        self.version: Optional[int] = None
+        self.checksum: Optional[str] = None
+        self.probe_logp: Optional[list] = None
+        self.load_s = 0.0
+
+    def load(self, copy_into: Callable) -> None:
+        """``copy_into(model)`` copies a version's weights into the model and returns the version; the engine
+        then takes them (a vLLM reload), and with ``verify`` they are read back: the model's checksum, and
+        the vLLM engine's log-probs of the probe."""
+        t0 = time.perf_counter()
+        self.version = copy_into(self.model)
+        self.engine.sync_weights(self.model)  # vLLM: a reload; HF: drops KV caches computed with older weights
+        self.checksum = checksum(model_weights(self.model)) if self.verify else None
+        self.probe_logp = engine_probe_logp(self.engine, self.probe) if self.verify and self.vllm else None
+        self.load_s = time.perf_counter() - t0
+
+    def run(self, job: Job, load_s: float = 0.0) -> Rollout:
+        t1 = time.perf_counter()
+        rb = self.agent.rollout(job.examples, job.params).to("cpu")
+        return Rollout(job=job, rb=rb, version=self.version, worker=self.rank, checksum=self.checksum,
+                       agent_metrics=self.agent.metrics(), gen_s=time.perf_counter() - t1, load_s=load_s,
+                       probe_logp=self.probe_logp)
+
+
+def error_text(e: BaseException) -> str:
+    """``Type: message (at file:line)`` of an exception, for the trainer's error line."""
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
+def _worker_main(rank: int, cfg, shared: "SharedWeights", jobs, results, verify: bool, parent: int,
+                 probe: list) -> None:
+    """A local worker: load the model and agent as the trainer does, then answer jobs until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops gracefully and then kills its workers
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        s = Sampler(cfg, rank, verify, probe)
         while True:
             try:
                 job = jobs.get(timeout=1.0)
@@ -197,23 +295,117 @@ def _worker_main(rank: int, cfg, shared: SharedWeights, jobs, results, verify: b
                 continue
             if job is None:
                 return
-            t0 = time.perf_counter()
-            if shared.version.value != loaded:
-                loaded = shared.read_into(model)
-                engine.sync_weights(model)  # drops KV caches computed with the previous weights
-                sum_ = checksum(model_weights(model)) if verify else None
-            t1 = time.perf_counter()
-            rb = agent.rollout(job.examples, job.params).to("cpu")
-            results.put(("batch", rank, Rollout(job=job, rb=rb, version=loaded, worker=rank, checksum=sum_,
-                                                agent_metrics=agent.metrics(), gen_s=time.perf_counter() - t1,
-                                                load_s=t1 - t0)))
+            load_s = 0.0
+            if shared.version.value != s.version:  # the newest version, before the job (never during one)
+                s.load(shared.read_into)
+                load_s = s.load_s
+            results.put(("batch", rank, s.run(job, load_s)))
     except BaseException as e:  # noqa: BLE001  every failure goes to the trainer, named
-        tb = traceback.extract_tb(e.__traceback__)
-        where = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno})" if tb else ""
-        results.put(("error", rank, f"{type(e).__name__}: {e}{where}"))
+        results.put(("error", rank, error_text(e)))
 
 
 # ------------------------------------------------------------------ the trainer's side
+
+
+class WorkerPool:
+    """What every transport shares (`RolloutWorkers`: local processes; `tether.rollout.remote.RemoteWorkers`:
+    ``tether worker`` processes over TCP): jobs in flight, rollouts in job order, the versions pushed and
+    their checksums (and, for vLLM workers, the trainer's log-probs of the probe), and the checks of
+    `next_batch`. A transport implements ``_send(job)``, ``_receive(timeout) -> message or None``,
+    ``_check_alive()``, ``_publish(weights, version)``, ``close()`` and ``describe(rank)``.
+    """
+
+    def __init__(self, cfg, n: int, lookahead: int, verify: bool, tokenizer):
+        self.n, self.lookahead, self.verify = n, lookahead, verify
+        self.vllm = cfg.rollout.engine == "vllm"
+        self.logp_tol = cfg.train.verify_logp_tol
+        self.probe = probe_ids(tokenizer) if verify and self.vllm else []
+        self.checksums: dict[int, str] = {}  # version -> checksum of what was pushed (verify)
+        self.probes: dict[int, list] = {}  # version -> the trainer's log-probs of the probe (verify, vLLM)
+        self.submitted, self.consumed = 0, 0
+        self._ready: dict[int, Rollout] = {}  # job id -> rollout that arrived before its turn
+        self._order: collections.deque = collections.deque()  # ids of the jobs in flight, in submission order
+
+    def wants_job(self) -> bool:
+        """Whether fewer than ``lookahead`` jobs are submitted and not yet consumed."""
+        return self.submitted - self.consumed < self.lookahead
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; `next_batch` returns the rollouts in submission order."""
+        if not self.wants_job():
+            raise RuntimeError(f"{self.lookahead} jobs already in flight")
+        self._send(job)
+        self._order.append(job.id)
+        self.submitted += 1
+
+    def next_batch(self) -> Rollout:
+        """The rollout of the oldest unconsumed job (waits for it); raises `WorkerError` if a worker
+        failed, `WeightSyncError` if verified weights differ from those pushed for its version."""
+        if self.consumed >= self.submitted:
+            raise RuntimeError("next_batch() with no job in flight: submit() first")
+        want = self._order[0]
+        while want not in self._ready:
+            msg = self._receive(0.5)
+            if msg is None:
+                self._check_alive()
+                continue
+            self._take(msg)
+        r = self._ready.pop(self._order.popleft())
+        self.consumed += 1
+        self._verify(r)
+        return r
+
+    def _verify(self, r: Rollout) -> None:
+        who = f"rollout worker {r.worker}"
+        if r.version not in self.checksums:
+            raise WeightSyncError(f"{who} tagged job {r.job.id} with version {r.version}, "
+                                  f"which was never pushed (pushed: {sorted(self.checksums)[-3:]})")
+        if not self.verify:
+            return
+        if r.checksum != self.checksums[r.version]:
+            raise WeightSyncError(f"{who} sampled job {r.job.id} with weights that are not "
+                                  f"version {r.version}'s: checksum {r.checksum} read back from its model, "
+                                  f"{self.checksums[r.version]} pushed")
+        if self.vllm:
+            ours, theirs = self.probes[r.version], r.probe_logp
+            if theirs is None or len(theirs) != len(ours):
+                raise WeightSyncError(f"{who} sent no vLLM probe log-probs for version {r.version}")
+            d = sum(abs(a - b) for a, b in zip(ours, theirs)) / max(len(ours), 1)
+            if not d <= self.logp_tol:  # NaN too
+                raise WeightSyncError(
+                    f"{who}'s vLLM engine does not sample with version {r.version}'s weights: its log-probs of "
+                    f"the probe text differ from the trainer's by {d:.3g} per token on average (> "
+                    f"train.verify_logp_tol={self.logp_tol:g}) though the weights it was given match (job "
+                    f"{r.job.id}). At version 0 this is the engine's numerics (raise train.verify_logp_tol, "
+                    f"e.g. for bfloat16); later, the engine kept older weights")
+
+    def _take(self, msg) -> None:
+        kind, rank, body = msg
+        if kind == "error":
+            raise WorkerError(f"{self.describe(rank)} failed: {body}")
+        self._ready[body.job.id] = body
+        self._arrived(rank)
+
+    def _arrived(self, rank: int) -> None:
+        """A batch of worker ``rank`` arrived (transports that assign jobs count them)."""
+
+    def push(self, model, version: int) -> None:
+        """Publish ``model``'s effective weights as ``version`` (and, with ``verify``, their checksum and the
+        trainer's log-probs of the probe for vLLM workers)."""
+        w = effective_weights(model)
+        self.checksums[version] = checksum(w) if self.verify else ""  # "": pushed, not checksummed
+        if self.probe:
+            self.probes[version] = model_probe_logp(model, self.probe)
+        self._publish(w, version)
+        for v in [v for v in self.checksums if v < version - self.lookahead - 1]:
+            del self.checksums[v]
+            self.probes.pop(v, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _kill(procs: list, jobs=None, grace_s: float = 2.0) -> None:
@@ -234,81 +426,49 @@ def _kill(procs: list, jobs=None, grace_s: float = 2.0) -> None:
         p.join(timeout=10)
 
 
-class RolloutWorkers:
-    """``n`` rollout worker processes (spawned) for the trainer: `submit`, `next_batch`, `push`, `close`.
+class RolloutWorkers(WorkerPool):
+    """``n`` local rollout worker processes (spawned) for the trainer: `submit`, `next_batch`, `push`, `close`.
 
     Args:
         cfg: the run's `tether.config.Config` (the workers build model, engine and agent from it).
         model: the trainer's policy; its effective weights are pushed now as version ``version``.
         n: worker processes.
         lookahead: at most this many jobs submitted and not yet consumed (`wants_job`).
-        verify: checksum every version on both sides (`next_batch` raises `WeightSyncError` on a mismatch).
+        verify: checksum every version on both sides (`next_batch` raises `WeightSyncError` on a mismatch);
+            vLLM workers also report their engine's log-probs of a probe text.
+        tokenizer: the run's tokenizer (the probe's ids).
     """
 
     def __init__(self, cfg, model, n: int, lookahead: int, verify: bool, version: int = 0,
-                 log: Callable = print):
+                 log: Callable = print, tokenizer=None):
         import torch.multiprocessing as mp
 
+        super().__init__(cfg, n, lookahead, verify, tokenizer)
         ctx = mp.get_context("spawn")
-        self.n, self.lookahead, self.verify = n, lookahead, verify
         self.shared = SharedWeights(effective_weights(model), ctx)
-        self.checksums: dict[int, str] = {}  # version -> checksum of what was pushed (verify)
         self.jobs = ctx.Queue(maxsize=lookahead)
         self.results = ctx.Queue(maxsize=lookahead + 2 * n)  # batches (<= lookahead) and the workers' errors
-        self.submitted, self.consumed = 0, 0
-        self._ready: dict[int, Rollout] = {}  # job id -> rollout that arrived before its turn
-        self._order: collections.deque = collections.deque()  # ids of the jobs in flight, in submission order
         self.push(model, version)
         self.procs = []
         for i in range(n):
             p = ctx.Process(target=_worker_main, name=f"tether-rollout-{i}", daemon=True,
-                            args=(i, cfg, self.shared, self.jobs, self.results, verify, os.getpid()))
+                            args=(i, cfg, self.shared, self.jobs, self.results, verify, os.getpid(), self.probe))
             p.start()
             self.procs.append(p)
             log(f"[tether] rollout worker {i} started (pid {p.pid})")
         self._finalizer = weakref.finalize(self, _kill, list(self.procs), self.jobs)
 
-    def wants_job(self) -> bool:
-        """Whether fewer than ``lookahead`` jobs are submitted and not yet consumed."""
-        return self.submitted - self.consumed < self.lookahead
+    def describe(self, rank: int) -> str:
+        return f"rollout worker {rank} (pid {self.procs[rank].pid})"
 
-    def submit(self, job: Job) -> None:
-        """Queue ``job``; `next_batch` returns the rollouts in submission order."""
-        if not self.wants_job():
-            raise RuntimeError(f"{self.lookahead} jobs already in flight")
+    def _send(self, job: Job) -> None:
         self.jobs.put(job)
-        self._order.append(job.id)
-        self.submitted += 1
 
-    def next_batch(self) -> Rollout:
-        """The rollout of the oldest unconsumed job (waits for it); raises `WorkerError` if a worker
-        failed, `WeightSyncError` if verified weights differ from those pushed for its version."""
-        if self.consumed >= self.submitted:
-            raise RuntimeError("next_batch() with no job in flight: submit() first")
-        want = self._order[0]
-        while want not in self._ready:
-            try:
-                msg = self.results.get(timeout=0.5)
-            except queue.Empty:
-                self._check_alive()
-                continue
-            self._take(msg)
-        r = self._ready.pop(self._order.popleft())
-        self.consumed += 1
-        if r.version not in self.checksums:
-            raise WeightSyncError(f"rollout worker {r.worker} tagged job {r.job.id} with version {r.version}, "
-                                  f"which was never pushed (pushed: {sorted(self.checksums)[-3:]})")
-        if self.verify and r.checksum != self.checksums[r.version]:
-            raise WeightSyncError(f"rollout worker {r.worker} sampled job {r.job.id} with weights that are not "
-                                  f"version {r.version}'s: checksum {r.checksum} read back from its model, "
-                                  f"{self.checksums[r.version]} pushed")
-        return r
-
-    def _take(self, msg) -> None:
-        kind, rank, body = msg
-        if kind == "error":
-            raise WorkerError(f"rollout worker {rank} (pid {self.procs[rank].pid}) failed: {body}")
-        self._ready[body.job.id] = body
+    def _receive(self, timeout: float):
+        try:
+            return self.results.get(timeout=timeout)
+        except queue.Empty:
+            return None
 
     def _check_alive(self) -> None:
         """A dead worker is an error; its own error message, if it sent one, is the one raised."""
@@ -317,21 +477,16 @@ class RolloutWorkers:
             return
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:  # the error it put before exiting may still be in the pipe
-            try:
-                self._take(self.results.get(timeout=0.2))
-            except queue.Empty:
+            msg = self._receive(0.2)
+            if msg is None:
                 break
+            self._take(msg)
         i, p = dead[0]
         raise WorkerError(f"rollout worker {i} (pid {p.pid}) died with exit code {p.exitcode} and no error "
                           f"message (killed, e.g. out of memory?)")
 
-    def push(self, model, version: int) -> None:
-        """Write ``model``'s effective weights as ``version`` (and their checksum, with ``verify``)."""
-        w = effective_weights(model)
-        self.checksums[version] = checksum(w) if self.verify else ""  # "": pushed, not checksummed
-        self.shared.write(w, version)
-        for v in [v for v in self.checksums if v < version - self.lookahead - 1]:
-            del self.checksums[v]
+    def _publish(self, weights: dict, version: int) -> None:
+        self.shared.write(weights, version)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
@@ -343,9 +498,3 @@ class RolloutWorkers:
         for q in (self.jobs, self.results):
             q.cancel_join_thread()
             q.close()
-
-    def __enter__(self) -> "RolloutWorkers":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

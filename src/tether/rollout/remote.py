@@ -1,0 +1,341 @@
+"""Remote rollout workers over TCP (``train.worker_address``; docs/async.md): the network transport of
+`tether.rollout.workers`.
+
+    node A: tether train ... train.max_staleness=1 train.worker_address=0.0.0.0:29600   (listens)
+    node B: tether worker nodeA:29600                                                   (connects)
+
+The trainer (`RemoteWorkers`, the `WorkerPool` interface the trainer uses for local workers too) listens
+on ``train.worker_address`` and waits up to ``train.worker_timeout_s`` for ``train.rollout_workers``
+workers. A worker (`serve`, the ``tether worker`` command) connects, and is sent the run's config, its
+rank, whether to verify and the probe's ids; it builds model, engine (``hf`` or ``vllm``) and agent from
+the config as a local worker does (`Sampler`), so ``model.name``, a custom agent's module and an
+environment's files must exist on its node under the same names. Then, over one connection per worker:
+
+    trainer -> worker: ("weights", version, tensors, alias)   every pushed version, tied tensors once
+                       ("job", Job)                            a step's examples and seed
+                       ("stop",)                               the run ended: the worker exits 0
+    worker -> trainer: ("batch", rank, Rollout)                tagged with its version (+ checksum / probe)
+                       ("error", rank, text)                   its exception, named
+                       ("heartbeat",)                          every few seconds, also while generating
+
+Messages are pickled (standard pickle, tensors on the CPU) over `multiprocessing.connection`
+connections authenticated both ways with the secret in ``$TETHER_WORKER_KEY`` (HMAC challenge; the
+traffic itself is not encrypted: a trusted network, or a tunnel). Each connection has a sender thread
+(so a push never blocks the trainer on the network; a version not yet sent when a newer one is pushed is
+skipped) and a receiver thread. A weights message precedes, on the same connection, every job submitted
+after that push, and a worker loads the newest version it has received before each job, so the
+staleness argument of the local workers holds unchanged. Jobs go to the worker with the fewest jobs in
+flight. A closed connection (the worker died) is an error at once, a worker silent for
+``train.worker_timeout_s`` (hung, or its node gone) one after that time: both `WorkerError`, which the
+CLI prints as ``tether: error: trainer step N: remote rollout worker i (host, pid P) ...``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import threading
+import time
+from multiprocessing.connection import AuthenticationError, Client, Connection, answer_challenge, deliver_challenge
+from typing import Callable, Optional
+
+from .workers import Job, Sampler, WorkerError, WorkerPool, copy_weights, error_text, unique_weights
+
+KEY_ENV = "TETHER_WORKER_KEY"
+
+
+def _key() -> bytes:
+    key = os.environ.get(KEY_ENV, "")
+    if not key:
+        from ..algo.recipes import ConfigError
+
+        raise ConfigError(f"remote rollout workers need a shared secret: set ${KEY_ENV} to the same value for the "
+                          f"trainer and every `tether worker` (e.g. export {KEY_ENV}=$(openssl rand -hex 16))")
+    return key.encode()
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"an address is HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _dumps(msg) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+# ------------------------------------------------------------------ the trainer's side
+
+
+class _Link:
+    """One connected worker: its connection, sender thread (jobs, the newest weights, stop) and receiver thread."""
+
+    def __init__(self, pool: "RemoteWorkers", rank: int, conn: Connection, info: dict):
+        self.pool, self.rank, self.conn, self.info = pool, rank, conn, info
+        self.outbox: queue.Queue = queue.Queue()
+        self.sent_version = -1
+        self.last_seen = time.monotonic()
+        self.in_flight = 0
+        self.sender = threading.Thread(target=self._send_loop, name=f"tether-link-{rank}-send", daemon=True)
+        self.receiver = threading.Thread(target=self._recv_loop, name=f"tether-link-{rank}-recv", daemon=True)
+        self.sender.start()
+        self.receiver.start()
+
+    def _send_loop(self) -> None:
+        try:
+            while True:
+                item = self.outbox.get()
+                if item is None:  # stop
+                    self.conn.send_bytes(_dumps(("stop",)))
+                    return
+                if item == "weights":
+                    version, payload = self.pool.weights
+                    if version > self.sent_version:  # a newer push supersedes one not sent yet
+                        self.conn.send_bytes(payload)
+                        self.sent_version = version
+                else:
+                    self.conn.send_bytes(item)
+        except (OSError, EOFError, ValueError) as e:
+            if not self.pool.closing:
+                self.pool.inbox.put(("lost", self.rank, f"closed the connection (while the trainer was sending: "
+                                                        f"{type(e).__name__}: {e})"))
+
+    def _recv_loop(self) -> None:
+        try:
+            while True:
+                msg = pickle.loads(self.conn.recv_bytes())
+                self.last_seen = time.monotonic()
+                if msg[0] != "heartbeat":
+                    self.pool.inbox.put(msg)
+        except (OSError, EOFError, ValueError) as e:
+            if not self.pool.closing:
+                closed = isinstance(e, (EOFError, ConnectionResetError, BrokenPipeError))
+                what = "closed the connection" if closed else f"lost the connection ({type(e).__name__}: {e})"
+                self.pool.inbox.put(("lost", self.rank, what))
+
+
+class RemoteWorkers(WorkerPool):
+    """``n`` remote ``tether worker`` processes for the trainer (the `RolloutWorkers` interface).
+
+    Listens on ``cfg.train.worker_address`` and returns once ``n`` workers have connected (authenticated
+    with ``$TETHER_WORKER_KEY``) and version ``version`` of ``model`` is queued for them; raises
+    `WorkerError` if they have not within ``train.worker_timeout_s``.
+    """
+
+    def __init__(self, cfg, model, n: int, lookahead: int, verify: bool, version: int = 0,
+                 log: Callable = print, tokenizer=None):
+        super().__init__(cfg, n, lookahead, verify, tokenizer)
+        key, self.address = _key(), cfg.train.worker_address
+        self.timeout = cfg.train.worker_timeout_s
+        self.heartbeat_s = max(0.2, min(5.0, self.timeout / 5))
+        self.inbox: queue.Queue = queue.Queue()
+        self.links: list[_Link] = []
+        self.closing = False
+        self.weights = (-1, b"")
+        host, port = parse_address(self.address)
+        try:
+            self.server = socket.create_server((host, port))
+        except OSError as e:
+            raise WorkerError(f"cannot listen for rollout workers on {self.address} (train.worker_address): {e}") from e
+        try:
+            setup = dict(cfg=cfg, verify=verify, probe=self.probe, heartbeat_s=self.heartbeat_s)
+            for rank, (conn, info) in enumerate(self._accept(n, key, log)):
+                conn.send_bytes(_dumps(("setup", dict(setup, rank=rank))))
+                self.links.append(_Link(self, rank, conn, info))
+                log(f"[tether] rollout worker {rank} connected: {self.describe(rank)}")
+            self.push(model, version)
+        except BaseException:
+            self.close()
+            raise
+
+    def _accept(self, n: int, key: bytes, log: Callable) -> list:
+        """``n`` authenticated connections and their hello; the handshakes run in threads so that a peer that
+        connects and says nothing cannot hold the trainer."""
+        log(f"[tether] waiting for {n} rollout worker(s) on {self.address}: run `tether worker HOST:PORT` on the "
+            f"rollout nodes with ${KEY_ENV} set (train.worker_timeout_s={self.timeout:g})")
+        deadline = time.monotonic() + self.timeout
+        done: queue.Queue = queue.Queue()
+        got = []
+
+        def handshake(sock, peer):
+            try:
+                conn = Connection(sock.detach())
+                deliver_challenge(conn, key)
+                answer_challenge(conn, key)
+                kind, info = pickle.loads(conn.recv_bytes())
+                done.put((conn, dict(info, peer=peer[0])) if kind == "hello" else (None, f"{peer[0]}: no hello"))
+            except (AuthenticationError, OSError, EOFError, ValueError, pickle.UnpicklingError) as e:
+                done.put((None, f"{peer[0]}: {type(e).__name__}: {e}"))
+
+        self.server.settimeout(0.2)
+        while len(got) < n:
+            if time.monotonic() > deadline:
+                for conn, _ in got:
+                    conn.close()
+                raise WorkerError(f"{len(got)} of {n} rollout worker(s) connected to {self.address} within "
+                                  f"train.worker_timeout_s={self.timeout:g} s (start `tether worker {self.address}` "
+                                  f"with ${KEY_ENV} on each rollout node)")
+            try:
+                sock, peer = self.server.accept()
+                sock.setblocking(True)
+                threading.Thread(target=handshake, args=(sock, peer), daemon=True).start()
+            except socket.timeout:
+                pass
+            while not done.empty():
+                conn, info = done.get()
+                if conn is None:
+                    log(f"[tether] rejected a rollout worker connection from {info}")
+                else:
+                    got.append((conn, info))
+        return got
+
+    def describe(self, rank: int) -> str:
+        i = self.links[rank].info if rank < len(self.links) else {}
+        return f"remote rollout worker {rank} ({i.get('host', '?')}, pid {i.get('pid', '?')})"
+
+    def _send(self, job: Job) -> None:
+        link = min(self.links, key=lambda x: x.in_flight)  # the least busy worker
+        link.in_flight += 1
+        link.outbox.put(_dumps(("job", job)))
+
+    def _arrived(self, rank: int) -> None:
+        self.links[rank].in_flight -= 1
+
+    def _receive(self, timeout: float):
+        try:
+            msg = self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if msg[0] == "lost":
+            raise WorkerError(f"{self.describe(msg[1])} {msg[2]} (it died, or its node went away)")
+        return msg
+
+    def _check_alive(self) -> None:
+        now = time.monotonic()
+        for link in self.links:
+            if now - link.last_seen > self.timeout:
+                raise WorkerError(f"{self.describe(link.rank)} sent nothing (not even a heartbeat) for "
+                                  f"{now - link.last_seen:.0f} s > train.worker_timeout_s={self.timeout:g}: hung, or "
+                                  f"its node or the network is gone")
+
+    def _publish(self, weights: dict, version: int) -> None:
+        stored, alias = unique_weights(weights)
+        tensors = {name: weights[name].detach().to("cpu", copy=True) for name in stored}
+        self.weights = (version, _dumps(("weights", version, tensors, alias)))  # serialized once for all workers
+        for link in self.links:
+            link.outbox.put("weights")
+
+    def close(self) -> None:
+        """Tell the workers the run ended (they exit 0), then close the connections and the listener."""
+        if self.closing:
+            return
+        self.closing = True
+        for link in self.links:
+            link.outbox.put(None)
+        deadline = time.monotonic() + 10.0
+        for link in self.links:
+            link.sender.join(timeout=max(0.0, deadline - time.monotonic()))
+            link.conn.close()
+        self.server.close()
+
+
+# ------------------------------------------------------------------ the worker's side (`tether worker`)
+
+
+def _connect(address: str, key: bytes, wait_s: float, log: Callable) -> Connection:
+    host, port = parse_address(address)
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        try:
+            return Client((host, port), authkey=key)
+        except AuthenticationError as e:
+            raise WorkerError(f"the trainer at {address} refused this worker's ${KEY_ENV} ({e})") from e
+        except (ConnectionRefusedError, socket.gaierror, OSError) as e:
+            if time.monotonic() > deadline:
+                raise WorkerError(f"no trainer answered at {address} within {wait_s:g} s ({e}); is "
+                                  f"train.worker_address={address} set there, and the port reachable?") from e
+            if not said:
+                log(f"[tether] waiting for the trainer at {address} ...")
+                said = True
+            time.sleep(1.0)
+
+
+def serve(address: str, wait_s: float = 600.0, log: Callable = print) -> int:
+    """``tether worker ADDRESS``: connect to the trainer listening at ``address`` (retrying for ``wait_s``
+    seconds while it starts), build the model, engine and agent from the run's config it sends, and answer
+    its jobs with rollouts until it says stop (returns 0). A lost trainer ends the process (exit 2)."""
+    key = _key()
+    conn = _connect(address, key, wait_s, log)
+    conn.send_bytes(_dumps(("hello", dict(host=socket.gethostname(), pid=os.getpid()))))
+    try:
+        kind, setup = pickle.loads(conn.recv_bytes())
+    except EOFError:
+        raise WorkerError(f"the trainer at {address} closed the connection before sending the run's config "
+                          f"(it already has its train.rollout_workers workers?)") from None
+    rank = setup["rank"]
+    log(f"[tether] rollout worker {rank} connected to the trainer at {address}")
+    send_lock, stop = threading.Lock(), threading.Event()
+    state = {"weights": None, "busy": False}
+    jobs: queue.Queue = queue.Queue()
+
+    def send(msg) -> None:
+        with send_lock:
+            conn.send_bytes(_dumps(msg))
+
+    def heartbeat() -> None:
+        while not stop.wait(setup["heartbeat_s"]):
+            try:
+                send(("heartbeat",))
+            except (OSError, ValueError):
+                return
+
+    def receive() -> None:
+        try:
+            while True:
+                msg = pickle.loads(conn.recv_bytes())
+                if msg[0] == "weights":
+                    state["weights"] = msg[1:]  # (version, tensors, alias): the newest replaces the older
+                elif msg[0] == "job":
+                    jobs.put(msg[1])
+                elif msg[0] == "stop":
+                    break
+            end, code = "[tether] the trainer ended the run: rollout worker exits", 0
+        except (OSError, EOFError, ValueError) as e:
+            end, code = f"tether: error: rollout worker {rank} lost the trainer at {address} ({type(e).__name__})", 2
+        stop.set()
+        if state["busy"] or code:  # nothing worth finishing: the trainer no longer waits for this batch
+            log(end)
+            os._exit(code)
+        jobs.put(None)
+
+    threading.Thread(target=heartbeat, name="tether-worker-heartbeat", daemon=True).start()
+    threading.Thread(target=receive, name="tether-worker-receive", daemon=True).start()
+    try:
+        s = Sampler(setup["cfg"], rank, setup["verify"], setup["probe"])
+        log(f"[tether] rollout worker {rank} ready ({setup['cfg'].rollout.engine} engine)")
+        while True:
+            job: Optional[Job] = jobs.get()
+            if job is None:
+                break
+            state["busy"] = True
+            load_s = 0.0
+            version, tensors, alias = state["weights"]  # the weights always precede the jobs that need them
+            if version != s.version:
+                s.load(lambda model: copy_weights(model, tensors, alias) or version)
+                load_s = s.load_s
+            send(("batch", rank, s.run(job, load_s)))
+            state["busy"] = False
+    except BaseException as e:  # noqa: BLE001  the trainer names it; then this process ends too
+        try:
+            send(("error", rank, error_text(e)))
+        except (OSError, ValueError):
+            pass
+        raise
+    finally:
+        stop.set()
+    log("[tether] the trainer ended the run: rollout worker exits")
+    conn.close()
+    return 0

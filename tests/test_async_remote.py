@@ -1,0 +1,143 @@
+"""Remote rollout workers (train.worker_address, `tether worker`; tether.rollout.remote) on loopback: the
+trainer and a worker are two `tether` processes started separately, as on two nodes. A run trains with
+staleness <= K and verified checksums and both exit 0; a worker killed or frozen mid-run is a
+`tether: error:` in the trainer (closed connection at once, silence after train.worker_timeout_s), never a
+hang; a wrong key or a missing one is refused.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import DIGITS, cli_args, rows, subprocess_env, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TIMEOUT = 420
+TETHER = str(Path(sys.executable).parent / "tether")
+
+
+@pytest.fixture(scope="module")
+def workdir(make_workdir):
+    return make_workdir("async_remote", DIGITS)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args: list, log: Path, **env) -> subprocess.Popen:
+    out = open(log, "w")
+    return subprocess.Popen([TETHER, *args], stdout=out, stderr=subprocess.STDOUT,
+                            env=subprocess_env(OMP_NUM_THREADS="1", **env))
+
+
+def remote_run(workdir, model_dir, run, address: str, steps: int, **over) -> list:
+    return cli_args(workdir, model_dir, run, steps, "grpo",
+                    **{"train.max_staleness": 1, "train.verify_sync": True, "train.worker_address": address,
+                       "eval.before": False, "eval.after": False, **over})
+
+
+def wait_for(cond, what: str, procs: list, timeout: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert all(p.poll() is None for p in procs), f"a process ended while waiting for {what}"
+        time.sleep(0.5)
+
+
+def end(*procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+
+
+def test_trainer_and_a_remote_worker_on_loopback(workdir, tiny_model_dir, tmp_path):
+    addr, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
+    key = dict(TETHER_WORKER_KEY="loopback-test-secret")
+    trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 4, **{"algo.tis_cap": 2.0}), tmp_path / "t.log",
+                    **key)
+    worker = start(["worker", addr, "--wait", "300"], tmp_path / "w.log", **key)
+    try:
+        assert trainer.wait(TIMEOUT) == 0, (tmp_path / "t.log").read_text()[-3000:]
+        assert worker.wait(60) == 0, (tmp_path / "w.log").read_text()[-3000:]
+    finally:
+        end(trainer, worker)
+    tlog, wlog = (tmp_path / "t.log").read_text(), (tmp_path / "w.log").read_text()
+    assert f"rollout worker 0 connected: remote rollout worker 0 ({socket.gethostname()}, pid {worker.pid})" in tlog
+    assert "rollout worker 0 ready (hf engine)" in wlog and "the trainer ended the run" in wlog
+    ms = rows(run)
+    assert [m["step"] for m in ms] == [1, 2, 3, 4]
+    for step, m in enumerate(ms):  # verify_sync: every batch's checksum matched the pushed version's
+        assert 0 <= m["async/staleness"] <= 1 and m["async/version"] == step - m["async/staleness"]
+        assert m["async/worker"] == 0 and m["skipped_updates"] == 0
+        if m["async/staleness"] == 0:  # the worker's HF log-probs = the trainer's at that version
+            assert m["rollout_corr/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert ms[-1]["async/version"] >= 1  # weights travelled: batches sampled by pushed versions after the first
+
+
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def test_a_remote_worker_that_dies_or_freezes_is_an_error_not_a_hang(fault, workdir, tiny_model_dir, tmp_path):
+    """SIGKILL: the closed connection stops the trainer at its next batch. SIGSTOP: the connection stays open
+    and silent; the trainer stops after train.worker_timeout_s. Either way one `tether: error:` line, exit 2."""
+    addr, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
+    key = dict(TETHER_WORKER_KEY="loopback-test-secret")
+    worker = start(["worker", addr, "--wait", "300"], tmp_path / "w.log", **key)  # first: it waits for the trainer
+    trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 50, **{"train.worker_timeout_s": 20}),
+                    tmp_path / "t.log", **key)
+    try:
+        wait_for(lambda: (run / "metrics.jsonl").exists() and rows(run), "the first step", [trainer, worker])
+        os.kill(worker.pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert trainer.wait(TIMEOUT) == 2
+        waited = time.monotonic() - t0
+    finally:
+        end(trainer, worker)
+    tlog = (tmp_path / "t.log").read_text()
+    assert "tether: error: trainer step " in tlog and ": remote rollout worker 0 (" in tlog, tlog[-3000:]
+    if fault == "killed":
+        assert "closed the connection" in tlog and "(it died, or its node went away)" in tlog, tlog[-3000:]
+    else:
+        assert "sent nothing (not even a heartbeat)" in tlog and "train.worker_timeout_s=20" in tlog, tlog[-3000:]
+        assert waited >= 15
+    assert len(rows(run)) < 50
+
+
+def test_keys_and_addresses(workdir, tiny_model_dir, tmp_path, monkeypatch):
+    """No key: a config error before anything starts; a worker with the wrong key is refused (exit 2) and the
+    trainer, still waiting, says so and gives up after train.worker_timeout_s; bad addresses are config errors."""
+    from tether.algo.recipes import ConfigError
+    from tether.cli import main
+
+    with pytest.raises(ConfigError, match="train.worker_address must be HOST:PORT"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"train.max_staleness": 1, "train.worker_address": "x"})
+    with pytest.raises(ConfigError, match="train.worker_timeout_s only applies with train.worker_address"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"train.max_staleness": 1, "train.worker_timeout_s": 5})
+    with pytest.raises(ConfigError, match="train.worker_address only applies with train.max_staleness >= 1"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"train.worker_address": "127.0.0.1:1"})
+    monkeypatch.delenv("TETHER_WORKER_KEY", raising=False)
+    assert main(["worker", "127.0.0.1:1", "--wait", "0"]) == 2
+
+    addr = f"127.0.0.1:{free_port()}"
+    trainer = start(remote_run(workdir, tiny_model_dir, tmp_path / "run", addr, 2, **{"train.worker_timeout_s": 60}),
+                    tmp_path / "t.log", TETHER_WORKER_KEY="right")
+    try:
+        wait_for(lambda: "waiting for 1 rollout worker" in (tmp_path / "t.log").read_text(), "the trainer", [trainer])
+        bad = subprocess.run([TETHER, "worker", addr, "--wait", "10"], capture_output=True, text=True, timeout=120,
+                             env=subprocess_env(OMP_NUM_THREADS="1", TETHER_WORKER_KEY="wrong"))
+        assert bad.returncode == 2 and "tether: error: the trainer at" in bad.stderr and "refused" in bad.stderr
+        assert trainer.wait(TIMEOUT) == 2
+    finally:
+        end(trainer)
+    tlog = (tmp_path / "t.log").read_text()
+    assert "rejected a rollout worker connection from 127.0.0.1" in tlog
+    assert "tether: error: 0 of 1 rollout worker(s) connected to" in tlog, tlog[-2000:]
+    assert not (tmp_path / "run").exists()  # a trainer that could not start leaves no run directory
