@@ -64,6 +64,51 @@ def peak_rss() -> dict:
     return {"peak_rss_mb": hwm / 1024.0 if hwm is not None else ru, "ru_maxrss_mb": ru}
 
 
+def memory_breakdown(trainer, baseline_rss: int | None) -> dict:
+    """One more trainer step with its memory recorded (`tether.memory.StepMemory`), as a JSON-able dict.
+
+    ``timed_peak_rss_mb`` is this process's VmHWM read before the step (the step resets VmHWM per
+    phase), ``process_peak_rss_mb`` the highest resident memory seen, this step included; ``rows``
+    are `tether.memory.breakdown_rows`; ``phases`` the per-phase records in MiB.
+    """
+    from tether.memory import MB, StepMemory, breakdown_rows
+
+    timed = peak_rss()["peak_rss_mb"]
+    m, mem = StepMemory(trainer, baseline_rss=baseline_rss).step()
+    rows = breakdown_rows(mem)
+    phases = {n: {k: (v / MB if isinstance(v, (int, float)) else v) for k, v in r.items()}
+              for n, r in mem["phases"].items()}
+    print("[memory] " + json.dumps({name: None if v is None else round(v, 1) for name, v, _ in rows}), flush=True)
+    return {"timed_peak_rss_mb": timed, "process_peak_rss_mb": max(timed, mem["process_peak_rss"] / MB),
+            "rows": [list(r) for r in rows], "phases": phases,
+            "step": {k: m[k] for k in ("time_step_s", "gen_tokens", "train_tokens") if k in m}}
+
+
+def memory_table(mem: dict) -> list[str]:
+    """Markdown lines of a `memory_breakdown`: the breakdown, then the phases' resident memory."""
+    lines = [md_table(["piece", "MiB", "what"], [[n, fmt(v, 1), w] for n, v, w in mem["rows"]]), ""]
+    cuda = any("cuda_peak_allocated" in r for r in mem["phases"].values())
+    header = ["phase", "RSS at start MiB", "peak RSS MiB", "RSS at end MiB"]
+    if cuda:
+        header += ["CUDA peak allocated MiB", "CUDA peak reserved MiB"]
+    rows = []
+    for name, r in mem["phases"].items():
+        row = [name, fmt(r.get("rss_start"), 0), fmt(r.get("peak_rss"), 0), fmt(r.get("rss_end"), 0)]
+        if cuda:
+            row += [fmt(r.get("cuda_peak_allocated"), 0), fmt(r.get("cuda_peak_reserved"), 0)]
+        rows.append(row)
+    lines.append(md_table(header, rows))
+    st = mem.get("step", {})
+    lines += ["", f"- the breakdown's step is an extra one after the timed steps (not in the table above): "
+              f"{fmt(st.get('time_step_s'))} s, {fmt(st.get('gen_tokens'), 0)} generated and "
+              f"{fmt(st.get('train_tokens'), 0)} trained tokens; its hooks (saved-tensor tracking) slow it a little.",
+              "- sizes are read from the tensors (`tether.memory`); activations are the peak of the bytes autograd "
+              "saves for backward (parameters excluded); the rest is the peak phase's RSS minus the runtime before "
+              "the model load minus the tensors live at that peak: the allocator's kept pages, transient buffers "
+              "(log-prob chunks, backward temporaries) and everything that is not a tensor."]
+    return lines
+
+
 # --------------------------------------------------------------------------- statistics
 
 

@@ -32,6 +32,12 @@ Usage (from the repository root)::
     .venv/bin/python bench/vs_trl.py --out docs/benchmarks.md # the reference measurement
     .venv/bin/python bench/vs_trl.py --model /path/to/tiny --out /tmp/benchwork/b.md  # plumbing check
 
+Memory breakdown: the ``tether_grpo`` child runs one more, untimed step after its timed ones with
+`tether.memory.StepMemory` (weights, anchor, optimizer state, gradients, activations at the peak,
+the rollout's KV cache, per-phase resident peaks, and the rest: allocator overhead and untracked);
+the table follows the ratios. Its peak RSS column is the timed steps' own (VmHWM read before that
+step). ``--no-memory`` skips it.
+
 TRL is a bench-only extra (``pip install -e .[bench]``); without it the TRL run fails, is
 reported, and tether's numbers are still printed (``--skip-trl`` skips it).
 """
@@ -54,6 +60,8 @@ RUNS = ("tether_grpo", "trl_grpo", "ema_pg", "rpg_reinforce_urkl", "tether_grpo_
 #: tether runs that are tether_grpo with extra overrides: the memory-lean variant recomputes
 #: activations in backward (gradient checkpointing; the shared-prompt passes are then off).
 VARIANTS = {"tether_grpo": ("grpo", {}), "tether_grpo_ckpt": ("grpo", {"model.gradient_checkpointing": True})}
+#: the run whose child also prints a memory breakdown, from one extra untimed step after its timed ones
+MEMORY_RUN = "tether_grpo"
 MICRO_BATCH = 8  # tether's train.micro_batch_size default; TRL's per_device_train_batch_size matches it
 
 
@@ -89,13 +97,18 @@ def _tether_overrides(a, recipe: str) -> dict:
     return ov
 
 
-def child_tether(a, recipe: str, extra: dict | None = None) -> dict:
+def child_tether(a, recipe: str, extra: dict | None = None, breakdown: bool = False) -> dict:
     import torch
 
     from tether.config import load_config
+    from tether.memory import rss_bytes
     from tether.train import Trainer
 
-    cfg = load_config(None, {**_tether_overrides(a, recipe), **(extra or {})}, recipe_name=recipe)
+    baseline_rss = rss_bytes()  # the interpreter and libraries, before the model load
+    ov = {**_tether_overrides(a, recipe), **(extra or {})}
+    if breakdown:  # one more (untimed) step for the memory breakdown: the next P questions, in order
+        ov["data.limit"] = a.prompts * (a.steps + 1)
+    cfg = load_config(None, ov, recipe_name=recipe)
     run_dir = Path(tempfile.mkdtemp(prefix=f"tether-{recipe}-", dir=a.workdir))
     cfg.run.output_dir = str(run_dir)
     trainer = Trainer(cfg, run_dir, log=lambda *x: print(*x, flush=True))
@@ -111,8 +124,12 @@ def child_tether(a, recipe: str, extra: dict | None = None) -> dict:
         steps.append(row)
         print(f"[{recipe}] step {len(steps)}: " + json.dumps({k: round(v, 4) if isinstance(v, float) else v
                                                                 for k, v in row.items()}), flush=True)
+    memory = None
+    if breakdown:
+        memory = bu.memory_breakdown(trainer, baseline_rss)  # after the timed steps' peak is read
     from tether.algo import describe
     return {
+        "memory": memory,
         "framework": "tether", "recipe": recipe, "algo": describe(cfg.algo),
         "settings": {"mini_batches": cfg.train.mini_batches, "micro_batch_size": cfg.train.micro_batch_size,
                      "kl": cfg.algo.kl.estimator, "beta": cfg.algo.kl.beta, "anchor": cfg.algo.anchor.kind},
@@ -248,8 +265,11 @@ def child_main(a) -> int:
             res = child_trl(a)
         else:
             recipe, extra = VARIANTS.get(a._child, (a._child, {}))
-            res = child_tether(a, recipe, extra)
-        res.update(bu.peak_rss(), ok=True, name=a._child)
+            res = child_tether(a, recipe, extra, breakdown=a._child == MEMORY_RUN and not a.no_memory)
+        if res.get("memory"):  # VmHWM was reset per phase in the breakdown step: the timed steps' peak was read before
+            res.update(ok=True, name=a._child, peak_rss_mb=res["memory"]["timed_peak_rss_mb"])
+        else:
+            res.update(bu.peak_rss(), ok=True, name=a._child)
         out.write_text(json.dumps(res))
         return 0
     except BaseException as e:  # report, never hang the parent
@@ -340,6 +360,10 @@ def report(a, results: dict, errors: dict, info: dict) -> tuple[str, list[str]]:
                              f"{res['settings']['dropped_fields']}")
     for name, err in errors.items():
         notes.append(f"- {name} failed: `{err.strip().splitlines()[0] if err.strip() else 'unknown error'}`")
+    mem_lines = []
+    if results.get(MEMORY_RUN, {}).get("memory"):
+        mem_lines = ["", f"### Memory breakdown ({MEMORY_RUN}, one step)", "",
+                     *bu.memory_table(results[MEMORY_RUN]["memory"])]
     body = "\n".join([
         "tether against TRL's `GRPOTrainer` on the same GRPO job, and tether's `ema_pg` (top-k KL, k=32, EMA "
         "anchor) and `rpg_reinforce_urkl` at the same budget. Written by `bench/vs_trl.py`.",
@@ -354,8 +378,9 @@ def report(a, results: dict, errors: dict, info: dict) -> tuple[str, list[str]]:
         "```",
         "",
         *notes,
+        *mem_lines,
     ])
-    return body, [table, "", *ratios]
+    return body, [table, "", *ratios, *mem_lines]
 
 
 def parse_args(argv=None):
@@ -374,6 +399,8 @@ def parse_args(argv=None):
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma list from {','.join(RUNS)}")
     p.add_argument("--skip-trl", action="store_true", help="do not run TRL")
     p.add_argument("--full-length", action="store_true", help="ban EOS on both sides: every response is max length")
+    p.add_argument("--no-memory", action="store_true",
+                   help=f"no memory breakdown (by default {MEMORY_RUN} runs one extra untimed step that records it)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run before it is killed (default none)")
     p.add_argument("--out", default=None, help="markdown file whose '## vs TRL' section is written/replaced")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a fresh temporary directory)")
@@ -400,6 +427,8 @@ def child_argv(a, name: str, result: Path) -> list[str]:
         argv += ["--data-dir", a.data_dir]
     if a.full_length:
         argv.append("--full-length")
+    if a.no_memory:
+        argv.append("--no-memory")
     return argv
 
 
