@@ -11,6 +11,9 @@ import pytest
 import torch
 from helpers import DIGITS, tiny_config
 
+from tether.algo.recipes import AlgoConfig, AnchorConfig, ConfigError, validate
+from tether.anchor import Anchor
+from tether.logprobs import response_stats
 from tether.memory import (LiveBytes, SavedActivations, StepMemory, breakdown_rows, grad_bytes, malloc_trim,
                            module_bytes, optimizer_state_bytes, rss_bytes, storage_bytes, track_kv_cache)
 from tether.train import Trainer
@@ -158,6 +161,95 @@ def test_rollout_frees_its_kv_cache_and_generation_buffers(tiny_model_dir, one_t
     assert len(eng.session_store) == 0
 
 
+# ------------------------------------------------------------------ (b) a bf16 fixed anchor
+
+
+def _tiny_policy(tiny_model_dir):
+    from tether.models import ModelConfig, load_model
+
+    model, _ = load_model(ModelConfig(name=str(tiny_model_dir), dtype="float32", device="cpu"))
+    return model
+
+
+def test_bf16_anchor_halves_its_bytes_and_keeps_no_fp32_copy(tiny_model_dir):
+    model = _tiny_policy(tiny_model_dir)
+    n = _n_params(model)
+    a32, a16 = Anchor(AnchorConfig("fixed"), model), Anchor(AnchorConfig("fixed", dtype="bfloat16"), model)
+    assert storage_bytes(a32.master) == n * F32 and storage_bytes(a16.master) == n * 2 and not a16._compute
+    before = [p.detach().clone() for p in model.parameters()]
+    with a16.applied(model):
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # upcast for the block only
+        assert all(torch.equal(p, m.float()) for p, m in zip(model.parameters(), a16.master))
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and not a16._compute
+    assert module_bytes(model) == n * F32 + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def test_bf16_anchor_kl_and_gradient_within_the_stated_tolerance(tiny_model_dir, one_thread):
+    """The bf16 anchor is the bf16-rounded initial policy (relative rounding <= 2^-9 per weight). Stated
+    tolerance on the tiny model, at distance 0 from the anchor and at a k3 KL of ~3e-3 (measured in brackets):
+    the anchor's log-probs move by at most 0.05 per token (0.038), the KL by at most 1e-4 + 10% of it (at
+    distance 0 the fp32 anchor gives KL = 0 exactly and the bf16 one a floor of 5.2e-5; at 2.75e-3 it
+    gives 2.58e-3), and the KL's gradient by at most 25% relative at a KL >= 1e-3 (13%). Below ~10x the
+    floor the rounding dominates the KL gradient: on SmolLM2-135M the floor is 9.6e-5 and at a KL of
+    1.3e-4 the gradient differs by 83% (docs/benchmarks.md, "Memory: what each change should remove")."""
+    model = _tiny_policy(tiny_model_dir)
+    a32, a16 = Anchor(AnchorConfig("fixed"), model), Anchor(AnchorConfig("fixed", dtype="bfloat16"), model)
+    g = torch.Generator().manual_seed(0)
+    B, P, T = 4, 12, 16
+    pid, rid = torch.randint(4, 384, (B, P), generator=g), torch.randint(4, 384, (B, T), generator=g)
+    pm, rm = torch.ones(B, P, dtype=torch.long), torch.ones(B, T, dtype=torch.bool)
+
+    def ref(a):
+        with torch.no_grad(), a.applied(model):
+            return response_stats(model, pid, pm, rid, rm, entropy=False).logp
+
+    def kl_and_grad(ref_logp):
+        model.zero_grad(set_to_none=True)
+        d = ref_logp - response_stats(model, pid, pm, rid, rm, entropy=False).logp
+        kl = (d.exp() - 1 - d).mean()  # k3, token mean
+        kl.backward()
+        return kl.item(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    for scale in (0.0, 0.01):  # the policy moved away from the anchor: not at all, then to a KL of ~3e-3
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), a32.master):
+                p.copy_(m + scale * p.abs().mean() * torch.randn(p.shape, generator=g))
+        r32, r16 = ref(a32), ref(a16)
+        assert (r32 - r16).abs().max() <= 0.05
+        (k32, g32), (k16, g16) = kl_and_grad(r32), kl_and_grad(r16)
+        assert abs(k16 - k32) <= 1e-4 + 0.1 * k32
+        if scale == 0:
+            assert k32 == 0.0 and k16 > 0
+        else:
+            assert k32 >= 1e-3 and (g16 - g32).norm() <= 0.25 * g32.norm()
+
+
+def test_bf16_anchor_config_is_for_a_fixed_anchor_of_an_fp32_policy(tiny_model_dir):
+    validate(AlgoConfig(anchor=AnchorConfig("fixed", dtype="bfloat16"), **_k3()))
+    with pytest.raises(ConfigError, match="fixed anchor only"):
+        validate(AlgoConfig(anchor=AnchorConfig("ema", dtype="bfloat16"), **_k3()))
+    with pytest.raises(ConfigError, match="Valid choices: policy, bfloat16"):
+        validate(AlgoConfig(anchor=AnchorConfig("fixed", dtype="float16"), **_k3()))
+    with pytest.raises(ValueError, match="would change nothing"):
+        Anchor(AnchorConfig("fixed", dtype="bfloat16"), _tiny_policy(tiny_model_dir).to(torch.bfloat16))
+
+
+def _k3():
+    from tether.algo.recipes import KLConfig
+    return {"kl": KLConfig("k3", beta=0.04)}
+
+
+def test_bf16_anchor_trains_and_checkpoints(workdir, tiny_model_dir, tmp_path, one_thread):
+    t = _memory_trainer(workdir, tiny_model_dir, tmp_path, **{"algo.anchor.dtype": "bfloat16"})
+    m = t.train_step()
+    assert m["kl"] >= 0 and t.anchor.master[0].dtype == torch.bfloat16
+    assert storage_bytes(t.anchor.master) == 2 * _n_params(t.model)
+    path = t.save()
+    t2 = _memory_trainer(workdir, tiny_model_dir, tmp_path / "b", **{"algo.anchor.dtype": "bfloat16"})
+    t2.restore(path)
+    assert all(torch.equal(a, b) for a, b in zip(t.anchor.master, t2.anchor.master))
+
+
 # ------------------------------------------------------------------ (c) malloc_trim
 
 
@@ -181,3 +273,8 @@ def test_optimizer_state_bytes_of_adamw_by_hand():
     sum(x.sum() for x in p).backward()
     opt.step()
     assert optimizer_state_bytes(opt) == 2 * 37 * F32 + 2 * F32
+
+
+def test_config_error_is_raised_for_a_bad_anchor_dtype(workdir, tiny_model_dir):
+    with pytest.raises(ConfigError, match="anchor.dtype"):
+        tiny_config(workdir, tiny_model_dir, "ema_pg", 1, **{"algo.anchor.dtype": "bfloat16"})

@@ -23,6 +23,13 @@ into the policy's local shards in place (swapping ``p.data`` of a sharded parame
 nothing) and reshards every FSDP module on entry and exit, so no module computes with weights
 gathered before the copy. ``tensors`` and ``load_state_dict`` speak whole tensors (gathered /
 re-sharded), so checkpoints do not depend on the number of ranks.
+
+``anchor.dtype=bfloat16`` (the fixed anchor of an fp32 policy): the master is stored in bf16, half
+the bytes of the policy's weights, and no forward copy is kept between passes: ``applied`` upcasts
+the master to the policy's dtype on entry and drops the copy on exit, so the fp32 copy exists only
+during the anchor's own forward passes, never during the update (where the step's memory peaks).
+The anchor is then the bf16-rounded initial policy; tests/test_memory.py bounds what that changes
+in the KL and its gradient.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ class Anchor:
         self._compute: list[torch.Tensor] = []  # forward copies in the policy's dtype (empty when = master)
         self._layout: list[torch.Tensor] = []  # the tracked parameters (sharded: their layout for gather/scatter)
         self.sharded = False
+        self.stored_dtype = None if getattr(cfg, "dtype", "policy") == "policy" else getattr(torch, cfg.dtype)
         if self.needs_forward:
             if model is None:
                 raise ValueError(f"anchor {cfg.kind!r} needs the policy model to copy")
@@ -68,8 +76,11 @@ class Anchor:
             self.sharded = any(dist.local(p) is not p for p in self._layout)
             ema = cfg.kind == "ema"  # accumulates in promote(fp32, dtype): never less precise than the policy
             local = [dist.local(p.detach()) for _, p in params]
-            self.master = [p.to(dtype=torch.promote_types(torch.float32, p.dtype) if ema else p.dtype, copy=True)
-                           for p in local]
+            if self.stored_dtype is not None and any(p.dtype.itemsize <= self.stored_dtype.itemsize for p in local):
+                raise ValueError(f"algo.anchor.dtype={cfg.dtype} stores the anchor of an fp32 (or fp64) policy in "
+                                 f"fewer bytes; this policy is {local[0].dtype}, so it would change nothing")
+            self.master = [p.to(dtype=self.stored_dtype or (torch.promote_types(torch.float32, p.dtype) if ema
+                                                            else p.dtype), copy=True) for p in local]
             self._sync_compute(local)
 
     # ------------------------------------------------------------ updates
@@ -88,8 +99,9 @@ class Anchor:
         ``ps`` (the policy's tracked parameters) sets the forward dtype; without it the existing
         copies, made in the policy's dtype at construction, are refreshed in place.
         """
-        if ps is not None and all(m.dtype == p.dtype for m, p in zip(self.master, ps)):
-            self._compute = []
+        if self.stored_dtype is not None or (ps is not None and all(m.dtype == p.dtype
+                                                                    for m, p in zip(self.master, ps))):
+            self._compute = []  # a bf16-stored anchor is upcast in `applied` only
             return
         with torch.no_grad():
             if self._compute and (ps is None or all(c.dtype == p.dtype for c, p in zip(self._compute, ps))):
@@ -120,6 +132,8 @@ class Anchor:
             raise ValueError("the iterative anchor is the sampler itself; use the sampler's log-probs")
         params = self._params(model)
         values = self._compute or self.master
+        if self.stored_dtype is not None and not self.sharded:  # upcast for this block only (sharded: copy_ casts)
+            values = [m.to(dist.local(p).dtype) for m, p in zip(self.master, params)]
         if self.sharded:
             with self._copied_in(model, params, values):
                 yield model

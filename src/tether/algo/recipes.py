@@ -24,6 +24,7 @@ from .trust_region import REGIONS, REINFORCE_ONLY_REGIONS, RegionConfig, kl3_bou
 ANCHORS = ("none", *ANCHOR_KINDS.names())  # "none": no anchor and no KL term; the kinds: tether.algo.anchors
 PLACEMENTS = ("loss", "reward", "advantage")
 KL_SAMPLERS = ("pi_old", "mu")  # AlgoConfig.kl_sampler
+ANCHOR_DTYPES = ("policy", "bfloat16")  # AnchorConfig.dtype
 
 
 @dataclass
@@ -52,6 +53,9 @@ class AnchorConfig:
     # not optimizer steps; EMA-PG: 10)
     kappa: float = 0.0  # kl_reset: reset when the moving average of the token KL exceeds kappa (> 0)
     kl_smoothing: float = 0.9  # kl_reset: the moving average's factor m in kl_ma <- m*kl_ma + (1-m)*kl
+    dtype: str = "policy"  # fixed: the stored anchor's dtype. policy (the policy's) | bfloat16 (an fp32 policy's
+    # anchor held at half the bytes, upcast for its forward pass only; the anchor is then the bf16-rounded
+    # initial policy: tests/test_memory.py bounds the change of the KL and its gradient)
 
 
 @dataclass
@@ -252,6 +256,11 @@ def _anchor_errors(cfg: AlgoConfig) -> list[str]:
     for f in ("eta", "every", "kappa", "kl_smoothing"):
         if f not in used and getattr(a, f) != getattr(d_anchor, f):
             errs.append(f"anchor.{f} has no effect with anchor {a.kind!r}")
+    if a.dtype not in ANCHOR_DTYPES:
+        errs.append(unknown_choice("anchor.dtype", a.dtype, ANCHOR_DTYPES))
+    elif a.dtype != d_anchor.dtype and a.kind != "fixed":
+        errs.append(f"anchor.dtype={a.dtype} is for the fixed anchor only, not {a.kind!r} (an EMA accumulates in "
+                    "fp32; reset anchors copy the policy)")
     return errs
 
 
