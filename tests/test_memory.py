@@ -266,6 +266,19 @@ def test_malloc_trim_returns_free_heap_pages(one_thread):
     assert rss_bytes() < before - 64 * 2**20
 
 
+def test_train_malloc_trim_trims_after_the_rollout_and_the_update(workdir, tiny_model_dir, tmp_path, monkeypatch,
+                                                                  one_thread):
+    import tether.train
+
+    calls = []
+    monkeypatch.setattr(tether.train, "malloc_trim", lambda: calls.append(1) or True)
+    _memory_trainer(workdir, tiny_model_dir, tmp_path, **{"train.malloc_trim": True}).train_step()
+    assert len(calls) == 2  # after the rollout and after the update
+    calls.clear()
+    _memory_trainer(workdir, tiny_model_dir, tmp_path / "off").train_step()
+    assert calls == []
+
+
 def test_optimizer_state_bytes_of_adamw_by_hand():
     p = [torch.nn.Parameter(torch.randn(10, 3)), torch.nn.Parameter(torch.randn(7))]
     opt = torch.optim.AdamW(p, lr=1e-3)

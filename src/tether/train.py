@@ -43,6 +43,7 @@ from .config import Config, to_dict
 from .algo.recipes import ConfigError
 from .errors import GenerationError
 from .logprobs import response_stats
+from .memory import malloc_trim
 from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
 from .optim import make_adamw, optimizer_step, skipped_update_line
 from .passes import Passes, StepBatch, exact_kl_sample, forwarded_positions, head_inputs, idle_backward, micro_batches
@@ -114,6 +115,7 @@ class Trainer:
         # makes two when a micro-batch repeats a prompt (data-dependent), so only no-grad passes share.
         self._share_grad = t.share_prompt and not dist.enabled()
         self._fwd = dict(temperature=cfg.rollout.temperature, chunk_size=t.logprob_chunk)  # as every pass runs
+        self._trim = malloc_trim if t.malloc_trim else (lambda: False)  # after the rollout and the update
         self.workers: Optional[RolloutWorkers] = None  # train.max_staleness >= 1: the rollout worker processes
         if t.max_staleness > 0:
             self._start_workers()
@@ -317,12 +319,14 @@ class Trainer:
             b, m = self._rollout()
         except GenerationError as e:  # non-finite logits, an overlong prompt, a rollout worker: say at which step
             raise type(e)(f"trainer step {self.step + 1}: {e}") from e
+        self._trim()  # train.malloc_trim: the rollout's KV cache and generation buffers are freed, return their pages
         t1 = time.perf_counter()
         self.passes.sampler(b)
         t2 = time.perf_counter()
         exact = self._exact_kl(b) if self.passes.anchor_pass(b) else None
         t3 = time.perf_counter()
         upd = self._update(b)
+        self._trim()  # and those of the gradients and activations
         t4 = time.perf_counter()
         self.step += 1
         moved = False

@@ -164,6 +164,10 @@ class TrainConfig:
     packing: bool = False  # forward each micro-batch as one row without padding (its sequences one after another,
     # positions restarting at 0 for each; checked against the padded forward at the first step; needs
     # share_prompt=false). Same log-probs and gradient up to float rounding; pad_frac 0
+    malloc_trim: bool = False  # after the rollout and after the update, hand glibc's free heap pages back to the OS
+    # (malloc_trim(0); tether.memory): lower resident memory between phases, for other processes on the machine
+    # (the peak inside the update is not lowered), at the cost of page faults when the next phase allocates; no
+    # effect without glibc
     seed: int = 0  # seeds data order, sampling and initialization
     max_staleness: int = 0  # K, asynchronous RL (docs/async.md): rollouts are generated in worker processes while the
     # trainer updates, each batch by weights at most K trainer updates older than the policy it trains (0 = the
