@@ -13,6 +13,21 @@ import pytest
 from tether.testing import make_tiny_model_dir
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` are skipped where torch sees no CUDA device (``pytest -m cuda`` then collects
+    and skips them)."""
+    cuda = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not cuda:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in cuda:
+        item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama + byte-level BPE tokenizer saved as a HF directory (built once per session)."""

@@ -1,0 +1,159 @@
+"""The GPU path (marker ``cuda``; skipped where ``torch.cuda.is_available()`` is False, tests/conftest.py).
+
+Run them with ``pytest -m cuda`` or ``bash scripts/gpu_check.sh`` on a machine with a GPU: a bf16 policy's
+forward and the chunked log-prob engine against fp32 within a bf16 tolerance, bf16 training steps with the
+transformers engine, ``rollout.engine=vllm`` when vLLM imports, and FSDP2 over NCCL under torchrun when
+there are two GPUs or more (tether's FSDP path is off at world size 1, so one GPU has nothing to shard).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import DIGITS, rows, subprocess_env, tiny_config
+
+from tether.logprobs import response_stats
+from tether.models import ModelConfig, load_model
+from tether.testing import make_tiny_model_dir
+
+pytestmark = pytest.mark.cuda
+
+#: bf16 keeps 8 bits of mantissa: a log-prob of magnitude ~6 (the tiny model's vocabulary of 384) carries
+#: about 6 * 2^-8 = 0.02 of rounding per operation; a few layers of it stay within 0.1 per token and 0.03
+#: on average (the values fp32 and bf16 agree to)
+BF16_MAX, BF16_MEAN = 0.1, 0.03
+#: the chunked engine against the full-logits log-softmax of the same bf16 model: both compute the
+#: softmax in fp32 from the same bf16 hidden states, so they differ by the logits' rounding only
+CHUNK_MAX = 0.05
+
+SHAPE = dict(hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=128)  # head_dim 64, as vLLM needs
+
+
+@pytest.fixture(scope="module")
+def workdir(make_workdir):
+    return make_workdir("cuda", DIGITS)
+
+
+@pytest.fixture(scope="module")
+def gpu_model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("gpu_model"), seed=1, **SHAPE)
+
+
+def _batch(seed=0, B=4, P=12, T=16, vocab=384, device="cuda"):
+    g = torch.Generator().manual_seed(seed)
+    pid, rid = torch.randint(4, vocab, (B, P), generator=g), torch.randint(4, vocab, (B, T), generator=g)
+    pm = torch.ones(B, P, dtype=torch.long)
+    pm[0, :3] = 0  # one left-padded prompt
+    rm = torch.ones(B, T, dtype=torch.bool)
+    rm[1, 10:] = False  # one shorter response
+    return [x.to(device) for x in (pid, pm, rid, rm)]
+
+
+def test_bf16_forward_and_chunked_logprobs_match_fp32(gpu_model_dir):
+    m32, _ = load_model(ModelConfig(name=str(gpu_model_dir), dtype="float32", device="cuda"))
+    m16, _ = load_model(ModelConfig(name=str(gpu_model_dir), dtype="bfloat16", device="cuda"))
+    assert next(m16.parameters()).dtype == torch.bfloat16 and next(m16.parameters()).is_cuda
+    pid, pm, rid, rm = _batch()
+    with torch.no_grad():
+        lp32 = response_stats(m32, pid, pm, rid, rm, chunk_size=16).logp
+        lp16 = response_stats(m16, pid, pm, rid, rm, chunk_size=16).logp
+        diff = (lp32 - lp16.float())[rm].abs()
+        assert diff.max() <= BF16_MAX and diff.mean() <= BF16_MEAN, (diff.max().item(), diff.mean().item())
+        # the chunked engine against the naive full-logits path on the same bf16 model
+        ids = torch.cat([pid, rid], 1)
+        mask = torch.cat([pm, rm.long()], 1)
+        logits = m16(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        naive = torch.log_softmax(logits[:, pid.shape[1] - 1:-1].float(), -1).gather(-1, rid.unsqueeze(-1)).squeeze(-1)
+        d = (naive - lp16.float())[rm].abs()
+        assert d.max() <= CHUNK_MAX, d.max().item()
+
+
+def test_bf16_chunked_logprob_gradient_matches_fp32(gpu_model_dir):
+    """The gradient of the mean log-prob through the chunked engine, bf16 against fp32 (cosine >= 0.99)."""
+    grads = []
+    for dtype in ("float32", "bfloat16"):
+        m, _ = load_model(ModelConfig(name=str(gpu_model_dir), dtype=dtype, device="cuda"))
+        pid, pm, rid, rm = _batch(seed=1)
+        st = response_stats(m, pid, pm, rid, rm, chunk_size=16, entropy=False)
+        st.logp[rm].float().mean().backward()
+        grads.append(torch.cat([p.grad.float().flatten() for p in m.parameters()]))
+    cos = torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0)
+    assert cos >= 0.99, cos.item()
+
+
+def test_bf16_training_steps_on_cuda_with_the_transformers_engine(workdir, gpu_model_dir, tmp_path):
+    from tether.train import Trainer
+
+    cfg = tiny_config(workdir, gpu_model_dir, "grpo", 2, **{"model.dtype": "bfloat16", "model.device": "cuda"})
+    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    before = [p.detach().clone() for p in t.model.parameters()]
+    for _ in range(2):
+        m = t.train_step()
+        assert m["peak_cuda_mb"] > 0 and m["grad_norm"] == m["grad_norm"]  # reported, finite
+    assert t.anchor.master[0].dtype == torch.bfloat16 and not t.anchor.master[0].is_cpu
+    assert any(not torch.equal(a, b) for a, b in zip(before, t.model.parameters()))
+
+
+def test_memory_breakdown_on_cuda(workdir, gpu_model_dir, tmp_path):
+    """tether.memory on the GPU: the per-phase CUDA peaks are recorded and the breakdown names the overhead."""
+    from tether.memory import StepMemory, breakdown_rows
+    from tether.train import Trainer
+
+    cfg = tiny_config(workdir, gpu_model_dir, "grpo", 2, **{"model.dtype": "bfloat16", "model.device": "cuda"})
+    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t.train_step()
+    _, mem = StepMemory(t).step()
+    assert all(r["cuda_peak_allocated"] > 0 for r in mem["phases"].values())
+    n = sum(p.numel() for p in t.model.parameters())
+    assert mem["sizes"]["gradients"] == 2 * n  # bf16 gradients
+    assert dict((k, v) for k, v, _ in breakdown_rows(mem))["allocator overhead"] >= 0
+
+
+def test_tether_train_with_vllm_on_cuda(gpu_model_dir, tmp_path):
+    pytest.importorskip("vllm")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)}) + "\n"
+                            for i in range(8)))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tether", "train", "--recipe", "grpo", f"model.name={gpu_model_dir}",
+           f"data.task={data}", "model.device=cuda", "model.dtype=bfloat16", "train.steps=2",
+           "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "rollout.engine=vllm",
+           "rollout.vllm_gpu_memory_utilization=0.3", "rollout.vllm_max_model_len=256", "algo.tis_cap=2",
+           "run.progress=false", "run.plot=false", f"run.output_dir={out}"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=subprocess_env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [x["step"] for x in rows(out)] == [1, 2]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp2_over_nccl_on_two_gpus(workdir, gpu_model_dir, tmp_path):
+    """Two ranks under torchrun, one GPU each (nccl): `tether train` with the policy sharded by FSDP2."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("FSDP2 needs two ranks (tether does not shard at world size 1); this machine has "
+                    f"{torch.cuda.device_count()} GPU")
+    out = tmp_path / "run"
+    main = str(Path(__file__).resolve().parent / "dist_main.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_port()), main, "train", "--recipe", "grpo", "--output-dir", str(out), "--steps", "2",
+           f"model.name={gpu_model_dir}", f"data.task={workdir / 'prompts.jsonl'}",
+           f"data.reward={workdir / 'rew.py'}:digits", "model.device=cuda", "model.dtype=bfloat16",
+           "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "run.progress=false",
+           "run.plot=false"]
+    env = subprocess_env()
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [x["step"] for x in rows(out)] == [1, 2]
+
