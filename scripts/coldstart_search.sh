@@ -9,7 +9,7 @@
 #
 # RL recipes: grpo, ema_pg (EMA anchor every RL_EVERY steps with eta RL_ETA), ema_pg_fixed (ema_pg with a fixed
 # anchor: its only change). Settings (environment variables): OUT (default runs/coldstart), DEV_LIMIT (300 dev
-# questions), SFT_EPOCHS (1), SFT_LR (2e-5), RL_STEPS (6), RL_PROMPTS (4 prompts x 5 samples a step), RL_LR
+# questions), SFT_EPOCHS (1), SFT_LR (2e-5), RL_STEPS (5), RL_PROMPTS (4 prompts x 5 samples a step), RL_LR
 # (1e-5), RL_CONTEXT (2048 tokens an episode while training; evaluation keeps 4096), RL_EVERY (2), RL_ETA (0.9),
 # RL_MICRO (1 episode a forward/backward: 8 took 20 GB of activations at 2048 tokens, 2 took 11 GB).
 # Two lanes fit this 2-core CPU with OMP_NUM_THREADS=1 each (taskset -c 0 / -c 1); never more.
@@ -21,7 +21,7 @@ DEV_LIMIT=${DEV_LIMIT:-300}
 SFT_EPOCHS=${SFT_EPOCHS:-1}
 SFT_LR=${SFT_LR:-2e-5}
 SFT="$OUT/sft_search_e$SFT_EPOCHS"
-RL_STEPS=${RL_STEPS:-6}
+RL_STEPS=${RL_STEPS:-5}
 RL_PROMPTS=${RL_PROMPTS:-4}
 RL_LR=${RL_LR:-1e-5}
 RL_CONTEXT=${RL_CONTEXT:-2048}
