@@ -334,3 +334,23 @@ def test_a_vllm_worker_that_keeps_old_weights_is_caught(tmp_path_factory, tmp_pa
     assert "tether: error: trainer step" in r.stderr and "vLLM engine does not sample with version" in r.stderr, \
         r.stderr[-3000:]
     assert "> train.verify_logp_tol=0.02" in r.stderr
+
+
+def test_partial_rollout_segments_on_vllm(setup):
+    """Partial rollouts on the vLLM engine: with one version, segments of 3 tokens give the unsegmented greedy ids,
+    texts and finish reasons, and each token's log-prob; every token is tagged with the version."""
+    from tether.rollout.partial import Segmented
+
+    _, model, tok, eng = setup
+    eng.sync_weights(model)
+    g = SamplingParams(n=1, temperature=0.0, max_new_tokens=10)
+    whole = eng.generate(_prompts(tok), g)
+    seg = Segmented(eng, 3, lambda: 4)
+    part = seg.generate(_prompts(tok), g)
+    assert part.response_ids.tolist() == whole.response_ids.tolist() and part.texts == whole.texts
+    assert part.finish_reason == whole.finish_reason
+    m = whole.response_mask
+    assert torch.allclose(part.sampler_logp[m], whole.sampler_logp[m], atol=1e-4)
+    assert torch.all(seg.token_version[m] == 4)
+    sampled = seg.generate(_prompts(tok), SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=2))
+    assert _max_diff(model, sampled) < 1e-4  # mu of every segment = the policy's log-probs

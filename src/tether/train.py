@@ -228,6 +228,11 @@ class Trainer:
                       "async/dropped": self.dropped, "async/wait_s": wait, "async/worker_gen_s": got.gen_s,
                       "async/worker_load_s": got.load_s,
                       **{f"async/staleness_{k}": c for k, c in enumerate(self.staleness_counts)}})
+        if got.token_version is not None:  # partial rollouts: staleness above is the oldest token's
+            tv = got.token_version[rb.response_mask]
+            stats.update({"async/newest_version": int(tv.max()) if tv.numel() else got.version,
+                          "async/swaps": len(got.later),
+                          "async/token_staleness_mean": float((self.step - tv).float().mean()) if tv.numel() else 0.0})
         return batch, stats
 
     def _step_batch(self, kept: list, seen: list, agent_metrics: dict) -> tuple[StepBatch, dict]:

@@ -187,6 +187,10 @@ class TrainConfig:
     verify_logp_tol: float = 0.02  # verify_sync with rollout.engine=vllm: the largest mean absolute log-prob
     # difference per probe token between a worker's vLLM engine and the trainer at the same version (float32 engines
     # agree to ~1e-5; raise it for bfloat16 if version 0 already fails); above it the run stops: vLLM kept older weights
+    partial_rollout_tokens: int = 0  # max_staleness >= 1, rollout.agent=single_turn: 0 = a worker samples a whole
+    # batch with one weights version; S > 0 = partial rollouts: it samples in segments of S tokens and takes a newer
+    # pushed version between segments (the rest of a response re-encoded with it), recording each token's version;
+    # a batch's staleness is its oldest token's (async/token_staleness_mean: the mean over tokens)
     worker_address: str = ""  # max_staleness >= 1: "" = the rollout workers are local processes; HOST:PORT = the
     # trainer listens there for train.rollout_workers remote `tether worker HOST:PORT` processes (other nodes; jobs,
     # weights per version and batches over TCP, authenticated with the secret in $TETHER_WORKER_KEY on both sides)

@@ -221,7 +221,7 @@ STALE_BATCHES = ("drop", "keep")
 def _check_async(cfg: Config) -> list[str]:
     """train.max_staleness and the options of asynchronous training (tether.rollout.workers)."""
     r, t, dt, errs = cfg.rollout, cfg.train, TrainConfig(), []
-    keys = ("rollout_workers", "stale_batches", "verify_sync", "worker_address")
+    keys = ("rollout_workers", "stale_batches", "verify_sync", "worker_address", "partial_rollout_tokens")
     if t.max_staleness < 0:
         errs.append("train.max_staleness must be >= 0 (0 = synchronous)")
     if t.verify_logp_tol != dt.verify_logp_tol and not (t.verify_sync and r.engine == "vllm"):
@@ -236,6 +236,15 @@ def _check_async(cfg: Config) -> list[str]:
     if t.max_staleness <= 0:
         return errs + [f"train.{k} only applies with train.max_staleness >= 1 (asynchronous rollouts)"
                        for k in keys if getattr(t, k) != getattr(dt, k)]
+    if t.partial_rollout_tokens < 0:
+        errs.append("train.partial_rollout_tokens must be >= 0 (0 = off)")
+    elif t.partial_rollout_tokens:
+        if r.agent != "single_turn":
+            errs.append(f"train.partial_rollout_tokens (partial rollouts) supports rollout.agent=single_turn only, "
+                        f"got {r.agent!r}")
+        if t.partial_rollout_tokens >= r.max_new_tokens:
+            errs.append(f"train.partial_rollout_tokens={t.partial_rollout_tokens} has no effect: a response has at "
+                        f"most rollout.max_new_tokens={r.max_new_tokens} tokens, one segment")
     if t.worker_address:
         host, _, port = t.worker_address.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:

@@ -311,6 +311,11 @@ def serve(address: str, wait_s: float = 600.0, log: Callable = print) -> int:
             os._exit(code)
         jobs.put(None)
 
+    def pull() -> None:  # the newest version received (the weights always precede the jobs that need them)
+        version, tensors, alias = state["weights"]
+        if version != s.version:
+            s.load(lambda model: copy_weights(model, tensors, alias) or version)
+
     threading.Thread(target=heartbeat, name="tether-worker-heartbeat", daemon=True).start()
     threading.Thread(target=receive, name="tether-worker-receive", daemon=True).start()
     try:
@@ -321,12 +326,7 @@ def serve(address: str, wait_s: float = 600.0, log: Callable = print) -> int:
             if job is None:
                 break
             state["busy"] = True
-            load_s = 0.0
-            version, tensors, alias = state["weights"]  # the weights always precede the jobs that need them
-            if version != s.version:
-                s.load(lambda model: copy_weights(model, tensors, alias) or version)
-                load_s = s.load_s
-            send(("batch", rank, s.run(job, load_s)))
+            send(("batch", rank, s.run(job, pull)))
             state["busy"] = False
     except BaseException as e:  # noqa: BLE001  the trainer names it; then this process ends too
         try:

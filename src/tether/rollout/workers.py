@@ -7,11 +7,13 @@
 
 The trainer owns the data stream: a `Job` is one trainer step's examples and its sampling seed.
 Workers take jobs in order, load the newest pushed weights before each job (never during one: a
-batch, multi-turn episodes included, is sampled by one version) and send back a `Rollout` tagged
-with that version. `next_batch` returns rollouts in job order. How far ahead the trainer submits
-(``lookahead``) bounds how old a batch can be: a job submitted at version v is sampled with
-weights >= v, and the trainer consumes at most ``lookahead - 1`` other jobs before it, so its
-staleness (trainer version at consumption - sampling version) is at most ``lookahead - 1``.
+batch, multi-turn episodes included, is sampled by one version; except with partial rollouts,
+``train.partial_rollout_tokens``, `tether.rollout.partial`: between segments too, each token's
+version recorded) and send back a `Rollout` tagged with that version (the oldest). `next_batch`
+returns rollouts in job order. How far ahead the trainer submits (``lookahead``) bounds how old a
+batch can be: a job submitted at version v is sampled with weights >= v, and the trainer consumes at
+most ``lookahead - 1`` other jobs before it, so its staleness (trainer version at consumption -
+sampling version) is at most ``lookahead - 1``.
 
 Weights travel as one shared-memory copy of the trainer's *effective* weights (`effective_weights`:
 LoRA merged into the base, every name of a tied tensor), written under a lock with a version
@@ -89,6 +91,10 @@ class Rollout:
     gen_s: float = 0.0  # seconds the worker spent generating the batch
     load_s: float = 0.0  # seconds it spent loading (and checksumming) new weights before it
     probe_logp: Optional[list] = None  # verify, rollout.engine=vllm: the engine's log-probs of the probe (PROBE_TEXT)
+    # partial rollouts (train.partial_rollout_tokens): each response token's version [B, T] (-1 on padding; the
+    # oldest is ``version``), the newer versions taken between segments and their (checksum, probe_logp) (verify)
+    token_version: Optional[torch.Tensor] = None
+    later: dict = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ weights
@@ -232,14 +238,16 @@ class Sampler:
 
     The model is a plain copy (``lora_r=0``: LoRA arrives merged); ``rollout.engine=hf`` samples with it
     (recording its log-probs), ``rollout.engine=vllm`` builds a vLLM engine from it and reloads the engine
-    from it after each weights load (``VLLMEngine.sync_weights``). ``load`` takes a new version in; ``run``
-    answers a job with it.
+    from it after each weights load (``VLLMEngine.sync_weights``). ``run`` answers a job: ``pull()`` (the
+    transport's: load the newest pushed version if it is newer, through `load`) before it, and, with partial
+    rollouts (``train.partial_rollout_tokens``, `tether.rollout.partial`), between its segments.
     """
 
     def __init__(self, cfg, rank: int, verify: bool, probe: list[int]):
         from ..agents import agent_from_config, agent_tools
         from ..models import load_model
         from . import make_engine
+        from .partial import Segmented
 
         self.rank, self.verify, self.probe = rank, verify, probe
         self.model, tokenizer = load_model(dataclasses.replace(cfg.model, lora_r=0, gradient_checkpointing=False))
@@ -247,29 +255,41 @@ class Sampler:
         self.vllm = cfg.rollout.engine == "vllm"
         extra = {} if self.vllm else {"record_logp": True}  # mu's log-probs (vLLM reports them anyway)
         self.engine = make_engine(cfg.rollout, self.model, tokenizer, **extra)
-        self.agent = agent_from_config(cfg, self.engine, tokenizer, agent_tools(cfg))
+        S = cfg.train.partial_rollout_tokens
+        self.segmented = Segmented(self.engine, S, self._refresh) if S else None
+        self.agent = agent_from_config(cfg, self.segmented or self.engine, tokenizer, agent_tools(cfg))
         self.version: Optional[int] = None
-        self.checksum: Optional[str] = None
-        self.probe_logp: Optional[list] = None
-        self.load_s = 0.0
+        self.checks: dict[int, tuple] = {}  # version -> (checksum, probe log-probs) of the loads of this job
+        self._pull: Callable = lambda: None
 
     def load(self, copy_into: Callable) -> None:
         """``copy_into(model)`` copies a version's weights into the model and returns the version; the engine
         then takes them (a vLLM reload), and with ``verify`` they are read back: the model's checksum, and
         the vLLM engine's log-probs of the probe."""
-        t0 = time.perf_counter()
         self.version = copy_into(self.model)
         self.engine.sync_weights(self.model)  # vLLM: a reload; HF: drops KV caches computed with older weights
-        self.checksum = checksum(model_weights(self.model)) if self.verify else None
-        self.probe_logp = engine_probe_logp(self.engine, self.probe) if self.verify and self.vllm else None
-        self.load_s = time.perf_counter() - t0
+        sum_ = checksum(model_weights(self.model)) if self.verify else None
+        probe = engine_probe_logp(self.engine, self.probe) if self.verify and self.vllm else None
+        self.checks[self.version] = (sum_, probe)
 
-    def run(self, job: Job, load_s: float = 0.0) -> Rollout:
+    def _refresh(self) -> int:
+        self._pull()
+        return self.version
+
+    def run(self, job: Job, pull: Callable) -> Rollout:
+        t0 = time.perf_counter()
+        self._pull = pull
+        pull()  # the newest version, before the job
+        first = self.version
+        self.checks = {first: self.checks[first]}  # + the versions taken between segments (partial rollouts)
         t1 = time.perf_counter()
         rb = self.agent.rollout(job.examples, job.params).to("cpu")
-        return Rollout(job=job, rb=rb, version=self.version, worker=self.rank, checksum=self.checksum,
-                       agent_metrics=self.agent.metrics(), gen_s=time.perf_counter() - t1, load_s=load_s,
-                       probe_logp=self.probe_logp)
+        self._pull = lambda: None
+        sum_, probe = self.checks[first]
+        return Rollout(job=job, rb=rb, version=first, worker=self.rank, checksum=sum_,
+                       agent_metrics=self.agent.metrics(), gen_s=time.perf_counter() - t1, load_s=t1 - t0,
+                       probe_logp=probe, token_version=self.segmented.token_version if self.segmented else None,
+                       later={v: c for v, c in self.checks.items() if v != first})
 
 
 def error_text(e: BaseException) -> str:
@@ -286,6 +306,11 @@ def _worker_main(rank: int, cfg, shared: "SharedWeights", jobs, results, verify:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         s = Sampler(cfg, rank, verify, probe)
+
+        def pull() -> None:  # before a job (and between its segments with partial rollouts): the newest version
+            if shared.version.value != s.version:
+                s.load(shared.read_into)
+
         while True:
             try:
                 job = jobs.get(timeout=1.0)
@@ -295,11 +320,7 @@ def _worker_main(rank: int, cfg, shared: "SharedWeights", jobs, results, verify:
                 continue
             if job is None:
                 return
-            load_s = 0.0
-            if shared.version.value != s.version:  # the newest version, before the job (never during one)
-                s.load(shared.read_into)
-                load_s = s.load_s
-            results.put(("batch", rank, s.run(job, load_s)))
+            results.put(("batch", rank, s.run(job, pull)))
     except BaseException as e:  # noqa: BLE001  every failure goes to the trainer, named
         results.put(("error", rank, error_text(e)))
 
@@ -356,24 +377,28 @@ class WorkerPool:
         return r
 
     def _verify(self, r: Rollout) -> None:
+        for version, (sum_, probe) in [(r.version, (r.checksum, r.probe_logp)), *r.later.items()]:
+            self._verify_version(r, version, sum_, probe)
+
+    def _verify_version(self, r: Rollout, version: int, sum_: Optional[str], probe: Optional[list]) -> None:
         who = f"rollout worker {r.worker}"
-        if r.version not in self.checksums:
-            raise WeightSyncError(f"{who} tagged job {r.job.id} with version {r.version}, "
+        if version not in self.checksums:
+            raise WeightSyncError(f"{who} tagged job {r.job.id} with version {version}, "
                                   f"which was never pushed (pushed: {sorted(self.checksums)[-3:]})")
         if not self.verify:
             return
-        if r.checksum != self.checksums[r.version]:
+        if sum_ != self.checksums[version]:
             raise WeightSyncError(f"{who} sampled job {r.job.id} with weights that are not "
-                                  f"version {r.version}'s: checksum {r.checksum} read back from its model, "
-                                  f"{self.checksums[r.version]} pushed")
+                                  f"version {version}'s: checksum {sum_} read back from its model, "
+                                  f"{self.checksums[version]} pushed")
         if self.vllm:
-            ours, theirs = self.probes[r.version], r.probe_logp
-            if theirs is None or len(theirs) != len(ours):
-                raise WeightSyncError(f"{who} sent no vLLM probe log-probs for version {r.version}")
-            d = sum(abs(a - b) for a, b in zip(ours, theirs)) / max(len(ours), 1)
+            ours = self.probes[version]
+            if probe is None or len(probe) != len(ours):
+                raise WeightSyncError(f"{who} sent no vLLM probe log-probs for version {version}")
+            d = sum(abs(a - b) for a, b in zip(ours, probe)) / max(len(ours), 1)
             if not d <= self.logp_tol:  # NaN too
                 raise WeightSyncError(
-                    f"{who}'s vLLM engine does not sample with version {r.version}'s weights: its log-probs of "
+                    f"{who}'s vLLM engine does not sample with version {version}'s weights: its log-probs of "
                     f"the probe text differ from the trainer's by {d:.3g} per token on average (> "
                     f"train.verify_logp_tol={self.logp_tol:g}) though the weights it was given match (job "
                     f"{r.job.id}). At version 0 this is the engine's numerics (raise train.verify_logp_tol, "
