@@ -141,3 +141,34 @@ def test_keys_and_addresses(workdir, tiny_model_dir, tmp_path, monkeypatch):
     assert "rejected a rollout worker connection from 127.0.0.1" in tlog
     assert "tether: error: 0 of 1 rollout worker(s) connected to" in tlog, tlog[-2000:]
     assert not (tmp_path / "run").exists()  # a trainer that could not start leaves no run directory
+
+
+CRASHING_AGENT = '''
+from tether.agents import SingleTurnAgent
+
+
+class Crashing(SingleTurnAgent):
+    def rollout(self, examples, params):
+        raise RuntimeError("boom in the remote worker")
+
+
+def crashing(engine, tokenizer, **options):
+    return Crashing(engine, tokenizer, **options)
+'''
+
+
+def test_a_remote_worker_that_raises_is_named_on_both_sides(workdir, tiny_model_dir, tmp_path):
+    (tmp_path / "crash.py").write_text(CRASHING_AGENT)
+    addr, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
+    key = dict(TETHER_WORKER_KEY="loopback-test-secret")
+    agent = {"rollout.agent": f"{tmp_path}/crash.py:crashing"}
+    trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 3, **agent), tmp_path / "t.log", **key)
+    worker = start(["worker", addr, "--wait", "300"], tmp_path / "w.log", **key)
+    try:
+        assert trainer.wait(TIMEOUT) == 2 and worker.wait(60) == 2
+    finally:
+        end(trainer, worker)
+    tlog, wlog = (tmp_path / "t.log").read_text(), (tmp_path / "w.log").read_text()
+    assert "tether: error: trainer step 1: remote rollout worker 0 (" in tlog, tlog[-3000:]
+    assert "failed: RuntimeError: boom in the remote worker (at crash.py:" in tlog, tlog[-3000:]
+    assert "tether: error: rollout worker 0 failed: RuntimeError: boom in the remote worker" in wlog, wlog[-3000:]

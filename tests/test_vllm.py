@@ -354,3 +354,32 @@ def test_partial_rollout_segments_on_vllm(setup):
     assert torch.all(seg.token_version[m] == 4)
     sampled = seg.generate(_prompts(tok), SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=2))
     assert _max_diff(model, sampled) < 1e-4  # mu of every segment = the policy's log-probs
+
+
+def test_a_remote_vllm_worker_on_loopback(tmp_path_factory, tmp_path):
+    """`tether worker` with rollout.engine=vllm, connected over TCP (127.0.0.1) to a `tether train` with
+    train.worker_address: verified sync (checksums and the vLLM probe) across the connection, staleness <= 1, both
+    processes exit 0."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    d, out = _model_dir(tmp_path_factory, False), tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TETHER_WORKER_KEY": "vllm-loopback"}
+    with open(tmp_path / "t.log", "w") as tl, open(tmp_path / "w.log", "w") as wl:
+        trainer = subprocess.Popen(_async_cmd(d, tmp_path, out, "train.steps=3", f"train.worker_address={addr}"),
+                                   stdout=tl, stderr=subprocess.STDOUT, env=env)
+        worker = subprocess.Popen([sys.executable, "-m", "tether", "worker", addr, "--wait", "300"], stdout=wl,
+                                  stderr=subprocess.STDOUT, env=env)
+        try:
+            assert trainer.wait(900) == 0, (tmp_path / "t.log").read_text()[-3000:]
+            assert worker.wait(120) == 0, (tmp_path / "w.log").read_text()[-3000:]
+        finally:
+            for p in (trainer, worker):
+                if p.poll() is None:
+                    p.kill()
+    assert "rollout worker 0 ready (vllm engine)" in (tmp_path / "w.log").read_text()
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert all(0 <= x["async/staleness"] <= 1 for x in rows) and rows[-1]["async/version"] >= 1

@@ -329,10 +329,13 @@ def serve(address: str, wait_s: float = 600.0, log: Callable = print) -> int:
             send(("batch", rank, s.run(job, pull)))
             state["busy"] = False
     except BaseException as e:  # noqa: BLE001  the trainer names it; then this process ends too
+        state["busy"] = False  # the trainer's stop (an answer to the error below) must not end this process with 0
         try:
             send(("error", rank, error_text(e)))
         except (OSError, ValueError):
             pass
+        if isinstance(e, Exception) and not isinstance(e, WorkerError):  # one `tether: error:` line here too
+            raise WorkerError(f"rollout worker {rank} failed: {error_text(e)} (reported to the trainer)") from e
         raise
     finally:
         stop.set()
