@@ -23,7 +23,8 @@ from helpers import DIGITS, cli_args, rows, strip, subprocess_env, tiny_config
 from tether.algo.recipes import ConfigError
 from tether.checkpoint import latest_checkpoint
 from tether.rollout import SamplingParams
-from tether.rollout.workers import Job, WeightSyncError, effective_weights
+from tether.rollout.weights import WeightSyncError, effective_weights
+from tether.rollout.workers import Job
 from tether.train import Trainer, train
 
 REWARD = DIGITS + '''

@@ -259,7 +259,7 @@ def stale_vllm(engine, tokenizer, **options):
 def test_vllm_probe_reads_back_what_the_engine_samples_with(setup):
     """Verified sync for vLLM workers: the engine's log-probs of the probe text equal the trainer's with the same
     weights, differ once the trainer's weights moved without a sync, and agree again after it."""
-    from tether.rollout.workers import engine_probe_logp, model_probe_logp, probe_ids
+    from tether.rollout.weights import engine_probe_logp, model_probe_logp, probe_ids
 
     _, model, tok, eng = setup
     eng.sync_weights(model)

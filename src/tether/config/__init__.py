@@ -12,6 +12,7 @@ One module per concern; every name is importable from ``tether.config``:
     yaml_io.py     reading a YAML config (trees only: no duplicate key, no recursive alias); save_config
     overrides.py   dotted keys: key=value parsing, type coercion, setting, flattening
     validate.py    check: every problem of a resolved config at once, section by section
+    validate_train.py  its train.* section: sizes, micro-batches, asynchronous training
     load.py        load_config: recipe -> task preset -> YAML -> overrides -> check
     reference.py   docs/config.md from the fields' declaration comments
 """

@@ -41,7 +41,8 @@ import time
 from multiprocessing.connection import AuthenticationError, Client, Connection, answer_challenge, deliver_challenge
 from typing import Callable, Optional
 
-from .workers import Job, Sampler, WorkerError, WorkerPool, copy_weights, error_text, unique_weights
+from .weights import copy_weights, unique_weights
+from .workers import Job, Sampler, WorkerError, WorkerPool, error_text
 
 KEY_ENV = "TETHER_WORKER_KEY"
 

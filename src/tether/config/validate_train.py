@@ -1,0 +1,82 @@
+"""Validation of the train.* section (part of ``tether.config.validate.check``): sizes and micro-batches, an
+iterative anchor that would be exactly on-policy, and asynchronous training (``train.max_staleness`` and
+the options of the rollout workers, `tether.rollout.workers`: their number, stale batches, verified sync,
+remote workers, partial rollouts). A key that has no effect under the resolved settings is a problem too.
+"""
+
+from __future__ import annotations
+
+from ..algo.registry import unknown_choice
+from .schema import Config, TrainConfig
+
+
+def check_train(cfg: Config) -> list[str]:
+    """train.*: sizes and schedule, an iterative anchor that would be exactly on-policy, and asynchronous
+    training (`_check_async`)."""
+    r, t, errs = cfg.rollout, cfg.train, []
+    for k in ("steps", "epochs", "mini_batches", "micro_batch_size", "logprob_chunk"):
+        if getattr(t, k) < 1:
+            errs.append(f"train.{k} must be >= 1")
+    if r.prompts_per_step * r.n < t.mini_batches:
+        errs.append("train.mini_batches exceeds the number of sequences per step")
+    if t.micro_batch_tokens < 0:
+        errs.append("train.micro_batch_tokens must be >= 0 (0 = micro-batches of train.micro_batch_size rows)")
+    elif t.micro_batch_tokens > 0 and t.micro_batch_size != TrainConfig().micro_batch_size:
+        errs.append("train.micro_batch_size has no effect with train.micro_batch_tokens > 0 (micro-batches are cut "
+                    "by the token budget): set one of them")
+    if t.packing and t.share_prompt:
+        errs.append("train.packing runs each row's prompt in its own packed sequence, so train.share_prompt would "
+                    "have no effect: set train.share_prompt=false with train.packing=true")
+    if (cfg.algo.anchor.kind == "iterative" and t.epochs == 1 and t.mini_batches == 1
+            and cfg.algo.kl.estimator != "none"):
+        errs.append("anchor 'iterative' with train.epochs=1 and train.mini_batches=1 is exactly on-policy: "
+                    "pi_a = pi_old = pi, so the KL term is identically zero; use train.mini_batches > 1 "
+                    "or train.epochs > 1, or another anchor")
+    return errs + _check_async(cfg)
+
+
+STALE_BATCHES = ("drop", "keep")
+
+
+def _check_async(cfg: Config) -> list[str]:
+    """train.max_staleness and the options of asynchronous training (tether.rollout.workers)."""
+    r, t, dt, errs = cfg.rollout, cfg.train, TrainConfig(), []
+    keys = ("rollout_workers", "stale_batches", "verify_sync", "worker_address", "partial_rollout_tokens")
+    if t.max_staleness < 0:
+        errs.append("train.max_staleness must be >= 0 (0 = synchronous)")
+    if t.verify_logp_tol != dt.verify_logp_tol and not (t.verify_sync and r.engine == "vllm"):
+        errs.append("train.verify_logp_tol only applies with train.verify_sync=true and rollout.engine=vllm (the vLLM "
+                    "workers' probe)")
+    elif not t.verify_logp_tol > 0:
+        errs.append("train.verify_logp_tol must be > 0")
+    if t.worker_timeout_s != dt.worker_timeout_s and not t.worker_address:
+        errs.append("train.worker_timeout_s only applies with train.worker_address (remote rollout workers)")
+    elif not t.worker_timeout_s > 0:
+        errs.append("train.worker_timeout_s must be > 0")
+    if t.max_staleness <= 0:
+        return errs + [f"train.{k} only applies with train.max_staleness >= 1 (asynchronous rollouts)"
+                       for k in keys if getattr(t, k) != getattr(dt, k)]
+    if t.partial_rollout_tokens < 0:
+        errs.append("train.partial_rollout_tokens must be >= 0 (0 = off)")
+    elif t.partial_rollout_tokens:
+        if r.agent != "single_turn":
+            errs.append(f"train.partial_rollout_tokens (partial rollouts) supports rollout.agent=single_turn only, "
+                        f"got {r.agent!r}")
+        if t.partial_rollout_tokens >= r.max_new_tokens:
+            errs.append(f"train.partial_rollout_tokens={t.partial_rollout_tokens} has no effect: a response has at "
+                        f"most rollout.max_new_tokens={r.max_new_tokens} tokens, one segment")
+    if t.worker_address:
+        host, _, port = t.worker_address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            errs.append(f"train.worker_address must be HOST:PORT (e.g. 0.0.0.0:29600), got {t.worker_address!r}")
+    if t.rollout_workers < 1:
+        errs.append("train.rollout_workers must be >= 1")
+    if t.stale_batches not in STALE_BATCHES:
+        errs.append(unknown_choice("train.stale_batches", t.stale_batches, STALE_BATCHES))
+    elif t.stale_batches != dt.stale_batches and t.rollout_workers <= t.max_staleness + 1:
+        errs.append(f"train.stale_batches has no effect: with train.rollout_workers={t.rollout_workers} <= "
+                    f"train.max_staleness + 1 no batch can be more than {t.max_staleness} versions old")
+    if r.dynamic_sampling:
+        errs.append("train.max_staleness >= 1 does not support rollout.dynamic_sampling (its refills are decided "
+                    "after scoring, in the trainer)")
+    return errs
