@@ -165,18 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_sft_parser(sub)
 
-    w = sub.add_parser("worker", help="a remote rollout worker for a trainer with train.worker_address (docs/async.md)",
-                       description="Connect to a trainer started with train.max_staleness >= 1 and "
-                       "train.worker_address=HOST:PORT, and generate its rollouts: the run's config (model, engine, "
-                       "agent) comes from the trainer, weights after each update, jobs as they are due. The secret "
-                       "in $TETHER_WORKER_KEY must equal the trainer's. model.name and any agent / environment files "
-                       "must exist on this node under the same names.",
-                       epilog="Exit 0: the trainer ended the run; 2: no trainer answered within --wait, a wrong key, "
-                       "the trainer lost, or an error in this worker (also reported to the trainer).")
-    w.add_argument("address", help="the trainer's train.worker_address as reachable from here, HOST:PORT")
-    w.add_argument("--wait", type=float, default=600.0, help="seconds to keep retrying while no trainer listens "
-                   "yet (default 600)")
-    w.set_defaults(fn=_worker)
+    _add_worker_parser(sub)
 
     pl = sub.add_parser("plot", help="plot the curves of one or more runs, overlaid")
     pl.add_argument("runs", nargs="+", help="run directories")
@@ -207,6 +196,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demos_parser(sub)
     return p
+
+
+def _add_worker_parser(sub) -> None:
+    w = sub.add_parser("worker", help="a remote rollout worker for a trainer with train.worker_address (docs/async.md)",
+                       description="Connect to a trainer started with train.max_staleness >= 1 and "
+                       "train.worker_address=HOST:PORT, and generate its rollouts: the run's config (model, engine, "
+                       "agent) comes from the trainer, weights after each update, jobs as they are due. The secret "
+                       "in $TETHER_WORKER_KEY must equal the trainer's. model.name and any agent / environment files "
+                       "must exist on this node under the same names.",
+                       epilog="Exit 0: the trainer ended the run; 2: no trainer answered within --wait, a wrong key, "
+                       "the trainer lost, or an error in this worker (also reported to the trainer).")
+    w.add_argument("address", help="the trainer's train.worker_address as reachable from here, HOST:PORT")
+    w.add_argument("--wait", type=float, default=600.0, help="seconds to keep retrying while no trainer listens "
+                   "yet (default 600)")
+    w.set_defaults(fn=_worker)
 
 
 def _add_sft_parser(sub) -> None:

@@ -409,18 +409,8 @@ def response_stats(
     targets = response_ids[mask]  # [N]
     ids = gather_ids[mask] if gather_ids is not None else None  # [N, k]
 
-    st = _token_stats(
-        h,
-        weight,
-        targets,
-        bias=bias,
-        temperature=temperature,
-        softcap=softcap,
-        topk=topk,
-        gather_ids=ids,
-        entropy=entropy,
-        chunk_size=chunk_size,
-    )
+    st = _token_stats(h, weight, targets, bias=bias, temperature=temperature, softcap=softcap, topk=topk,
+                      gather_ids=ids, entropy=entropy, chunk_size=chunk_size)
     return _unpack_stats(st, mask)
 
 
