@@ -316,6 +316,7 @@ class ScriptedWorkers:
     versions of ``VERSIONS`` in turn (what timing decides with real workers)."""
 
     VERSIONS: list = []
+    restarts = 0
 
     def __init__(self, cfg, model, n, lookahead, verify, version=0, log=print, tokenizer=None):
         self.lookahead, self.jobs, self.agent, self.versions = lookahead, [], None, list(self.VERSIONS)

@@ -48,7 +48,9 @@ from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
 from .optim import make_adamw, optimizer_step, skipped_update_line
 from .passes import Passes, StepBatch, exact_kl_sample, forwarded_positions, head_inputs, idle_backward, micro_batches
 from .rollout import RolloutBatch, SamplingParams, make_engine
-from .rollout.workers import Job, RolloutWorkers
+from .rollout.partial import token_metrics
+from .rollout.weights import WeightSyncError
+from .rollout.workers import Job, RolloutWorkers, WorkerError, checkpointed
 from .report import HeldOut, Progress, RewardErrorLog, rollout_metrics, sample_rows
 from .rundir import RunDirectory, restore_latest, resume_config
 from .schedule import LRSchedule
@@ -202,7 +204,7 @@ class Trainer:
         """K >= 1: keep the workers' jobs topped up from the data stream, take the oldest job's batch and score
         it. A batch more than K versions old (possible only with more than K + 1 workers) is dropped
         (train.stale_batches=drop: its prompts are skipped) and the next one taken, or kept."""
-        t, dropped, wait = self.cfg.train, 0, 0.0
+        t, wait = self.cfg.train, 0.0
         while True:
             while self.workers.wants_job():  # one step's examples and seed per job
                 examples = self.data.take(self.cfg.rollout.prompts_per_step)
@@ -216,8 +218,7 @@ class Trainer:
             staleness = self.step - got.version
             if staleness <= t.max_staleness or t.stale_batches == "keep":
                 break
-            dropped += 1
-        self.dropped += dropped
+            self.dropped += 1  # (counted at once: a failure at the next batch checkpoints the job count with it)
         self.staleness_counts[staleness] += 1
         rb = got.rb
         ex_rows = [got.job.examples[int(g)] for g in rb.group]
@@ -226,13 +227,10 @@ class Trainer:
         self.passes.on_policy = self._on_policy and staleness == 0  # a stale batch: pi_old recomputed here
         stats.update({"async/staleness": staleness, "async/version": got.version, "async/worker": got.worker,
                       "async/dropped": self.dropped, "async/wait_s": wait, "async/worker_gen_s": got.gen_s,
-                      "async/worker_load_s": got.load_s,
+                      "async/worker_load_s": got.load_s, "async/restarts": self.workers.restarts,
                       **{f"async/staleness_{k}": c for k, c in enumerate(self.staleness_counts)}})
         if got.token_version is not None:  # partial rollouts: staleness above is the oldest token's
-            tv = got.token_version[rb.response_mask]
-            stats.update({"async/newest_version": int(tv.max()) if tv.numel() else got.version,
-                          "async/swaps": len(got.later),
-                          "async/token_staleness_mean": float((self.step - tv).float().mean()) if tv.numel() else 0.0})
+            stats.update(token_metrics(got, self.step))
         return batch, stats
 
     def _step_batch(self, kept: list, seen: list, agent_metrics: dict) -> tuple[StepBatch, dict]:
@@ -402,6 +400,8 @@ class Trainer:
         try:
             with GracefulStop(self.run_dir, announce=dist.is_main()) as stop:
                 self._run(resume, stop)
+        except (WorkerError, WeightSyncError) as e:  # K >= 1: the last completed step is checkpointed, then the error
+            raise checkpointed(self, e) from e
         finally:
             self.close()  # the rollout workers end with the run: normally, on an error or a stop signal
         return self.run_dir

@@ -191,6 +191,10 @@ class TrainConfig:
     # batch with one weights version; S > 0 = partial rollouts: it samples in segments of S tokens and takes a newer
     # pushed version between segments (the rest of a response re-encoded with it), recording each token's version;
     # a batch's staleness is its oldest token's (async/token_staleness_mean: the mean over tokens)
+    worker_restarts: int = 2  # max_staleness >= 1: how many times in a run a rollout worker that dies (killed, out of
+    # memory, its connection lost) is replaced: a local one restarted, a remote one by the next `tether worker` that
+    # connects within worker_timeout_s; the jobs it held are resubmitted and it loads the newest version. Beyond
+    # that (0 = never), or a worker that raises, the run stops with an error after a checkpoint of its last step
     worker_address: str = ""  # max_staleness >= 1: "" = the rollout workers are local processes; HOST:PORT = the
     # trainer listens there for train.rollout_workers remote `tether worker HOST:PORT` processes (other nodes; jobs,
     # weights per version and batches over TCP, authenticated with the secret in $TETHER_WORKER_KEY on both sides)

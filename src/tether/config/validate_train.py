@@ -41,7 +41,8 @@ STALE_BATCHES = ("drop", "keep")
 def _check_async(cfg: Config) -> list[str]:
     """train.max_staleness and the options of asynchronous training (tether.rollout.workers)."""
     r, t, dt, errs = cfg.rollout, cfg.train, TrainConfig(), []
-    keys = ("rollout_workers", "stale_batches", "verify_sync", "worker_address", "partial_rollout_tokens")
+    keys = ("rollout_workers", "stale_batches", "verify_sync", "worker_address", "partial_rollout_tokens",
+            "worker_restarts")
     if t.max_staleness < 0:
         errs.append("train.max_staleness must be >= 0 (0 = synchronous)")
     if t.verify_logp_tol != dt.verify_logp_tol and not (t.verify_sync and r.engine == "vllm"):
@@ -69,6 +70,8 @@ def _check_async(cfg: Config) -> list[str]:
         host, _, port = t.worker_address.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             errs.append(f"train.worker_address must be HOST:PORT (e.g. 0.0.0.0:29600), got {t.worker_address!r}")
+    if t.worker_restarts < 0:
+        errs.append("train.worker_restarts must be >= 0 (0 = a worker that dies stops the run)")
     if t.rollout_workers < 1:
         errs.append("train.rollout_workers must be >= 1")
     if t.stale_batches not in STALE_BATCHES:

@@ -101,3 +101,11 @@ class Segmented:
         self.token_version = tv
         batch.gen_time_s = time.perf_counter() - t0
         return batch
+
+
+def token_metrics(got, step: int) -> dict:
+    """The trainer's metrics of a partial rollout ``got`` (a `tether.rollout.workers.Rollout`) at version ``step``:
+    its newest token's version, the versions taken mid-job, the mean staleness over response tokens."""
+    tv = got.token_version[got.rb.response_mask]
+    return {"async/newest_version": int(tv.max()) if tv.numel() else got.version, "async/swaps": len(got.later),
+            "async/token_staleness_mean": float((step - tv).float().mean()) if tv.numel() else 0.0}

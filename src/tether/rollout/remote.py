@@ -102,20 +102,20 @@ class _Link:
         except (OSError, EOFError, ValueError) as e:
             if not self.pool.closing:
                 self.pool.inbox.put(("lost", self.rank, f"closed the connection (while the trainer was sending: "
-                                                        f"{type(e).__name__}: {e})"))
+                                                        f"{type(e).__name__}: {e})", self))
 
     def _recv_loop(self) -> None:
         try:
             while True:
                 msg = pickle.loads(self.conn.recv_bytes())
                 self.last_seen = time.monotonic()
-                if msg[0] != "heartbeat":
+                if msg[0] != "heartbeat" and self.pool.links[self.rank] is self:  # not a replaced worker's
                     self.pool.inbox.put(msg)
         except (OSError, EOFError, ValueError) as e:
             if not self.pool.closing:
                 closed = isinstance(e, (EOFError, ConnectionResetError, BrokenPipeError))
                 what = "closed the connection" if closed else f"lost the connection ({type(e).__name__}: {e})"
-                self.pool.inbox.put(("lost", self.rank, what))
+                self.pool.inbox.put(("lost", self.rank, what, self))
 
 
 class RemoteWorkers(WorkerPool):
@@ -128,8 +128,8 @@ class RemoteWorkers(WorkerPool):
 
     def __init__(self, cfg, model, n: int, lookahead: int, verify: bool, version: int = 0,
                  log: Callable = print, tokenizer=None):
-        super().__init__(cfg, n, lookahead, verify, tokenizer)
-        key, self.address = _key(), cfg.train.worker_address
+        super().__init__(cfg, n, lookahead, verify, tokenizer, log)
+        self.key, self.address = _key(), cfg.train.worker_address
         self.timeout = cfg.train.worker_timeout_s
         self.heartbeat_s = max(0.2, min(5.0, self.timeout / 5))
         self.inbox: queue.Queue = queue.Queue()
@@ -142,11 +142,10 @@ class RemoteWorkers(WorkerPool):
         except OSError as e:
             raise WorkerError(f"cannot listen for rollout workers on {self.address} (train.worker_address): {e}") from e
         try:
-            setup = dict(cfg=cfg, verify=verify, probe=self.probe, heartbeat_s=self.heartbeat_s)
-            for rank, (conn, info) in enumerate(self._accept(n, key, log)):
-                conn.send_bytes(_dumps(("setup", dict(setup, rank=rank))))
-                self.links.append(_Link(self, rank, conn, info))
-                log(f"[tether] rollout worker {rank} connected: {self.describe(rank)}")
+            self.setup = dict(cfg=cfg, verify=verify, probe=self.probe, heartbeat_s=self.heartbeat_s)
+            for rank, (conn, info) in enumerate(self._accept(n, self.key, log)):
+                self.links.append(None)
+                self._connect(rank, conn, info)
             self.push(model, version)
         except BaseException:
             self.close()
@@ -193,14 +192,28 @@ class RemoteWorkers(WorkerPool):
                     got.append((conn, info))
         return got
 
+    def _connect(self, rank: int, conn: Connection, info: dict) -> None:
+        conn.send_bytes(_dumps(("setup", dict(self.setup, rank=rank))))
+        self.links[rank] = _Link(self, rank, conn, info)
+        self.log(f"[tether] rollout worker {rank} connected: {self.describe(rank)}")
+
+    def _restart(self, rank: int) -> None:
+        """A replacement for a lost worker: the next ``tether worker`` that connects (within
+        ``train.worker_timeout_s``; something on its node restarts it) takes its rank and the newest version."""
+        self.links[rank].conn.close()
+        (conn, info), = self._accept(1, self.key, self.log)
+        self._connect(rank, conn, info)
+        self.links[rank].outbox.put("weights")
+
     def describe(self, rank: int) -> str:
-        i = self.links[rank].info if rank < len(self.links) else {}
+        i = self.links[rank].info if rank < len(self.links) and self.links[rank] else {}
         return f"remote rollout worker {rank} ({i.get('host', '?')}, pid {i.get('pid', '?')})"
 
-    def _send(self, job: Job) -> None:
-        link = min(self.links, key=lambda x: x.in_flight)  # the least busy worker
+    def _send(self, job: Job, rank: Optional[int] = None) -> int:
+        link = min(self.links, key=lambda x: x.in_flight) if rank is None else self.links[rank]  # the least busy
         link.in_flight += 1
         link.outbox.put(_dumps(("job", job)))
+        return link.rank
 
     def _arrived(self, rank: int) -> None:
         self.links[rank].in_flight -= 1
@@ -211,16 +224,18 @@ class RemoteWorkers(WorkerPool):
         except queue.Empty:
             return None
         if msg[0] == "lost":
-            raise WorkerError(f"{self.describe(msg[1])} {msg[2]} (it died, or its node went away)")
+            if msg[3] is self.links[msg[1]]:  # not a replaced worker's connection
+                self._lost(msg[1], f"{msg[2]} (it died, or its node went away)")
+            return None
         return msg
 
     def _check_alive(self) -> None:
         now = time.monotonic()
         for link in self.links:
             if now - link.last_seen > self.timeout:
-                raise WorkerError(f"{self.describe(link.rank)} sent nothing (not even a heartbeat) for "
-                                  f"{now - link.last_seen:.0f} s > train.worker_timeout_s={self.timeout:g}: hung, or "
-                                  f"its node or the network is gone")
+                self._lost(link.rank, f"sent nothing (not even a heartbeat) for {now - link.last_seen:.0f} s > "
+                                      f"train.worker_timeout_s={self.timeout:g}: hung, or its node or the network "
+                                      f"is gone")
 
     def _publish(self, weights: dict, version: int) -> None:
         stored, alias = unique_weights(weights)

@@ -2,8 +2,8 @@
 what the trainer pushes, how it travels, and how a version is verified.
 
 Weights travel as one shared-memory copy of the trainer's *effective* weights (`effective_weights`:
-LoRA merged into the base, every name of a tied tensor), written under a lock with a version
-counter (`SharedWeights`; tied tensors stored once, `unique_weights` / `copy_weights`, which the network
+LoRA merged into the base, every name of a tied tensor), written with a version
+counter (`SharedWeights`, a seqlock; tied tensors stored once, `unique_weights` / `copy_weights`, which the network
 transport `tether.rollout.remote` uses too); the workers' models are plain (un-wrapped) copies loaded
 with ``tether.models.load_model``. With ``verify`` each version is checksummed on both sides
 (`checksum`): the trainer of what it pushed, the worker of its own model's weights read back after
@@ -18,6 +18,7 @@ samples with: with ``verify`` a vLLM worker also reports the engine's log-probs 
 from __future__ import annotations
 
 import hashlib
+import time
 
 import torch
 
@@ -77,7 +78,7 @@ def model_weights(model) -> dict[str, torch.Tensor]:
 class SharedWeights:
     """One shared-memory copy of the effective weights (tied tensors stored once) and its version.
 
-    The trainer `write`s, workers `read_into` their model; both under one lock.
+    The trainer `write`s, workers `read_into` their model (a seqlock: a torn read is retried).
     """
 
     def __init__(self, weights: dict[str, torch.Tensor], ctx):
@@ -85,7 +86,7 @@ class SharedWeights:
         self.tensors = {name: torch.empty(weights[name].shape, dtype=weights[name].dtype).share_memory_()
                         for name in stored}
         self.version = ctx.Value("q", -1, lock=False)
-        self.lock = ctx.Lock()
+        self.seq = ctx.Value("q", 0, lock=False)  # odd while the trainer writes (a seqlock: readers hold no lock)
 
     def names(self) -> set:
         return set(self.tensors) | set(self.alias)
@@ -95,16 +96,25 @@ class SharedWeights:
         if set(weights) != self.names():
             raise WeightSyncError(f"the weights to push do not match the workers' buffer (names differ: "
                                   f"{sorted(set(weights) ^ self.names())[:4]})")
-        with self.lock:
-            for name, buf in self.tensors.items():
-                buf.copy_(weights[name])
-            self.version.value = version
+        self.seq.value += 1  # odd: a write in progress
+        for name, buf in self.tensors.items():
+            buf.copy_(weights[name])
+        self.version.value = version
+        self.seq.value += 1
 
     def read_into(self, model) -> int:
-        """Copy the newest weights into ``model`` (a plain model with the same names); returns their version."""
-        with self.lock:
-            copy_weights(model, self.tensors, self.alias)
-            return int(self.version.value)
+        """Copy the newest weights into ``model`` (a plain model with the same names); returns their version.
+
+        Lock-free for the reader (a seqlock): a copy that overlapped a write is repeated, so a worker killed
+        while it reads (``kill -9``) leaves no lock held that would block the trainer's next push."""
+        while True:
+            seq = self.seq.value
+            if seq % 2 == 0:
+                copy_weights(model, self.tensors, self.alias)
+                version = int(self.version.value)
+                if self.seq.value == seq:
+                    return version
+            time.sleep(0.001)
 
 
 def copy_weights(model, tensors: dict, alias: dict) -> None:

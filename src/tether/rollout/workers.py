@@ -190,12 +190,16 @@ class WorkerPool:
     """What every transport shares (`RolloutWorkers`: local processes; `tether.rollout.remote.RemoteWorkers`:
     ``tether worker`` processes over TCP): jobs in flight, rollouts in job order, the versions pushed and
     their checksums (and, for vLLM workers, the trainer's log-probs of the probe), and the checks of
-    `next_batch`. A transport implements ``_send(job)``, ``_receive(timeout) -> message or None``,
-    ``_check_alive()``, ``_publish(weights, version)``, ``close()`` and ``describe(rank)``.
+    `next_batch`, and the restart of a dead worker (`_lost`: ``train.worker_restarts``). A transport implements
+    ``_send(job, rank=None) -> rank``, ``_receive(timeout) -> message or None``, ``_check_alive()`` (calls
+    `_lost` for a dead worker), ``_restart(rank)``, ``_publish(weights, version)``, ``close()`` and
+    ``describe(rank)``.
     """
 
-    def __init__(self, cfg, n: int, lookahead: int, verify: bool, tokenizer):
-        self.n, self.lookahead, self.verify = n, lookahead, verify
+    def __init__(self, cfg, n: int, lookahead: int, verify: bool, tokenizer, log: Callable = print):
+        self.n, self.lookahead, self.verify, self.log = n, lookahead, verify, log
+        self.max_restarts, self.restarts = cfg.train.worker_restarts, 0  # restarts of dead workers (the run's)
+        self._held: dict[int, tuple[int, Job]] = {}  # job id -> (rank, job): sent to a worker, its batch not arrived
         self.vllm = cfg.rollout.engine == "vllm"
         self.logp_tol = cfg.train.verify_logp_tol
         self.probe = probe_ids(tokenizer) if verify and self.vllm else []
@@ -213,7 +217,7 @@ class WorkerPool:
         """Queue ``job``; `next_batch` returns the rollouts in submission order."""
         if not self.wants_job():
             raise RuntimeError(f"{self.lookahead} jobs already in flight")
-        self._send(job)
+        self._held[job.id] = (self._send(job), job)
         self._order.append(job.id)
         self.submitted += 1
 
@@ -266,8 +270,32 @@ class WorkerPool:
         kind, rank, body = msg
         if kind == "error":
             raise WorkerError(f"{self.describe(rank)} failed: {body}")
+        self._held.pop(body.job.id, None)
         self._ready[body.job.id] = body
         self._arrived(rank)
+
+    def _least_busy(self) -> int:
+        held = [r for r, _ in self._held.values()]
+        return min(range(self.n), key=held.count)
+
+    def _lost(self, rank: int, what: str) -> None:
+        """Worker ``rank`` died (or went silent): restart it, the jobs it held resubmitted to it in order
+        (``train.worker_restarts`` left), else raise `WorkerError`. Resubmitted jobs keep their id, examples
+        and seed; the new worker loads the newest pushed version before each, so the staleness bound holds."""
+        who = f"{self.describe(rank)} {what}"
+        if self.restarts >= self.max_restarts:
+            used = f" (train.worker_restarts={self.max_restarts} restart(s) used)" if self.max_restarts else ""
+            raise WorkerError(who + used)
+        self.restarts += 1
+        jobs = sorted((j for r, j in self._held.values() if r == rank), key=lambda j: j.id)
+        self.log(f"[tether] {who}; restarting it (restart {self.restarts} of train.worker_restarts="
+                 f"{self.max_restarts}), its job(s) {[j.id for j in jobs]} resubmitted")
+        try:
+            self._restart(rank)
+        except WorkerError as e:  # e.g. no remote replacement connected in time
+            raise WorkerError(f"{who}; its replacement failed: {e}") from e
+        for job in jobs:
+            self._held[job.id] = (self._send(job, rank), job)
 
     def _arrived(self, rank: int) -> None:
         """A batch of worker ``rank`` arrived (transports that assign jobs count them)."""
@@ -291,17 +319,16 @@ class WorkerPool:
         self.close()
 
 
-def _kill(procs: list, jobs=None, grace_s: float = 2.0) -> None:
+def _kill(procs: list, jobs: list, grace_s: float = 2.0) -> None:
     """End the workers: an idle one exits on its ``None`` job within ``grace_s``; the others are killed."""
-    if jobs is not None:
-        for _ in procs:
-            try:
-                jobs.put_nowait(None)
-            except (queue.Full, ValueError, OSError):
-                break
-        deadline = time.monotonic() + grace_s
-        for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for q in jobs:
+        try:
+            q.put_nowait(None)
+        except (queue.Full, ValueError, OSError):
+            pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -309,8 +336,18 @@ def _kill(procs: list, jobs=None, grace_s: float = 2.0) -> None:
         p.join(timeout=10)
 
 
+def _discard(*queues) -> None:
+    for q in queues:
+        q.cancel_join_thread()
+        q.close()
+
+
 class RolloutWorkers(WorkerPool):
     """``n`` local rollout worker processes (spawned) for the trainer: `submit`, `next_batch`, `push`, `close`.
+
+    Each worker has its own job queue and result queue, so the trainer knows which jobs a worker holds and a
+    worker killed mid-write (``kill -9``) corrupts no other worker's pipe: a dead worker is restarted with
+    new queues and its jobs resubmitted (``train.worker_restarts``), or the run stops with a `WorkerError`.
 
     Args:
         cfg: the run's `tether.config.Config` (the workers build model, engine and agent from it).
@@ -326,47 +363,69 @@ class RolloutWorkers(WorkerPool):
                  log: Callable = print, tokenizer=None):
         import torch.multiprocessing as mp
 
-        super().__init__(cfg, n, lookahead, verify, tokenizer)
-        ctx = mp.get_context("spawn")
-        self.shared = SharedWeights(effective_weights(model), ctx)
-        self.jobs = ctx.Queue(maxsize=lookahead)
-        self.results = ctx.Queue(maxsize=lookahead + 2 * n)  # batches (<= lookahead) and the workers' errors
+        super().__init__(cfg, n, lookahead, verify, tokenizer, log)
+        self.cfg, self.ctx = cfg, mp.get_context("spawn")
+        self.shared = SharedWeights(effective_weights(model), self.ctx)
         self.push(model, version)
-        self.procs = []
+        self.procs, self.jobs, self.results = [None] * n, [None] * n, [None] * n  # per worker
         for i in range(n):
-            p = ctx.Process(target=_worker_main, name=f"tether-rollout-{i}", daemon=True,
-                            args=(i, cfg, self.shared, self.jobs, self.results, verify, os.getpid(), self.probe))
-            p.start()
-            self.procs.append(p)
-            log(f"[tether] rollout worker {i} started (pid {p.pid})")
-        self._finalizer = weakref.finalize(self, _kill, list(self.procs), self.jobs)
+            self._start(i)
+        self._finalizer = weakref.finalize(self, _kill, self.procs, self.jobs)  # the lists, as restarts update them
+
+    def _start(self, i: int) -> None:
+        self.jobs[i], self.results[i] = self.ctx.Queue(), self.ctx.Queue()  # <= lookahead jobs / batches each
+        p = self.ctx.Process(target=_worker_main, name=f"tether-rollout-{i}", daemon=True,
+                             args=(i, self.cfg, self.shared, self.jobs[i], self.results[i], self.verify, os.getpid(),
+                                   self.probe))
+        p.start()
+        self.procs[i] = p
+        self.log(f"[tether] rollout worker {i} started (pid {p.pid})")
 
     def describe(self, rank: int) -> str:
         return f"rollout worker {rank} (pid {self.procs[rank].pid})"
 
-    def _send(self, job: Job) -> None:
-        self.jobs.put(job)
+    def _send(self, job: Job, rank: Optional[int] = None) -> int:
+        rank = self._least_busy() if rank is None else rank
+        self.jobs[rank].put(job)
+        return rank
 
     def _receive(self, timeout: float):
-        try:
-            return self.results.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, q in enumerate(self.results):
+                try:
+                    return q.get_nowait()
+                except queue.Empty:
+                    pass
+                except (OSError, EOFError) as e:  # a batch's tensors travel by fd from its worker: it died meanwhile
+                    self.procs[i].join(timeout=5)
+                    if self.procs[i].is_alive():
+                        raise
+                    self._lost(i, f"died with exit code {self.procs[i].exitcode} (its batch unreadable: "
+                                  f"{type(e).__name__}; killed, e.g. out of memory?)")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.005)
 
     def _check_alive(self) -> None:
-        """A dead worker is an error; its own error message, if it sent one, is the one raised."""
-        dead = [(i, p) for i, p in enumerate(self.procs) if not p.is_alive()]
-        if not dead:
-            return
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:  # the error it put before exiting may still be in the pipe
-            msg = self._receive(0.2)
-            if msg is None:
-                break
-            self._take(msg)
-        i, p = dead[0]
-        raise WorkerError(f"rollout worker {i} (pid {p.pid}) died with exit code {p.exitcode} and no error "
-                          f"message (killed, e.g. out of memory?)")
+        """A worker that raised exits 0 after its error message (complete: a queue is flushed at exit), which
+        is raised here; one that died otherwise (a signal, e.g. killed or out of memory) goes to `_lost`
+        without its queue being read (a message it was writing may be cut)."""
+        for i, p in enumerate(self.procs):
+            if p.is_alive():
+                continue
+            if p.exitcode is not None and p.exitcode >= 0:
+                while True:
+                    try:
+                        self._take(self.results[i].get(timeout=2.0))
+                    except queue.Empty:
+                        break
+            self._lost(i, f"died with exit code {p.exitcode} and no error message (killed, e.g. out of memory?)")
+
+    def _restart(self, i: int) -> None:
+        self.procs[i].join(timeout=5)
+        _discard(self.jobs[i], self.results[i])  # what the dead worker held or sent is resubmitted
+        self._start(i)
 
     def _publish(self, weights: dict, version: int) -> None:
         self.shared.write(weights, version)
@@ -378,6 +437,17 @@ class RolloutWorkers(WorkerPool):
         """End the workers: idle ones on a ``None`` job, busy ones killed (they hold nothing worth saving: the
         jobs in flight are regenerated on resume)."""
         self._finalizer()
-        for q in (self.jobs, self.results):
-            q.cancel_join_thread()
-            q.close()
+        _discard(*self.jobs, *self.results)
+
+
+def checkpointed(trainer, e: GenerationError) -> GenerationError:
+    """``e`` (a worker that failed, or failed sync) with a checkpoint of the trainer's last completed step: its
+    weights are unaffected (the failed step never reached its update), so ``--resume`` continues from there."""
+    from ..checkpoint import checkpoints
+    from ..stop import resume_hint
+
+    if trainer.step == 0:
+        return type(e)(f"{e}; no step completed, nothing to checkpoint")
+    latest = next(iter(checkpoints(trainer.run_dir)), None)  # run.save_every may have written this step's already
+    ckpt = latest if latest is not None and latest.name == f"step-{trainer.step:06d}" else trainer.save()
+    return type(e)(f"{e}; step {trainer.step}'s checkpoint: {ckpt} (resume with: {resume_hint(trainer.run_dir)})")
