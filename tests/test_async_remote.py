@@ -91,7 +91,8 @@ def test_a_remote_worker_that_dies_or_freezes_is_an_error_not_a_hang(fault, work
     addr, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
     key = dict(TETHER_WORKER_KEY="loopback-test-secret")
     worker = start(["worker", addr, "--wait", "300"], tmp_path / "w.log", **key)  # first: it waits for the trainer
-    trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 50, **{"train.worker_timeout_s": 20}),
+    trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 50, **{"train.worker_timeout_s": 20,
+                                                                           "train.worker_restarts": 0}),
                     tmp_path / "t.log", **key)
     try:
         wait_for(lambda: (run / "metrics.jsonl").exists() and rows(run), "the first step", [trainer, worker])
@@ -108,7 +109,33 @@ def test_a_remote_worker_that_dies_or_freezes_is_an_error_not_a_hang(fault, work
     else:
         assert "sent nothing (not even a heartbeat)" in tlog and "train.worker_timeout_s=20" in tlog, tlog[-3000:]
         assert waited >= 15
-    assert len(rows(run)) < 50
+    done = len(rows(run))
+    assert done < 50 and f"step {done}'s checkpoint: " in tlog and "tether train --resume" in tlog, tlog[-3000:]
+
+
+def test_a_killed_remote_worker_is_replaced_by_the_next_that_connects(workdir, tiny_model_dir, tmp_path):
+    """train.worker_restarts (default 2): the trainer waits for a new `tether worker` (as a supervisor loop on the
+    worker's node would start it), gives it the dead one's rank, the newest version and the jobs it held."""
+    addr, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
+    key = dict(TETHER_WORKER_KEY="loopback-test-secret")
+    worker = start(["worker", addr, "--wait", "300"], tmp_path / "w.log", **key)
+    trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 6, **{"train.worker_timeout_s": 120}),
+                    tmp_path / "t.log", **key)
+    second = None
+    try:
+        wait_for(lambda: (run / "metrics.jsonl").exists() and rows(run), "the first step", [trainer, worker])
+        os.kill(worker.pid, signal.SIGKILL)
+        second = start(["worker", addr, "--wait", "300"], tmp_path / "w2.log", **key)
+        assert trainer.wait(TIMEOUT) == 0, (tmp_path / "t.log").read_text()[-3000:]
+        assert second.wait(60) == 0, (tmp_path / "w2.log").read_text()[-3000:]
+    finally:
+        end(trainer, worker, *([second] if second else []))
+    tlog = (tmp_path / "t.log").read_text()
+    assert "closed the connection" in tlog and "; restarting it (restart 1 of" in tlog, tlog[-3000:]
+    assert f"rollout worker 0 connected: remote rollout worker 0 ({socket.gethostname()}, pid {second.pid})" in tlog
+    ms = rows(run)
+    assert [m["step"] for m in ms] == list(range(1, 7)) and ms[-1]["async/restarts"] == 1
+    assert all(0 <= m["async/staleness"] <= 1 for m in ms)
 
 
 def test_keys_and_addresses(workdir, tiny_model_dir, tmp_path, monkeypatch):

@@ -1,0 +1,131 @@
+"""Seconds per trainer step: the synchronous loop (train.max_staleness=0) against K = 1 and K = 4 rollout
+workers (docs/async.md), at the same samples, on this CPU, in one run.
+
+Every run trains the same model with the same recipe (grpo), the same prompts in the same order
+(``--prompts`` per step), ``--n`` samples each, ``--max-new-tokens`` per response with EOS banned below it
+(every response full length, so the runs generate the same number of tokens whatever their weights), and
+the same number of steps. The runs go one after the other (K >= 1 runs own worker processes that would
+compete with another run's); the first ``--warmup`` steps of each are not timed.
+
+Threads: the synchronous run uses ``--sync-threads`` torch threads (default: all of the split); a K >= 1 run
+gives its trainer ``--trainer-threads`` and each of its ``--workers`` worker processes ``--worker-threads``
+(through OMP_NUM_THREADS, which spawned workers read when torch starts).
+
+Prints per run the median step time, generation time (the sync rollout; a worker's ``async/worker_gen_s``),
+update time (the rest of the step) and the trainer's wait for batches, then the ratios sync / K and the
+speed-up that bench/async_model.py predicts from the synchronous run's own generation and update times
+(those of the same threads as the async sides would be another input: the model's formula is in
+docs/async.md).
+
+Usage::
+
+    python bench/async.py                                   # SmolLM2-135M, 4 x 4 samples, 64 tokens, 6 timed steps
+    python bench/async.py --model /path/to/tiny --steps 2 --warmup 1 --max-new-tokens 8   # plumbing check
+    python bench/async.py --trainer-threads 1 --worker-threads 1 --ks 0,1,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _benchutil import machine_info  # noqa: E402
+from async_model import simulate, speedup  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cores = os.cpu_count() or 2
+    p.add_argument("--model", default="smollm2", help="model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step (default 4)")
+    p.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per response, EOS banned (default 64)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per run (default 6)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--ks", default="0,1,4", help="staleness bounds, 0 = synchronous (default 0,1,4)")
+    p.add_argument("--workers", type=int, default=1, help="rollout workers of a K >= 1 run (default 1)")
+    p.add_argument("--trainer-threads", type=int, default=max(1, cores // 2),
+                   help=f"torch threads of a K >= 1 run's trainer (default {max(1, cores // 2)})")
+    p.add_argument("--worker-threads", type=int, default=max(1, cores - cores // 2),
+                   help=f"torch threads of each rollout worker (default {max(1, cores - cores // 2)})")
+    p.add_argument("--sync-threads", type=int, default=0,
+                   help="torch threads of the synchronous run (default: trainer + workers x worker threads)")
+    a = p.parse_args(argv)
+    a.ks = [int(k) for k in a.ks.split(",") if k.strip()]
+    if not a.ks or any(k < 0 for k in a.ks) or a.steps < 1 or a.warmup < 0:
+        p.error("--ks: staleness bounds >= 0; --steps >= 1; --warmup >= 0")
+    a.sync_threads = a.sync_threads or a.trainer_threads + a.workers * a.worker_threads
+    return a
+
+
+def run(a, k: int, out: Path) -> list[dict]:
+    """The timed steps' metrics of one run with train.max_staleness=k."""
+    import torch
+
+    from tether.config import load_config
+    from tether.train import Trainer
+
+    over = {"model.name": a.model, "rollout.prompts_per_step": a.prompts, "rollout.n": a.n,
+            "rollout.max_new_tokens": a.max_new_tokens, "rollout.min_new_tokens": a.max_new_tokens,
+            "train.steps": a.steps + a.warmup, "run.progress": False, "run.plot": False, "run.save_every": 0,
+            "run.exact_kl_samples": 0, "eval.before": False, "eval.after": False, "train.max_staleness": k}
+    if k:
+        over["train.rollout_workers"] = a.workers
+    torch.set_num_threads(a.trainer_threads if k else a.sync_threads)
+    os.environ["OMP_NUM_THREADS"] = str(a.worker_threads)  # read by the spawned workers' torch
+    t = Trainer(load_config(None, over, recipe_name="grpo"), out / f"k{k}", log=lambda *x: None)
+    rows = []
+    try:
+        for step in range(a.steps + a.warmup):
+            t0 = time.perf_counter()
+            m = t.train_step()
+            m["wall_s"] = time.perf_counter() - t0
+            gen = m.get("async/worker_gen_s", m["time_rollout_s"])
+            print(f"[async] K={k} step {step}{' (warm-up)' if step < a.warmup else ''}: {m['wall_s']:.2f} s, "
+                  f"generation {gen:.2f} s, {m['gen_tokens']} tokens", flush=True)
+            if step >= a.warmup:
+                rows.append(m)
+    finally:
+        t.close()
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+    wait = med("async/wait_s") if "async/wait_s" in rows[0] else 0.0
+    gen = [r.get("async/worker_gen_s", r["time_rollout_s"]) for r in rows]
+    upd = [r["wall_s"] - r["time_rollout_s"] for r in rows]  # K >= 1: the rollout time is the wait + scoring
+    return {"step": med("wall_s"), "gen": statistics.median(gen), "upd": statistics.median(upd), "wait": wait,
+            "tokens": med("gen_tokens"), "gen_all": gen, "upd_all": upd}
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    print(machine_info())
+    with tempfile.TemporaryDirectory() as tmp:
+        res = {k: summary(run(a, k, Path(tmp))) for k in a.ks}
+    print(f"\n{a.prompts} prompts x {a.n} samples, {a.max_new_tokens} tokens each (EOS banned), median of "
+          f"{a.steps} steps after {a.warmup} warm-up; threads: sync {a.sync_threads}, async trainer "
+          f"{a.trainer_threads} + {a.workers} worker(s) x {a.worker_threads}")
+    print(f"{'run':8s} {'step s':>8s} {'gen s':>8s} {'update s':>9s} {'wait s':>7s} {'gen tok':>8s}")
+    for k, s in res.items():
+        print(f"{'sync' if k == 0 else f'K={k}':8s} {s['step']:8.2f} {s['gen']:8.2f} {s['upd']:9.2f} "
+              f"{s['wait']:7.2f} {s['tokens']:8.0f}")
+    if 0 in res:
+        s0 = res[0]
+        for k in (k for k in res if k):
+            pred = speedup(s0["gen_all"], s0["upd_all"], k, a.workers)
+            own = s0["step"] / simulate(res[k]["gen_all"], res[k]["upd_all"], k, a.workers)
+            print(f"ratio step time sync/K={k} = {s0['step'] / res[k]['step']:.2f} (model: {pred:.2f} from the sync "
+                  f"run's times, {own:.2f} from this run's own generation and update times)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
