@@ -1,6 +1,7 @@
 """A model on paper of the speed-up of asynchronous RL (train.max_staleness K) over the synchronous loop.
 
-Inputs are measured times, each on the resources its side has in the run predicted (bench/async.py measures them on this CPU; elsewhere, a run's metrics.jsonl:
+Inputs are measured times, each on the resources its side has in the run predicted (bench/async.py
+measures them on this CPU; elsewhere, a run's metrics.jsonl:
 ``time_rollout_s`` and ``time_step_s - time_rollout_s`` of a K = 0 run, or ``async/worker_gen_s`` of a K >= 1
 run): a sample of per-step generation times ``gen`` (their spread is the long tail: a batch waits for its
 slowest response) and of update times ``upd`` (everything else of a trainer step: scoring, passes, update,
