@@ -7,7 +7,6 @@ claim is checked against autograd of an exact objective whose kept set is comput
 floats, from the definitions (not from the code under test).
 """
 
-import itertools
 import math
 
 import pytest
@@ -16,31 +15,9 @@ import torch
 from tether.algo import LossInputs, RegionConfig, compute_loss, describe, recipe, validate
 from tether.algo.correction import Masks, correction_weights
 from tether.algo.recipes import ConfigError
+from test_correction import V, grads, make, token_logp  # the enumeration helpers (one copy)
 
 pytestmark = pytest.mark.usefixtures("float64")
-V = 3
-
-
-def seqs(L):
-    return torch.tensor(list(itertools.product(range(V), repeat=L)))  # [V^L, L]
-
-
-def token_logp(params, L):
-    """[V^L, L] log pi(y_t | y_<t): params[0] logits of y1, params[t] [V, V] logits by the previous token."""
-    S = seqs(L)
-    out = [params[0].log_softmax(-1)[S[:, 0]]]
-    for t in range(1, L):
-        out.append(params[t].log_softmax(-1)[S[:, t - 1], S[:, t]])
-    return torch.stack(out, 1)
-
-
-def make(seed, L, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(V, generator=g) * scale] + [torch.randn(V, V, generator=g) * scale for _ in range(L - 1)]
-
-
-def grads(scalar, theta):
-    return torch.cat([g.flatten() for g in torch.autograd.grad(scalar, theta)])
 
 
 def setting(L, seed=0, scale=1.3):
