@@ -96,3 +96,14 @@ def assert_clean_error(rc: int, stderr: str, *needles: str, line_only: bool = Fa
     for n in needles:
         assert n in error, (n, error)
     return error
+
+
+#: A user's environment in a file (`env.name=PATH:Always`): every action is answered " ok." with reward 5.
+ALWAYS_ENV = (
+    "from tether.envs import FinalTurn, Start, StepResult, TextEnv\n\n"
+    "class Always(TextEnv):\n"
+    "    name, stop, max_turns, final_turn = 'always', ('.',), 2, FinalTurn()\n"
+    "    def start(self, example):\n"
+    "        return Start(prompt=example.prompt)\n"
+    "    def act(self, episode, action):\n"
+    "        return StepResult(observation=' ok.', reward=5.0)\n")

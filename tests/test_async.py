@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import DIGITS, cli_args, rows, strip, subprocess_env, tiny_config
+from helpers import ALWAYS_ENV, DIGITS, cli_args, rows, strip, subprocess_env, tiny_config
 from tether.algo.recipes import ConfigError
 from tether.checkpoint import latest_checkpoint
 from tether.rollout import SamplingParams
@@ -244,14 +244,7 @@ def test_a_multi_turn_environment_runs_in_a_worker(env, tiny_model_dir, tmp_path
             "eval.before": False, "eval.after": False, "env.max_context": 600, "rollout.agent": "multi_turn",
             **asynchronous(1)}
     if env == "user":
-        (tmp_path / "always.py").write_text(
-            "from tether.envs import FinalTurn, Start, StepResult, TextEnv\n\n"
-            "class Always(TextEnv):\n"
-            "    name, stop, max_turns, final_turn = 'always', ('.',), 2, FinalTurn()\n"
-            "    def start(self, example):\n"
-            "        return Start(prompt=example.prompt)\n"
-            "    def act(self, episode, action):\n"
-            "        return StepResult(observation=' ok.', reward=5.0)\n")
+        (tmp_path / "always.py").write_text(ALWAYS_ENV)
         over["env.name"] = f"{tmp_path / 'always.py'}:Always"
     run = train(load_config(None, over), tmp_path / "run", **QUIET)
     for r in rows(run):

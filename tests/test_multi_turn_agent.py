@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from helpers import ALWAYS_ENV
 from test_search_agent import ScriptedEngine, char_ids, segments
 
 from tether.agents import MultiTurnAgent, reward_parts
@@ -215,14 +216,7 @@ def test_train_runs_the_calculator_and_a_users_environment(tiny_model_dir, tmp_p
     assert "<result>" in sample["response"] or "calculator" in sample["response"] or row["calculator/turns"] <= 1
 
     env_file = tmp_path / "always.py"
-    env_file.write_text(
-        "from tether.envs import FinalTurn, Start, StepResult, TextEnv\n\n"
-        "class Always(TextEnv):\n"
-        "    name, stop, max_turns, final_turn = 'always', ('.',), 2, FinalTurn()\n"
-        "    def start(self, example):\n"
-        "        return Start(prompt=example.prompt)\n"
-        "    def act(self, episode, action):\n"
-        "        return StepResult(observation=' ok.', reward=5.0)\n")
+    env_file.write_text(ALWAYS_ENV)
     over = {**base, "env.name": f"{env_file}:Always"}
     run = train(load_config(None, over), tmp_path / "user", log=lambda *a: None)
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])

@@ -15,6 +15,8 @@ import math
 import pytest
 import torch
 
+from test_objectives import divergence  # the exact divergences (one copy)
+
 from tether.algo import LossInputs, RegionConfig, compute_loss, recipe, validate
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -116,16 +118,6 @@ def test_decoupled_ppo_clips_around_pi_old_not_mu():
 
 
 # ---------------------------------------------------------------- 2. RPG's weights against mu
-
-
-def divergence(name, lp, la):
-    p, a = lp.exp(), la.exp()
-    return {
-        "rpg_fkl": (a * (la - lp)).sum(),
-        "rpg_rkl": (p * (lp - la)).sum(),
-        "rpg_ufkl": (a * (la - lp)).sum() + (p - a).sum(),
-        "rpg_urkl": (p * (lp - la)).sum() + (a - p).sum(),
-    }[name]
 
 
 def rpg_cfg(variant, form, kl_sampler):
