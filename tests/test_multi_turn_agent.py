@@ -221,12 +221,37 @@ def test_train_runs_the_calculator_and_a_users_environment(tiny_model_dir, tmp_p
     run = train(load_config(None, over), tmp_path / "user", log=lambda *a: None)
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert row["always/turns"] == 2 and row["reward_mean"] >= 10.0  # two parts of 5 + the task's reward
+    _eval_uses_the_runs_environment(run, env_file, tmp_path)
     with pytest.raises(ConfigError, match="env.max_turns only applies with rollout.agent=multi_turn"):
         load_config(None, {"env.max_turns": 3})
     with pytest.raises(ConfigError, match="env.name=search"):
         load_config(None, {"rollout.agent": "multi_turn", "env.name": "search"})
     with pytest.raises(ConfigError, match="env.observation_role only applies with env.observation_format=chat"):
         load_config(None, {"rollout.agent": "multi_turn", "env.observation_role": "user"})
+
+
+def _eval_uses_the_runs_environment(run, env_file, tmp_path):
+    """`tether eval --agent multi_turn --model RUN` with no --env: the run's env.* (its user environment, 2 turns,
+    600 tokens a context); a flag given overrides the run's value; results.json records what was used."""
+    from helpers import run_module
+
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+                            for i in range(2)))
+    common = ("--benchmarks", data, "--agent", "multi_turn", "--greedy", "--max-new-tokens", "4", "--no-progress",
+              "--reward", "gsm8k")
+    r = run_module("eval", "--model", run, *common, "--out", tmp_path / "ev_run")
+    assert r.returncode == 0, r.stderr
+    assert f"using the run's environment: env.name={env_file}:Always" in r.stderr, r.stderr
+    env = json.loads((tmp_path / "ev_run" / "results.json").read_text())["settings"]["env"]
+    assert env["name"] == f"{env_file}:Always" and env["max_context"] == 600
+    rows = [json.loads(x) for x in (tmp_path / "ev_run" / "q.jsonl").read_text().splitlines()]
+    assert [row["info"][0]["turns"] for row in rows] == [2, 2]  # the Always environment's two turns
+    r = run_module("eval", "--model", run, *common, "--env", "calculator", "--max-context", "500",
+                   "--out", tmp_path / "ev_flag")
+    assert r.returncode == 0, r.stderr
+    env = json.loads((tmp_path / "ev_flag" / "results.json").read_text())["settings"]["env"]
+    assert env["name"] == "calculator" and env["max_context"] == 500
 
 
 def test_agent_options_are_checked(tok):
@@ -283,7 +308,7 @@ def test_tether_eval_runs_the_calculator(tiny_model_dir, tmp_path):
                    "--no-progress", "--reward", "gsm8k")
     assert r.returncode == 0, r.stderr
     res = json.loads((out / "results.json").read_text())
-    assert res["settings"]["agent"] == "multi_turn" and res["settings"]["env"]["env"] == "calculator"
+    assert res["settings"]["agent"] == "multi_turn" and res["settings"]["env"]["name"] == "calculator"
     rows = [json.loads(x) for x in (out / "arith.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all(1 <= row["info"][0]["turns"] <= 2 for row in rows)
     r = run_module("eval", "--model", tiny_model_dir, "--benchmarks", data, "--env", "calculator", "--out",

@@ -27,10 +27,12 @@ def add_agent_arguments(e) -> None:
                    "environment --env, e.g. calculator on gsm8k) | search (the search agent on QA benchmarks)")
     m = e.add_argument_group("multi-turn agent", "--agent multi_turn runs an environment (docs/environments.md) on the "
                              "benchmarks; the task's reward scores the episodes' text")
-    m.add_argument("--env", default=None, help="multi_turn: calculator (default) | module:Class | path.py:Class (a "
-                   "run's env.* settings are not read: give the ones it trained with)")
-    m.add_argument("--max-turns", dest="max_turns", type=int, default=0,
-                   help="multi_turn: policy turns per episode (default 0: the environment's own)")
+    m.add_argument("--env", default=None, help="multi_turn: calculator | module:Class | path.py:Class (default: the "
+                   "env.* settings a --model run trained with, when it ran rollout.agent=multi_turn; else calculator; "
+                   "a flag given here overrides the run's value)")
+    m.add_argument("--max-turns", dest="max_turns", type=int, default=None,
+                   help="multi_turn: policy turns per episode (default: the run's env.max_turns, else 0: the "
+                   "environment's own)")
     g = e.add_argument_group("search agent", "--agent search runs the multi-turn search agent (docs/search_agents.md) "
                              "on QA benchmarks: multihop_dev, multihop, nq, triviaqa, popqa, hotpotqa, "
                              "2wikimultihopqa, musique, bamboogle, or .jsonl files with question/golden_answers")
@@ -48,16 +50,18 @@ def add_agent_arguments(e) -> None:
     g.add_argument("--topk", type=int, default=3, help="search: passages per search (default 3)")
     g.add_argument("--max-searches", dest="max_searches", type=int, default=4,
                    help="search: searches per episode, then a final turn without search (default 4)")
-    g.add_argument("--max-obs-tokens", type=int, default=512,
-                   help="search, multi_turn: tokens per observation (default 512)")
-    g.add_argument("--max-context", dest="max_context", type=int, default=4096,
-                   help="search, multi_turn: prompt + response tokens per episode (default 4096)")
+    g.add_argument("--max-obs-tokens", type=int, default=None,
+                   help="search, multi_turn: tokens per observation (default 512; multi_turn: the run's "
+                   "env.max_obs_tokens when --model is a multi-turn run)")
+    g.add_argument("--max-context", dest="max_context", type=int, default=None,
+                   help="search, multi_turn: prompt + response tokens per episode (default 4096; multi_turn: the "
+                   "run's env.max_context when --model is a multi-turn run)")
 
 
 def agent_setup(this, args) -> tuple[list, dict[str, Any]]:
     """The benchmarks (each fully loaded and checked) and the options of ``args.agent`` (its tools built)."""
     agent = getattr(args, "agent", "single_turn")
-    env_keys = [f"--{k.replace('_', '-')}" for k in ("env", "max_turns") if getattr(args, k, None)]
+    env_keys = [f"--{k.replace('_', '-')}" for k in ("env", "max_turns") if getattr(args, k, None) not in (None, "")]
     if agent != "multi_turn" and env_keys:
         raise EvalError(" and ".join(env_keys) + " only apply with --agent multi_turn")
     wasted = []
@@ -65,7 +69,7 @@ def agent_setup(this, args) -> tuple[list, dict[str, Any]]:
         defaults = {"retriever": "bm25", "url": None, "corpus": None, "timeout": None, "retries": None,
                     "observation_format": "search_r1", "search_data_dir": None, "topk": 3, "max_searches": 4}
         if agent != "multi_turn":
-            defaults.update(max_obs_tokens=512, max_context=4096)
+            defaults.update(max_obs_tokens=None, max_context=None)
         wasted = [f"--{k.replace('_', '-')}" for k, v in defaults.items() if k in vars(args) and getattr(args, k) != v]
     if wasted:
         raise EvalError(", ".join(wasted) + f" {'has' if len(wasted) == 1 else 'have'} no effect with --agent {agent}")
@@ -77,20 +81,46 @@ def agent_setup(this, args) -> tuple[list, dict[str, Any]]:
     benches = this.load_benchmarks(args.benchmarks, limit=args.limit, data_dir=args.data_dir,
                                    prompt_key=args.prompt_key, answer_key=args.answer_key, split=args.split,
                                    reward=args.reward)
-    return benches, env_setup(args) if agent == "multi_turn" else {}
+    return benches, env_setup(args, run_env(this, args)) if agent == "multi_turn" else {}
 
 
-def env_setup(args) -> dict[str, Any]:
+def run_env(this, args) -> dict[str, Any]:
+    """The ``env`` section of the run ``--model`` names (a run directory or one of its checkpoints) when that run
+    trained with ``rollout.agent=multi_turn``; else ``{}``. A problem with the run is left to the model loading,
+    which names it; nothing is loaded here."""
+    import dataclasses
+
+    try:
+        run = this.resolve_eval_spec(args.model).run
+    except EvalError:
+        return {}
+    if run is None or run.kind != "run":  # a plain model, or an SFT run (no environment)
+        return {}
+    cfg = run.config
+    if isinstance(cfg, dict):  # a saved config that no longer validates here: its raw sections
+        return dict(cfg.get("env") or {}) if (cfg.get("rollout") or {}).get("agent") == "multi_turn" else {}
+    return dataclasses.asdict(cfg.env) if cfg.rollout.agent == "multi_turn" else {}
+
+
+def env_setup(args, trained: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """--agent multi_turn: the environment (``--env``, ``--max-turns``) and the agent's budgets, as
-    ``rollout.agent=multi_turn`` with ``env.*`` builds them in training."""
+    ``rollout.agent=multi_turn`` with ``env.*`` builds them in training. ``trained``: the ``env`` settings of the
+    run being evaluated (`run_env`), the defaults of every flag not given; the ``env.*`` defaults after them."""
+    import dataclasses
+    import sys
+
     from ..agents import AGENTS
     from ..config import load_config
 
-    over = {"rollout.agent": "multi_turn", "env.max_obs_tokens": args.max_obs_tokens,
-            "env.max_context": args.max_context, "env.max_turns": args.max_turns}
-    if args.env:
-        over["env.name"] = args.env
+    over = {"rollout.agent": "multi_turn", **{f"env.{k}": v for k, v in (trained or {}).items()}}
+    if trained:
+        print("[tether] using the run's environment: " + ", ".join(f"env.{k}={v}" for k, v in trained.items())
+              + " (flags given here override it)", file=sys.stderr)
+    given = {"name": args.env, "max_turns": args.max_turns, "max_obs_tokens": args.max_obs_tokens,
+             "max_context": args.max_context}
+    over.update({f"env.{k}": v for k, v in given.items() if v is not None and v != ""})
     cfg = load_config(None, over)
+    args.env_used = dataclasses.asdict(cfg.env)  # what results.json records
     meta = AGENTS.meta("multi_turn")
     return {k: v for k, v in meta["options"](cfg).items() if k != "system_prompt"} | meta["tools"](cfg)
 
@@ -103,13 +133,16 @@ def search_setup(args):
     from ..tasks.benchmarks import Benchmark, slug
     from ..tasks.rewards import load_reward
 
+    args.max_obs_tokens = 512 if args.max_obs_tokens is None else args.max_obs_tokens  # the parser's defaults,
+    args.max_context = 4096 if args.max_context is None else args.max_context  # recorded in results.json as used
     http = {k: v for k in ("url", "timeout", "retries") if (v := getattr(args, k, None)) not in (None, "")}
     if http and args.retriever != "http":
         raise EvalError(" and ".join(f"--{k}" for k in http) + f" need{'s' * (len(http) == 1)} --retriever http")
     if args.retriever == "http" and not args.url:
         raise EvalError("--retriever http needs --url (the retrieval server's base URL)")
     over = {"rollout.agent": "search", "search.retriever": args.retriever,
-            **{f"search.{k}": getattr(args, k) for k in ("topk", "max_searches", "max_obs_tokens", "max_context")},
+            **{f"search.{k}": getattr(args, k) for k in ("topk", "max_searches")},
+            "search.max_obs_tokens": args.max_obs_tokens, "search.max_context": args.max_context,
             "search.observation_format": args.observation_format, **{f"search.{k}": v for k, v in http.items()}}
     # --corpus with http too: the server's corpus, which names the documents it sends without an id
     over.update({k: v for k, v in (("search.corpus", args.corpus), ("search.data_dir", args.search_data_dir)) if v})
