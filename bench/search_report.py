@@ -8,7 +8,8 @@ the per-step curves and the dev metrics of each evaluation.
 With ``--base NAME`` it also prints each evaluation's exact match paired against evaluation NAME
 on the same questions (the difference and its paired standard error, each question its own
 cluster, as bench/recipes_compare's ``clustered_se``), the EM of each source dataset beside the
-paper's search table, and ``--per-problem FILE`` keeps every question's EM per evaluation.
+paper's search table, and ``--per-problem FILE`` keeps every question's EM per evaluation. ``--seeds
+GROUP=EVAL,EVAL`` pools a recipe's seeds into one row (EM per seed, their mean, paired differences).
 
 Usage::
 
@@ -84,6 +85,41 @@ def paired_table(evals: dict[str, Path], base: str) -> tuple[str, dict]:
     return "\n".join(lines), record
 
 
+def seeds_table(record: dict, groups: dict[str, list[str]], base: str) -> str:
+    """Markdown: each group of seeds (one recipe's runs) pooled. Its EM per seed and their mean; the mean's
+    difference from ``base`` (a single evaluation, e.g. the SFT start) and from every other group, with the s.e.
+    of a paired difference where each question is one cluster holding all of its seeds' draws (seed i of one
+    group paired with seed i of the other): question sampling and within-question seed noise, not the run-level
+    spread that the per-seed column shows."""
+    em, n_q = record["em"], len(record["id"])
+    for g, names in groups.items():
+        missing = [n for n in names if n not in em]
+        if missing:
+            raise SystemExit(f"--seeds {g}: {', '.join(missing)} not among --evals")
+
+    def mean(xs):
+        return 100 * sum(xs) / max(len(xs), 1)
+
+    def diff(a: list[str], b: list[str]) -> str:  # b minus a, seeds paired by position (a single base repeats)
+        a = a * len(b) if len(a) == 1 else a
+        if len(a) != len(b):
+            return "- (unequal seeds)"
+        x = [v for n in a for v in em[n]]
+        y = [v for n in b for v in em[n]]
+        ids = [q for _ in b for q in record["id"]]
+        se = clustered_se(x, y, ids)
+        return f"{mean(y) - mean(x):+.1f} (s.e. {'-' if se is None else f'{100 * se:.1f}'})"
+
+    lines = [f"| recipe | seeds | EM per seed | mean EM | vs {base} | " + " | ".join(f"vs {g}" for g in groups) + " |",
+             "| --- | --- | --- | --- | --- |" + " --- |" * len(groups)]
+    for g, names in groups.items():
+        cells = [diff(groups[h], names) if h != g else "-" for h in groups]
+        lines.append(f"| {g} | {len(names)} | " + ", ".join(f"{mean(em[n]):.1f}" for n in names)
+                     + f" | {mean([v for n in names for v in em[n]]):.1f} | {diff([base], names)} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + f"\n\n({n_q} questions; each row's differences are its mean minus the column's)"
+
+
 def source_table(evals: dict[str, Path]) -> str:
     """Markdown: EM per source dataset of each evaluation, beside the paper's figures (3B, full Wikipedia)."""
     res = {n: json.loads((d / "results.json").read_text()) for n, d in evals.items()}
@@ -109,7 +145,11 @@ def main(argv=None) -> int:
     p.add_argument("--base", default=None, help="NAME of the evaluation the others are paired against")
     p.add_argument("--per-problem", default=None, help="JSON file for every question's EM per evaluation "
                    "(with --base)")
+    p.add_argument("--seeds", nargs="*", default=[], help="GROUP=EVAL1,EVAL2,... (with --base): pool a recipe's "
+                   "seeds (names from --evals) into one row, paired against --base and the other groups")
     a = p.parse_args(argv)
+    groups = {g: [n for n in v.split(",") if n] for g, v in
+              ((k, str(v)) for k, v in _pairs(a.seeds, "--seeds").items())}
     runs = {k: [json.loads(x) for x in (v / "metrics.jsonl").read_text().splitlines() if x.strip()]
             for k, v in _pairs(a.runs, "--runs").items()}
 
@@ -151,6 +191,8 @@ def main(argv=None) -> int:
         evals = _pairs(a.evals, "--evals")
         table, record = paired_table(evals, a.base)
         print("\n" + table + "\n\n" + source_table(evals))
+        if groups:
+            print("\n" + seeds_table(record, groups, a.base))
         if a.per_problem:
             Path(a.per_problem).write_text(json.dumps(record) + "\n")
             print(f"\nper-question EM: {a.per_problem}")
