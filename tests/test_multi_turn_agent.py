@@ -57,6 +57,28 @@ def test_calculator_episode_keeps_the_policys_ids_and_masks_the_result(tok):
     assert agent.metrics() == {}
 
 
+def test_each_opening_prompt_is_tokenized_once(tok):
+    """n episodes of an example with one opening prompt: one encoding, shared (turn 0 samples n from it); a
+    different prompt among them is encoded on its own; chat messages are each episode's own list."""
+    class Alternating(CalculatorEnv):
+        count = 0
+
+        def start(self, example):
+            self.count += 1
+            s = super().start(example)
+            return Start(prompt=s.prompt + " " * (self.count % 2), info=s.info)
+
+    for env, want_calls, want_shared in ((CalculatorEnv(), 2, True), (Alternating(), 4, False)):
+        agent = MultiTurnAgent(ScriptedEngine(tok, []), tok, env, observation_format="chat")
+        calls = []
+        encode = agent.encoder.encode
+        agent.encoder.encode = lambda exs, m: calls.append(1) or encode(exs, m)
+        eps, shared = agent._start([EX, Example("What is 2 + 2?", "4", "g:1")], SamplingParams(n=3))
+        assert len(calls) == want_calls and (shared is not None) == want_shared
+        assert len(eps) == 6 and len({id(e.messages) for e in eps}) == 6
+        assert eps[0].prompt == eps[2].prompt and eps[0].messages == eps[2].messages
+
+
 def test_budget_end_invalid_turns_and_the_observation_cap(tok):
     """An invalid turn gets NO_ACTION (cut to max_obs_tokens, keeping </result>); a call on the last turn does
     not run and the episode ends with the turn's own finish reason (truncated, not 'stop')."""

@@ -41,6 +41,7 @@ next turn's text joins it.
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -107,6 +108,11 @@ class _EnvPrompts:
     def check(self, examples: Sequence[Example], max_new_tokens: int) -> None:
         texts = [Example(p, ex.answer, ex.id, ex.meta) for ex in examples if isinstance(p := self._prompt(ex), str)]
         self.agent.encoder.check(texts, max_new_tokens)
+
+
+def _prompt_key(prompt) -> str:
+    """A hashable identity of an environment's opening prompt (text, or chat messages)."""
+    return prompt if isinstance(prompt, str) else json.dumps(list(prompt), sort_keys=True, default=str)
 
 
 class MultiTurnAgent:
@@ -196,9 +202,12 @@ class MultiTurnAgent:
         eps, shared = [], []
         for ex in examples:
             starts = [self.env.reset(ex) for _ in range(params.n)]
-            encoded = [self._encode(s.prompt, ex, params.max_new_tokens) for s in starts]
+            seen: dict = {}  # each distinct opening prompt of the example tokenized once (usually all n are one)
+            encoded = [seen[k] if (k := _prompt_key(s.prompt)) in seen else
+                       seen.setdefault(k, self._encode(s.prompt, ex, params.max_new_tokens)) for s in starts]
             for (ids, messages), s in zip(encoded, starts):
-                eps.append(_Episode(index=len(eps), prompt=list(ids), messages=messages, start_info=dict(s.info)))
+                eps.append(_Episode(index=len(eps), prompt=list(ids), start_info=dict(s.info),
+                                    messages=None if messages is None else list(messages)))  # grows per episode
             shared.append(encoded[0][0] if all(ids == encoded[0][0] for ids, _ in encoded) else None)
         return eps, (shared if all(p is not None for p in shared) else None)
 
