@@ -107,7 +107,10 @@ class _Link:
     def _recv_loop(self) -> None:
         try:
             while True:
-                msg = pickle.loads(self.conn.recv_bytes())
+                data = self.conn.recv_bytes()
+                if self.pool.closing:  # the run ended: nothing more is read (no unpickling of tensors in a
+                    return  # daemon thread while the interpreter shuts down: that aborted the trainer once)
+                msg = pickle.loads(data)
                 self.last_seen = time.monotonic()
                 if msg[0] != "heartbeat" and self.pool.links[self.rank] is self:  # not a replaced worker's
                     self.pool.inbox.put(msg)
@@ -249,11 +252,14 @@ class RemoteWorkers(WorkerPool):
         if self.closing:
             return
         self.closing = True
-        for link in self.links:
+        links = [link for link in self.links if link is not None]  # None: a rank whose setup failed
+        for link in links:
             link.outbox.put(None)
         deadline = time.monotonic() + 10.0
-        for link in self.links:
+        for link in links:
             link.sender.join(timeout=max(0.0, deadline - time.monotonic()))
+        for link in links:  # a worker told to stop exits and closes its end: the receiver ends on EOF
+            link.receiver.join(timeout=max(0.0, deadline - time.monotonic()))
             link.conn.close()
         self.server.close()
 
