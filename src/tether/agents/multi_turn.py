@@ -202,9 +202,11 @@ class MultiTurnAgent:
         eps, shared = [], []
         for ex in examples:
             starts = [self.env.reset(ex) for _ in range(params.n)]
-            seen: dict = {}  # each distinct opening prompt of the example tokenized once (usually all n are one)
-            encoded = [seen[k] if (k := _prompt_key(s.prompt)) in seen else
-                       seen.setdefault(k, self._encode(s.prompt, ex, params.max_new_tokens)) for s in starts]
+            keys, seen = [_prompt_key(s.prompt) for s in starts], {}
+            for s, key in zip(starts, keys):  # each distinct opening prompt tokenized once (usually all n are one)
+                if key not in seen:
+                    seen[key] = self._encode(s.prompt, ex, params.max_new_tokens)
+            encoded = [seen[key] for key in keys]
             for (ids, messages), s in zip(encoded, starts):
                 eps.append(_Episode(index=len(eps), prompt=list(ids), start_info=dict(s.info),
                                     messages=None if messages is None else list(messages)))  # grows per episode

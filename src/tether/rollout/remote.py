@@ -79,7 +79,6 @@ class _Link:
         self.outbox: queue.Queue = queue.Queue()
         self.sent_version = -1
         self.last_seen = time.monotonic()
-        self.in_flight = 0
         self.sender = threading.Thread(target=self._send_loop, name=f"tether-link-{rank}-send", daemon=True)
         self.receiver = threading.Thread(target=self._recv_loop, name=f"tether-link-{rank}-recv", daemon=True)
         self.sender.start()
@@ -213,13 +212,9 @@ class RemoteWorkers(WorkerPool):
         return f"remote rollout worker {rank} ({i.get('host', '?')}, pid {i.get('pid', '?')})"
 
     def _send(self, job: Job, rank: Optional[int] = None) -> int:
-        link = min(self.links, key=lambda x: x.in_flight) if rank is None else self.links[rank]  # the least busy
-        link.in_flight += 1
-        link.outbox.put(_dumps(("job", job)))
-        return link.rank
-
-    def _arrived(self, rank: int) -> None:
-        self.links[rank].in_flight -= 1
+        rank = self._least_busy() if rank is None else rank
+        self.links[rank].outbox.put(_dumps(("job", job)))
+        return rank
 
     def _receive(self, timeout: float):
         try:

@@ -272,7 +272,6 @@ class WorkerPool:
             raise WorkerError(f"{self.describe(rank)} failed: {body}")
         self._held.pop(body.job.id, None)
         self._ready[body.job.id] = body
-        self._arrived(rank)
 
     def _least_busy(self) -> int:
         held = [r for r, _ in self._held.values()]
@@ -296,9 +295,6 @@ class WorkerPool:
             raise WorkerError(f"{who}; its replacement failed: {e}") from e
         for job in jobs:
             self._held[job.id] = (self._send(job, rank), job)
-
-    def _arrived(self, rank: int) -> None:
-        """A batch of worker ``rank`` arrived (transports that assign jobs count them)."""
 
     def push(self, model, version: int) -> None:
         """Publish ``model``'s effective weights as ``version`` (and, with ``verify``, their checksum and the
