@@ -6,6 +6,12 @@
 
 import sys
 
+from tether.testing import register_scripted_engine
+
+# at import, not under __main__: a rollout worker (train.max_staleness >= 1) is a spawned process that imports
+# this module as __mp_main__ and builds its engine from the config, so it needs the name registered too
+register_scripted_engine()
+
 
 def check(model_dir: str) -> None:
     """On 2 ranks: generation with different lengths per rank, the anchor swap, stale weights, the
@@ -94,7 +100,5 @@ if __name__ == "__main__":
         check(sys.argv[2])
     else:
         from tether.cli import main
-        from tether.testing import register_scripted_engine
 
-        register_scripted_engine()
         sys.exit(main(sys.argv[1:]))

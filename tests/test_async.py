@@ -90,7 +90,7 @@ def test_k0_is_the_synchronous_loop_bit_for_bit(workdir, tiny_model_dir, tmp_pat
     for name, over in (("absent", {}), ("zero", {"train.max_staleness": 0})):
         cfg = tiny_config(workdir, tiny_model_dir, "grpo", 3, **{"train.mini_batches": 2, **over})
         t = Trainer(cfg, tmp_path / name, **QUIET)
-        assert t.workers is None
+        assert t.feed is None
         ms = [strip(t.train_step()) for _ in range(3)]
         assert not any(k.startswith("async/") for m in ms for k in m)
         out.append((ms, [p.detach().clone() for p in t.model.parameters()]))
@@ -147,9 +147,9 @@ def test_async_trains_with_staleness_at_most_k(k, over, workdir, tiny_model_dir,
     hist = [last[f"async/staleness_{s}"] for s in range(max(k + 1, cfg.train.rollout_workers))]
     assert sum(hist) == steps and hist == [sum(m["async/staleness"] == s for m in ms) for s in range(len(hist))]
     assert all(hist[s] == 0 for s in range(k + 1, len(hist)))
-    assert t.jobs_consumed == steps + last["async/dropped"]
+    assert t.feed.consumed == steps + last["async/dropped"]
     assert any(not torch.equal(a, p) for a, p in zip(before, t.model.parameters()))
-    assert all(not p.is_alive() for p in t.workers.procs)
+    assert all(not p.is_alive() for p in t.feed.pool.procs)
 
 
 # ---------------------------------------------------------------- verified sync
@@ -163,7 +163,7 @@ def _job(t, i: int, n_examples: int = 2) -> Job:
 def test_verified_sync_catches_a_corrupted_and_a_stale_push(workdir, tiny_model_dir, tmp_path, monkeypatch):
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", 2, **asynchronous(1))
     t = Trainer(cfg, tmp_path / "run", **QUIET)
-    w = t.workers
+    w = t.feed.pool
     try:
         w.submit(_job(t, 100))  # version 0, as pushed: checksums agree
         r = w.next_batch()
@@ -216,12 +216,12 @@ def test_lora_and_tied_weights_reach_the_workers(kind, workdir, tiny_model_dir, 
             assert not torch.equal(eff[f"{q}.weight"], base[f"{q}.base_layer.weight"])  # the adapter moved
         else:
             assert eff["lm_head.weight"].data_ptr() == eff["model.embed_tokens.weight"].data_ptr()  # one tensor
-            shared = t.workers.shared  # stored once, pushed under both names
+            shared = t.feed.pool.shared  # stored once, pushed under both names
             assert {"lm_head.weight", "model.embed_tokens.weight"} <= shared.names() and len(shared.alias) == 1
-        t.workers.next_batch()  # job 1, submitted during step 1
-        t.workers.submit(_job(t, 200, n_examples=1))
-        r = t.workers.next_batch()
-        assert r.version == 1 and r.checksum == t.workers.checksums[1]
+        t.feed.pool.next_batch()  # job 1, submitted during step 1
+        t.feed.pool.submit(_job(t, 200, n_examples=1))
+        r = t.feed.pool.next_batch()
+        assert r.version == 1 and r.checksum == t.feed.pool.checksums[1]
         rb = r.rb
         with torch.no_grad():
             st = response_stats(t.model, rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask,
@@ -339,13 +339,13 @@ def test_a_batch_older_than_k_is_dropped_or_kept(policy, workdir, tiny_model_dir
     """K = 1 with 3 workers: the third job was sampled by version 0 and is consumed at version 2. drop discards
     it (its prompts skipped, counted; the checkpointed data position is past it) and trains on the next
     batch; keep trains on it at staleness 2."""
-    import tether.train as tt
+    import tether.rollout.feed as feed
 
     monkeypatch.setattr(ScriptedWorkers, "VERSIONS", [0, 0, 0, 2, 2])
-    monkeypatch.setattr(tt, "RolloutWorkers", ScriptedWorkers)
+    monkeypatch.setattr(feed, "RolloutWorkers", ScriptedWorkers)
     over = {"train.rollout_workers": 3, "train.stale_batches": policy}
     t = Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 3, **asynchronous(1, **over)), tmp_path / "r", **QUIET)
-    t.workers.agent = t.agent
+    t.feed.pool.agent = t.agent
     ms = [t.train_step() for _ in range(3)]
     assert [m["async/staleness"] for m in ms] == ([0, 1, 0] if policy == "drop" else [0, 1, 2])
     assert ms[-1]["async/dropped"] == (1 if policy == "drop" else 0)

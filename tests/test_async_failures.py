@@ -47,12 +47,12 @@ def test_a_killed_local_worker_is_restarted_and_its_job_resubmitted(workdir, tin
     t = Trainer(cfg, tmp_path / "run", log=logs.append)
     try:
         ms, seen = [t.train_step()], [ids(t)]
-        old = t.workers.pids()[0]
+        old = t.feed.pool.pids()[0]
         os.kill(old, signal.SIGKILL)
         for _ in range(steps - 1):
             ms.append(t.train_step())
             seen.append(ids(t))
-        new = t.workers.pids()[0]
+        new = t.feed.pool.pids()[0]
     finally:
         t.close()
     assert new != old and ms[-1]["async/restarts"] == 1
@@ -60,7 +60,7 @@ def test_a_killed_local_worker_is_restarted_and_its_job_resubmitted(workdir, tin
                "train.worker_restarts=2)" in ln for ln in logs), logs
     for step, m in enumerate(ms):
         assert 0 <= m["async/staleness"] <= 1 and m["async/version"] == step - m["async/staleness"]
-    assert t.jobs_consumed == steps and t.state()["data_position"] == cfg.rollout.prompts_per_step * steps
+    assert t.feed.consumed == steps and t.state()["data_position"] == cfg.rollout.prompts_per_step * steps
     ref = Trainer(tiny_config(workdir, tiny_model_dir, "grpo", steps, **asynchronous(1)), tmp_path / "ref", **QUIET)
     try:
         want = []
@@ -85,7 +85,7 @@ def test_resume_pushes_the_checkpoint_version_and_continues_the_stream(workdir, 
             t.train_step()
             seen.append(ids(t))
         ckpt = t.save()
-        assert t.jobs_submitted == 4 and t.state()["async_"]["jobs"] == 2 and t.state()["data_position"] == 2 * P
+        assert t.feed.submitted == 4 and t.state()["async_"]["jobs"] == 2 and t.state()["data_position"] == 2 * P
         for _ in range(2):
             t.train_step()
             seen.append(ids(t))
@@ -94,8 +94,8 @@ def test_resume_pushes_the_checkpoint_version_and_continues_the_stream(workdir, 
     r = Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 4, **over), tmp_path / "run", **QUIET)
     try:
         r.restore(ckpt)
-        assert r.step == 2 and max(r.workers.checksums) == 2 and r.workers.shared.version.value == 2
-        assert (r.jobs_submitted, r.data.position) == (2, 2 * P)
+        assert r.step == 2 and max(r.feed.pool.checksums) == 2 and r.feed.pool.shared.version.value == 2
+        assert (r.feed.submitted, r.data.position) == (2, 2 * P)
         m = r.train_step()
         assert (m["async/version"], m["async/staleness"]) == (2, 0)  # the first push after resume: step 2
         assert ids(r) == seen[2]

@@ -8,12 +8,14 @@ index, so rank r trains on exactly the rows a single process holds for its group
 parameters of both runs can be compared.
 """
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -161,6 +163,82 @@ def test_matches_single_process(runs):
             assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
     samples = (two / "samples.jsonl").read_text().splitlines()
     assert len(samples) == len((one / "samples.jsonl").read_text().splitlines())
+
+
+def test_async_staleness_1_matches_single_process(runs, work, tiny_model_dir):
+    """train.max_staleness=1 on 2 ranks: rank 0's rollout worker (a spawned process) samples each whole step,
+    every rank trains on its share of the prompts. The scripted engine's responses depend only on the prompt,
+    not on the weights that sample them, so the run lands where the synchronous single process did, whatever
+    the staleness (logged once, at most 1); the checkpoint records the jobs consumed, and a resume from step 1
+    continues the stream where it was."""
+    one, _ = runs
+    out = _run(_torchrun(2, *_train_args(work, tiny_model_dir, "two_async", **{"train.max_staleness": 1})), work)
+    assert "rollout worker 0 started" in out and out.count("rollout worker 0 started") == 1, out[-3000:]
+    _assert_close(one, work / "two_async")
+    r1, r2 = rows(one), rows(work / "two_async")
+    assert [r["step"] for r in r2] == [1, 2] and all(0 <= r["async/staleness"] <= 1 for r in r2)
+    for a, b in zip(r1, r2):
+        for k in ("reward_mean", "train_tokens", "pg_loss", "kl"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    state = json.loads((work / "two_async" / "checkpoints" / "step-000002" / "state.json").read_text())["trainer"]
+    assert state["async_"]["jobs"] == 2 and sum(state["async_"]["staleness"]) == 2
+    # resumed on 2 ranks from step 1: the job count and data position restored, the same run's end
+    resumed = _truncate_to_step_1(work / "two_async", work / "two_async_resumed")
+    _run(_torchrun(2, "train", "--resume", str(resumed)), work)
+    _assert_close(one, resumed)
+
+
+CRASH_SECOND = '''
+from tether.agents import SingleTurnAgent
+
+
+class CrashSecond(SingleTurnAgent):
+    calls = 0
+
+    def rollout(self, examples, params):
+        type(self).calls += 1
+        if type(self).calls == 2:
+            raise RuntimeError("boom in the second job")
+        return super().rollout(examples, params)
+
+
+def crash_second(engine, tokenizer, **options):
+    return CrashSecond(engine, tokenizer, **options)
+'''
+
+
+def test_async_worker_failure_stops_every_rank_after_a_checkpoint(work, tiny_model_dir):
+    """Rank 0's rollout worker raises in its second job: every rank stops with the worker's error (none waits
+    on a collective rank 0 never reaches), after step 1's checkpoint, and the worker is gone."""
+    (work / "crash_second.py").write_text(CRASH_SECOND)
+    args = _train_args(work, tiny_model_dir, "two_async_crash", steps=3, **{
+        "train.max_staleness": 1, "rollout.agent": f"{work / 'crash_second.py'}:crash_second"})
+    p = _start(_torchrun(2, *args), work)
+    try:
+        out, _ = p.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(f"timed out (a rank hung?):\n{p.communicate()[0][-6000:]}")
+    assert p.returncode != 0, out[-3000:]
+    # the error on the ranks (torchrun may end rank 0 with SIGTERM before it prints, once rank 1 exited 2)
+    assert "tether: error: trainer step 2: rollout worker 0 (pid" in out, out[-4000:]
+    assert "boom in the second job" in out and "step 1's checkpoint" in out, out[-4000:]
+    assert (work / "two_async_crash" / "checkpoints" / "step-000001").is_dir()
+    assert not (work / "two_async_crash" / "checkpoints" / "step-000002").exists()
+    pids = [int(ln.split("pid ")[1].split(")")[0]) for ln in out.splitlines() if "rollout worker 0 started" in ln]
+    assert len(pids) == 1 and _gone(pids[0]), out[-3000:]
+
+
+def _gone(pid: int, wait_s: float = 30.0) -> bool:
+    """Whether process ``pid`` has exited (within ``wait_s``: a worker whose trainer was killed notices it)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def _truncate_to_step_1(src: Path, dst: Path) -> Path:

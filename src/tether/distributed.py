@@ -44,7 +44,7 @@ from torch import nn
 
 __all__ = [
     "init", "teardown", "enabled", "rank", "world_size", "is_main", "barrier",
-    "all_reduce", "all_gather_cat", "mean_over_ranks", "all_gather_objects", "rank_slice", "rank_seed",
+    "all_reduce", "all_gather_cat", "mean_over_ranks", "all_gather_objects", "on_main", "rank_slice", "rank_seed",
     "check_supported", "rank_share", "lockstep",
     "shard_model", "is_sharded", "fsdp_modules", "reshard", "gathered",
     "local", "full_tensor", "full_like", "shard_like", "as_param_layout", "clip_grad_norm_",
@@ -136,6 +136,31 @@ def all_gather_objects(obj) -> list:
     out = [None] * world_size()
     _dist().all_gather_object(out, obj)
     return out
+
+
+def on_main(fn: Callable[[], object]):
+    """``fn()`` run on rank 0 only, its result (picklable) returned on every rank; ``fn()`` itself at world
+    size 1. An exception ``fn`` raises is raised on every rank (the same class with the same message where
+    it takes one; RuntimeError otherwise), so no rank waits on a collective that rank 0 will never reach."""
+    if not enabled():
+        return fn()
+    box: list = [None]
+    if is_main():
+        try:
+            box[0] = ("ok", fn())
+        except Exception as e:
+            _dist().broadcast_object_list([("error", type(e), str(e))], src=0, device=_comm_device())
+            raise
+    _dist().broadcast_object_list(box, src=0, device=_comm_device())
+    kind, *body = box[0]
+    if kind == "ok":
+        return body[0]
+    cls, msg = body
+    try:
+        err = cls(msg)
+    except Exception:
+        err = RuntimeError(f"rank 0 failed: {cls.__name__}: {msg}")
+    raise err
 
 
 def mean_over_ranks(d: dict) -> dict:

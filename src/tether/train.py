@@ -15,8 +15,8 @@ mathematics lives in ``tether.algo`` and ``tether.anchor``. Under ``torchrun`` t
 sharded with FSDP2 and rollouts are data-parallel: the loop calls ``tether.distributed``'s helpers
 (``rank_share``, ``lockstep``, ``gathered``, ``all_reduce``...), no-ops in a single process.
 With ``train.max_staleness`` K >= 1 the rollout arrow runs ahead in worker processes
-(``tether.rollout.workers``; on other nodes with ``train.worker_address``: ``tether.rollout.remote``;
-docs/async.md): the trainer submits each step's examples as a job,
+(``tether.rollout.feed``: the trainer's side; ``tether.rollout.workers``; on other nodes with
+``train.worker_address``: ``tether.rollout.remote``; docs/async.md): the trainer submits each step's examples as a job,
 takes the batch of the oldest job (sampled by weights at most K updates old) and scores it, and
 pushes its weights after each step; K = 0 is the synchronous loop, unchanged.
 `train` / `resume` run a Trainer inside its locked run directory (``tether.rundir``).
@@ -40,7 +40,6 @@ from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, over
 from .anchor import make_anchor
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, to_dict
-from .algo.recipes import ConfigError
 from .errors import GenerationError
 from .logprobs import response_stats
 from .memory import malloc_trim
@@ -50,7 +49,8 @@ from .passes import Passes, StepBatch, exact_kl_sample, forwarded_positions, hea
 from .rollout import RolloutBatch, SamplingParams, make_engine
 from .rollout.partial import token_metrics
 from .rollout.weights import WeightSyncError
-from .rollout.workers import Job, RolloutWorkers, WorkerError, checkpointed
+from .rollout.feed import RolloutFeed, rank_share
+from .rollout.workers import WorkerError, checkpointed
 from .report import HeldOut, Progress, RewardErrorLog, rollout_metrics, sample_rows
 from .rundir import RunDirectory, restore_latest, resume_config
 from .schedule import LRSchedule
@@ -118,9 +118,10 @@ class Trainer:
         self._share_grad = t.share_prompt and not dist.enabled()
         self._fwd = dict(temperature=cfg.rollout.temperature, chunk_size=t.logprob_chunk)  # as every pass runs
         self._trim = malloc_trim if t.malloc_trim else (lambda: False)  # after the rollout and the update
-        self.workers: Optional[RolloutWorkers] = None  # train.max_staleness >= 1: the rollout worker processes
-        if t.max_staleness > 0:
-            self._start_workers()
+        self.feed: Optional[RolloutFeed] = None  # train.max_staleness >= 1: jobs to the rollout workers, batches back
+        if t.max_staleness > 0:  # last in __init__: nothing after the workers start can fail
+            self.feed = RolloutFeed(cfg, model, self.data.take, lambda: self.data.position,
+                                    lambda job: self._sampling(0, step=job), self.step, self.log, tokenizer)
 
     def _engine_config(self):
         """rollout.* for the trainer's own engine. With K >= 1 the workers sample; the trainer's engine only serves
@@ -132,24 +133,6 @@ class Trainer:
         if self.cfg.train.max_staleness > 0 and r.engine != "hf" and not evaluating(self.cfg):
             return dataclasses.replace(r, engine="hf")
         return r
-
-    def _start_workers(self) -> None:
-        """Asynchronous rollouts: spawn the workers (last in __init__: nothing after them can fail) with the
-        policy as version 0; up to max(K + 1, workers) jobs in flight (tether.rollout.workers)."""
-        t = self.cfg.train
-        if dist.enabled():
-            raise ConfigError("train.max_staleness >= 1 runs in one trainer process; under torchrun it is not "
-                              "built yet (rollout workers on other nodes: train.worker_address, docs/async.md)")
-        self.jobs_submitted = self.jobs_consumed = 0  # job ids; no drops: job i trains step i + 1
-        self.consumed_position = self.data.position  # the data position after the last consumed job
-        self.dropped = 0
-        self.staleness_counts = [0] * max(t.max_staleness + 1, t.rollout_workers)  # index: staleness
-        pool = RolloutWorkers  # local processes, weights through shared memory
-        if t.worker_address:  # `tether worker` processes on other nodes, over TCP
-            from .rollout.remote import RemoteWorkers as pool
-        self.workers = pool(self.cfg, self.model, n=t.rollout_workers,
-                            lookahead=max(t.max_staleness + 1, t.rollout_workers),
-                            verify=t.verify_sync, version=self.step, log=self.log, tokenizer=self.tokenizer)
 
     # ------------------------------------------------------------ rollout and rewards
 
@@ -173,7 +156,7 @@ class Trainer:
 
     def _rollout(self) -> tuple[StepBatch, dict]:
         """Generate one step's groups (refilling with new prompts under dynamic sampling), score them."""
-        if self.workers is not None:
+        if self.feed is not None:
             return self._async_rollout()
         r = self.cfg.rollout
         kept, seen, n_groups, rounds = [], [], 0, 0
@@ -201,34 +184,15 @@ class Trainer:
         return batch, stats
 
     def _async_rollout(self) -> tuple[StepBatch, dict]:
-        """K >= 1: keep the workers' jobs topped up from the data stream, take the oldest job's batch and score
-        it. A batch more than K versions old (possible only with more than K + 1 workers) is dropped
-        (train.stale_batches=drop: its prompts are skipped) and the next one taken, or kept."""
-        t, wait = self.cfg.train, 0.0
-        while True:
-            while self.workers.wants_job():  # one step's examples and seed per job
-                examples = self.data.take(self.cfg.rollout.prompts_per_step)
-                self.workers.submit(Job(self.jobs_submitted, examples, self._sampling(0, step=self.jobs_submitted),
-                                        self.data.position))
-                self.jobs_submitted += 1
-            w0 = time.perf_counter()
-            got = self.workers.next_batch()
-            wait += time.perf_counter() - w0
-            self.jobs_consumed, self.consumed_position = got.job.id + 1, got.job.position
-            staleness = self.step - got.version
-            if staleness <= t.max_staleness or t.stale_batches == "keep":
-                break
-            self.dropped += 1  # (counted at once: a failure at the next batch checkpoints the job count with it)
-        self.staleness_counts[staleness] += 1
-        rb = got.rb
-        ex_rows = [got.job.examples[int(g)] for g in rb.group]
+        """K >= 1: the oldest job's batch (``tether.rollout.feed``; under torchrun rank 0 takes it, every rank
+        trains on its share of the prompts), scored."""
+        got, staleness, feed_stats = self.feed.next(self.step)
+        rb, examples = rank_share(got.rb, got.job.examples, self.cfg.rollout.prompts_per_step)
+        ex_rows = [examples[int(g)] for g in rb.group]
         rew, cor = self._score(rb, ex_rows)
         batch, stats = self._step_batch([(rb, ex_rows, rew, cor)], [(rb, rew, cor)], got.agent_metrics)
         self.passes.on_policy = self._on_policy and staleness == 0  # a stale batch: pi_old recomputed here
-        stats.update({"async/staleness": staleness, "async/version": got.version, "async/worker": got.worker,
-                      "async/dropped": self.dropped, "async/wait_s": wait, "async/worker_gen_s": got.gen_s,
-                      "async/worker_load_s": got.load_s, "async/restarts": self.workers.restarts,
-                      **{f"async/staleness_{k}": c for k, c in enumerate(self.staleness_counts)}})
+        stats.update(feed_stats)
         if got.token_version is not None:  # partial rollouts: staleness above is the oldest token's
             stats.update(token_metrics(got, self.step))
         return batch, stats
@@ -337,8 +301,8 @@ class Trainer:
             moved = self.anchor.update(self.model, self.step, token_kl=upd.get("kl"))
         t5 = time.perf_counter()
         self.engine.sync_weights(self.model)  # a copy's engine (vLLM) reloads its weights here
-        if self.workers is not None:
-            self.workers.push(self.model, self.step)  # the rollout workers' next jobs sample with this version
+        if self.feed is not None:
+            self.feed.push(self.model, self.step)  # the rollout workers' next jobs sample with this version
         m.update(upd, time_sync_s=time.perf_counter() - t5)
         if exact is not None:
             m["exact_kl_sample"] = exact
@@ -359,9 +323,8 @@ class Trainer:
     def state(self) -> dict:
         st = {"data_position": self.data.position, "skipped_updates": self.skipped_updates,
               "reward_errors": self.reward_errors.count, "schedule": self.schedule.plan}
-        if self.workers is not None:  # the jobs in flight are not saved: a resume regenerates them
-            st.update(data_position=self.consumed_position,
-                      async_={"jobs": self.jobs_consumed, "dropped": self.dropped, "staleness": self.staleness_counts})
+        if self.feed is not None:  # the jobs in flight are not saved: a resume regenerates them
+            st.update(data_position=self.feed.position, async_=self.feed.state())
         return st
 
     def save(self) -> Path:
@@ -377,18 +340,14 @@ class Trainer:
         if "schedule" in st:  # absent in checkpoints written before it was saved: those keep the config's schedule
             self.schedule.continue_from(st["schedule"], self.step, self.run_dir)
         self.engine.sync_weights(self.model)
-        if self.workers is not None:  # restored before the first job: nothing is in flight
-            a = st.get("async_", {})
-            self.jobs_submitted = self.jobs_consumed = a.get("jobs", self.step)
-            self.consumed_position, self.dropped = self.data.position, a.get("dropped", 0)
-            for k, c in enumerate(a.get("staleness", [])[:len(self.staleness_counts)]):
-                self.staleness_counts[k] = c
-            self.workers.push(self.model, self.step)
+        if self.feed is not None:  # restored before the first job: nothing is in flight
+            self.feed.restore(st.get("async_", {}), self.step, self.data.position)
+            self.feed.push(self.model, self.step)
 
     def close(self) -> None:
         """Stop the rollout workers (K >= 1); ``run()`` calls it however it ends."""
-        if self.workers is not None:
-            self.workers.close()
+        if self.feed is not None:
+            self.feed.close()
 
     def run(self, resume: bool = False) -> Path:
         """Train until ``train.steps``; checkpoints every ``run.save_every`` steps and at the end.

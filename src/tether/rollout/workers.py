@@ -181,6 +181,24 @@ def _worker_main(rank: int, cfg, shared: "SharedWeights", jobs, results, verify:
             results.put(("batch", rank, s.run(job, pull)))
     except BaseException as e:  # noqa: BLE001  every failure goes to the trainer, named
         results.put(("error", rank, error_text(e)))
+        _linger(jobs, parent)
+
+
+def _linger(jobs, parent: int, limit_s: float = 600.0) -> None:
+    """After an error: stay until the trainer says stop (its ``None`` job, sent once it has read the error) or
+    is gone. The batches this worker sent before the error hold their tensors as file descriptors that the
+    trainer fetches from this very process when it reads them; had it exited at once, the trainer would find
+    its last good batch unreadable and take a worker that raised for one that died."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            if jobs.get(timeout=1.0) is None:
+                return
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+        except (OSError, EOFError, ValueError):  # the trainer closed the queue
+            return
 
 
 # ------------------------------------------------------------------ the trainer's side
