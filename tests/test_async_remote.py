@@ -87,6 +87,38 @@ def test_trainer_and_a_remote_worker_on_loopback(workdir, tiny_model_dir, tmp_pa
     assert ms[-1]["async/version"] >= 1  # weights travelled: batches sampled by pushed versions after the first
 
 
+def torchrun(nproc: int, *args) -> list:
+    """``torchrun --nproc_per_node nproc -m tether ARGS`` on loopback (its own rendezvous port)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+            "127.0.0.1", "--master_port", str(free_port()), "-m", "tether", *map(str, args)]
+
+
+def test_the_two_node_layout_under_torchrun_on_loopback(workdir, tiny_model_dir, tmp_path):
+    """docs/async.md's layout, both sides launched by torchrun: 2 FSDP trainer ranks listening on
+    train.worker_address and `torchrun --nproc_per_node 2 -m tether worker` (2 workers, one per process). Both
+    exit 0; both workers sampled; every batch within K with verified checksums."""
+    addr, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
+    env = subprocess_env(OMP_NUM_THREADS="1", TETHER_WORKER_KEY="loopback-test-secret")
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    args = remote_run(workdir, tiny_model_dir, run, addr, 4, **{"train.rollout_workers": 2})
+    with open(tmp_path / "t.log", "w") as tl, open(tmp_path / "w.log", "w") as wl:
+        trainer = subprocess.Popen(torchrun(2, *args), stdout=tl, stderr=subprocess.STDOUT, env=env)
+        workers = subprocess.Popen(torchrun(2, "worker", addr, "--wait", 300), stdout=wl, stderr=subprocess.STDOUT,
+                                   env=env)
+        try:
+            assert trainer.wait(TIMEOUT) == 0, (tmp_path / "t.log").read_text()[-3000:]
+            assert workers.wait(TIMEOUT) == 0, (tmp_path / "w.log").read_text()[-3000:]
+        finally:
+            end(trainer, workers)
+    tlog, wlog = (tmp_path / "t.log").read_text(), (tmp_path / "w.log").read_text()
+    assert "rollout worker 0 connected" in tlog and "rollout worker 1 connected" in tlog, tlog[-3000:]
+    assert wlog.count("the trainer ended the run") == 2, wlog[-3000:]
+    ms = rows(run)
+    assert [m["step"] for m in ms] == [1, 2, 3, 4] and all(0 <= m["async/staleness"] <= 1 for m in ms)
+    assert {m["async/worker"] for m in ms} == {0, 1} and all(m["skipped_updates"] == 0 for m in ms)
+
+
 @pytest.mark.parametrize("fault", ["killed", "frozen"])
 def test_a_remote_worker_that_dies_or_freezes_is_an_error_not_a_hang(fault, workdir, tiny_model_dir, tmp_path):
     """SIGKILL: the closed connection stops the trainer at its next batch. SIGSTOP: the connection stays open

@@ -169,10 +169,12 @@ def test_async_staleness_1_matches_single_process(runs, work, tiny_model_dir):
     """train.max_staleness=1 on 2 ranks: rank 0's rollout worker (a spawned process) samples each whole step,
     every rank trains on its share of the prompts. The scripted engine's responses depend only on the prompt,
     not on the weights that sample them, so the run lands where the synchronous single process did, whatever
-    the staleness (logged once, at most 1); the checkpoint records the jobs consumed, and a resume from step 1
+    the staleness (logged once, at most 1), with verified sync (the checksum of the gathered FSDP2 weights must
+    leave them freeable); the checkpoint records the jobs consumed, and a resume from step 1
     continues the stream where it was."""
     one, _ = runs
-    out = _run(_torchrun(2, *_train_args(work, tiny_model_dir, "two_async", **{"train.max_staleness": 1})), work)
+    out = _run(_torchrun(2, *_train_args(work, tiny_model_dir, "two_async", **{"train.max_staleness": 1,
+                                                                               "train.verify_sync": True})), work)
     assert "rollout worker 0 started" in out and out.count("rollout worker 0 started") == 1, out[-3000:]
     _assert_close(one, work / "two_async")
     r1, r2 = rows(one), rows(work / "two_async")

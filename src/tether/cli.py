@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -88,8 +89,14 @@ def _interrupted(e: KeyboardInterrupt) -> int:
 
 
 def _worker(args) -> int:
-    """A remote rollout worker (tether.rollout.remote.serve): 0 once the trainer ended the run."""
+    """A remote rollout worker (tether.rollout.remote.serve): 0 once the trainer ended the run. Under torchrun
+    each process is one worker, on GPU LOCAL_RANK when the run samples on CUDA (no process group is joined)."""
+    import torch
+
     from .rollout.remote import serve
+
+    if "LOCAL_RANK" in os.environ and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 
     return serve(args.address, wait_s=args.wait)
 
@@ -205,8 +212,10 @@ def _add_worker_parser(sub) -> None:
                        "agent) comes from the trainer, weights after each update, jobs as they are due. The secret "
                        "in $TETHER_WORKER_KEY must equal the trainer's. model.name and any agent / environment files "
                        "must exist on this node under the same names.",
-                       epilog="Exit 0: the trainer ended the run; 2: no trainer answered within --wait, a wrong key, "
-                       "the trainer lost, or an error in this worker (also reported to the trainer).")
+                       epilog="One worker per GPU on a node: torchrun --nproc_per_node 8 -m tether worker HOST:PORT "
+                       "(each process one worker on GPU LOCAL_RANK). Exit 0: the trainer ended the run; 2: no trainer "
+                       "answered within --wait, a wrong key, the trainer lost, or an error in this worker (also "
+                       "reported to the trainer).")
     w.add_argument("address", help="the trainer's train.worker_address as reachable from here, HOST:PORT")
     w.add_argument("--wait", type=float, default=600.0, help="seconds to keep retrying while no trainer listens "
                    "yet (default 600)")

@@ -172,8 +172,8 @@ class TrainConfig:
     max_staleness: int = 0  # K, asynchronous RL (docs/async.md): rollouts are generated in worker processes while the
     # trainer updates, each batch by weights at most K trainer updates older than the policy it trains (0 = the
     # synchronous loop: generate, then update, with the same weights). K >= 1: no rollout.dynamic_sampling; under
-    # torchrun the workers belong to rank 0 and every rank trains on its share of each batch; the workers (rollout.engine hf or vllm) report the engine's log-probs, so algo.tis_cap
-    # can correct the lag
+    # torchrun the workers belong to rank 0 and every rank trains on its share of each batch; the workers
+    # (rollout.engine hf or vllm) report the engine's log-probs, so algo.tis_cap can correct the lag
     rollout_workers: int = 1  # max_staleness >= 1: rollout worker processes, each with its own copy of the model; up
     # to max(max_staleness + 1, rollout_workers) batches are in flight, so more than max_staleness + 1 workers make
     # batches older than K possible (train.stale_batches)

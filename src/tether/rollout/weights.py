@@ -17,6 +17,7 @@ samples with: with ``verify`` a vLLM worker also reports the engine's log-probs 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import time
 
@@ -66,7 +67,9 @@ def checksum(weights: dict[str, torch.Tensor]) -> str:
     for name in sorted(weights):
         t = weights[name].detach().to("cpu").contiguous()
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+        # the bytes read in place, not through .numpy(): that marks the storage not resizable, and FSDP2 frees
+        # a gathered parameter by resizing its storage to 0 (a checksum of the gathered weights under torchrun)
+        h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
     return h.hexdigest()
 
 
