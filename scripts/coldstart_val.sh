@@ -10,7 +10,8 @@
 # Candidates: sft (no RL), grpo and ema_pg (the default runs runs/coldstart/rl_{grpo,ema_pg}_s0, evaluated at step
 # 5), grpo_step4 and ema_pg_step4 (their step-4 checkpoints: the number of steps), grpo_lr3e-5, ema_pg_lr3e-5
 # (the lr), ema_pg_eta0.95_every1 (the anchor's eta and period). The slice: scripts/search_val_slice.py (VAL_LIMIT
-# train questions, 200, in no SFT demonstration and no RL prompt of seeds 0-2). OUT: runs/coldstart.
+# train questions, 200, in no SFT demonstration and no RL prompt of seeds 0-2), of which each candidate is evaluated
+# on the first VAL_EVAL (100: a 200-question evaluation took an hour of a loaded core). OUT: runs/coldstart.
 # Two lanes fit this 2-core CPU with OMP_NUM_THREADS=1 each (taskset -c 0 / -c 1); never more.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,6 +47,6 @@ for name in "$@"; do
   esac
   out="$VAL/eval_$name"
   if [ -f "$out/results.json" ] && ! grep -q '"complete": false' "$out/results.json"; then continue; fi
-  $T eval --model "$model" --agent search --benchmarks "$SLICE" --greedy --max-new-tokens 128 --no-progress \
-    --out "$out" --overwrite
+  $T eval --model "$model" --agent search --benchmarks "$SLICE" --limit "${VAL_EVAL:-100}" --greedy \
+    --max-new-tokens 128 --no-progress --out "$out" --overwrite
 done
