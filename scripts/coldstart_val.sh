@@ -8,7 +8,8 @@
 #   .venv/bin/python bench/search_report.py runs/coldstart/val/eval_*  # their table (paired s.e. against the first)
 #
 # Candidates: sft (no RL), grpo and ema_pg (the default runs runs/coldstart/rl_{grpo,ema_pg}_s0, evaluated at step
-# 5), grpo_step4 and ema_pg_step4 (their step-4 checkpoints: the number of steps), grpo_lr3e-5, ema_pg_lr3e-5
+# 5), grpo_step4 and ema_pg_step4 (their step-4 checkpoints: the number of steps; ema_pg_lr3e-5_step4 that of the
+# lr-3e-5 candidate), grpo_lr3e-5, ema_pg_lr3e-5
 # (the lr), ema_pg_eta0.95_every1 (the anchor's eta and period). The slice: scripts/search_val_slice.py (VAL_LIMIT
 # train questions, 200, in no SFT demonstration and no RL prompt of seeds 0-2), of which each candidate is evaluated
 # on the first VAL_EVAL (100: a 200-question evaluation took an hour of a loaded core). OUT: runs/coldstart.
@@ -40,6 +41,7 @@ for name in "$@"; do
     sft) model=$SFT ;;
     grpo|ema_pg) model="$OUT/rl_${name}_s0" ;;
     grpo_step4|ema_pg_step4) model="$OUT/rl_${name%_step4}_s0/checkpoints/step-000004" ;;
+    ema_pg_lr3e-5_step4) model="$VAL/rl_ema_pg_lr3e-5/checkpoints/step-000004" ;;
     grpo_lr3e-5) train "$name" grpo train.lr=3e-5; model="$VAL/rl_$name" ;;
     ema_pg_lr3e-5) train "$name" ema_pg algo.anchor.every=2 algo.anchor.eta=0.9 train.lr=3e-5; model="$VAL/rl_$name" ;;
     ema_pg_eta0.95_every1) train "$name" ema_pg algo.anchor.every=1 algo.anchor.eta=0.95; model="$VAL/rl_$name" ;;
