@@ -49,7 +49,7 @@ from .passes import Passes, StepBatch, exact_kl_sample, forwarded_positions, hea
 from .rollout import RolloutBatch, SamplingParams, make_engine
 from .rollout.partial import token_metrics
 from .rollout.weights import WeightSyncError
-from .rollout.feed import RolloutFeed, rank_share
+from .rollout.feed import RolloutFeed, rank_groups
 from .rollout.workers import WorkerError, checkpointed
 from .report import HeldOut, Progress, RewardErrorLog, rollout_metrics, sample_rows
 from .rundir import RunDirectory, restore_latest, resume_config
@@ -187,7 +187,7 @@ class Trainer:
         """K >= 1: the oldest job's batch (``tether.rollout.feed``; under torchrun rank 0 takes it, every rank
         trains on its share of the prompts), scored."""
         got, staleness, feed_stats = self.feed.next(self.step)
-        rb, examples = rank_share(got.rb, got.job.examples, self.cfg.rollout.prompts_per_step)
+        rb, examples = rank_groups(got.rb, got.job.examples, self.cfg.rollout.prompts_per_step)
         ex_rows = [examples[int(g)] for g in rb.group]
         rew, cor = self._score(rb, ex_rows)
         batch, stats = self._step_batch([(rb, ex_rows, rew, cor)], [(rb, rew, cor)], got.agent_metrics)

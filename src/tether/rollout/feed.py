@@ -7,7 +7,7 @@ after the last consumed job, the dropped batches, the staleness histogram.
 
 Under torchrun the workers belong to rank 0: it reads the data stream, submits the jobs and takes each batch,
 which every rank then receives (`tether.distributed.on_main`: a worker's failure is raised on every rank, so
-all of them checkpoint and stop together). Each rank trains on its share of the batch's prompts (`rank_share`:
+all of them checkpoint and stop together). Each rank trains on its share of the batch's prompts (`rank_groups`:
 the rows of its `rank_slice` of the groups, as in the synchronous loop, where a rank generates exactly those).
 The weights are pushed from rank 0 inside `tether.distributed.gathered` (the full FSDP2 weights, gathered
 on every rank; the vLLM probe's forward is then local).
@@ -24,7 +24,7 @@ from .base import RolloutBatch, SamplingParams
 from .workers import Job, Rollout, RolloutWorkers
 
 
-def rank_share(rb: RolloutBatch, examples: list[Example], prompts: int) -> tuple[RolloutBatch, list[Example]]:
+def rank_groups(rb: RolloutBatch, examples: list[Example], prompts: int) -> tuple[RolloutBatch, list[Example]]:
     """This rank's rows of a whole step's batch ``rb`` (groups 0..``prompts``-1, one per example): the groups
     of its `tether.distributed.rank_slice`, renumbered from 0, with their examples. The batch itself at world
     size 1."""

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 import queue
 import signal
@@ -169,36 +170,37 @@ def _worker_main(rank: int, cfg, shared: "SharedWeights", jobs, results, verify:
             if shared.version.value != s.version:
                 s.load(shared.read_into)
 
-        while True:
-            try:
-                job = jobs.get(timeout=1.0)
-            except queue.Empty:
-                if os.getppid() != parent:  # the trainer is gone (killed): do not outlive it
-                    return
-                continue
-            if job is None:
-                return
+        while (job := _next_job(jobs, parent)) is not None:
             results.put(("batch", rank, s.run(job, pull)))
     except BaseException as e:  # noqa: BLE001  every failure goes to the trainer, named
         results.put(("error", rank, error_text(e)))
         _linger(jobs, parent)
 
 
+def _next_job(jobs, parent: int, until: float = math.inf) -> Optional[Job]:
+    """The trainer's next job; None once it says stop (its ``None`` job), is gone (killed: a worker does not
+    outlive it) or ``until`` (``time.monotonic``) has passed."""
+    while time.monotonic() < until:
+        try:
+            return jobs.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
+    return None
+
+
 def _linger(jobs, parent: int, limit_s: float = 600.0) -> None:
     """After an error: stay until the trainer says stop (its ``None`` job, sent once it has read the error) or
     is gone. The batches this worker sent before the error hold their tensors as file descriptors that the
     trainer fetches from this very process when it reads them; had it exited at once, the trainer would find
-    its last good batch unreadable and take a worker that raised for one that died."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        try:
-            if jobs.get(timeout=1.0) is None:
-                return
-        except queue.Empty:
-            if os.getppid() != parent:
-                return
-        except (OSError, EOFError, ValueError):  # the trainer closed the queue
-            return
+    its last good batch unreadable and take a worker that raised for one that died. Jobs sent meanwhile are
+    dropped (the trainer stops at the error)."""
+    until = time.monotonic() + limit_s
+    try:
+        while _next_job(jobs, parent, until) is not None:
+            pass
+    except (OSError, EOFError, ValueError):  # the trainer closed the queue
+        pass
 
 
 # ------------------------------------------------------------------ the trainer's side
