@@ -9,7 +9,8 @@
 #   # their table: the bench/search_report.py command in docs/results_search.md (paired s.e. against sft)
 #
 # Candidates: sft (no RL); grpo and ema_pg (the default runs runs/coldstart/rl_{grpo,ema_pg}_s0, at step 5);
-# the lr: grpo_lr3e-5, ema_pg_lr3e-5; the anchor's eta and period: ema_pg_eta0.95_every1; the number of steps:
+# the lr: grpo_lr3e-5, ema_pg_lr3e-5; the anchor's eta and period at the chosen lr: ema_pg_lr3e-5_eta0.9_every1
+# (the anchor twice as fast; eta 0.95 every step would keep the default's time scale, 0.9 ** 0.5); the steps:
 # grpo_step4, ema_pg_step4, ema_pg_lr3e-5_step4 (step-4 checkpoints). The slice: scripts/search_val_slice.py
 # (VAL_LIMIT train questions, 200, in no SFT demonstration and no RL prompt of seeds 0-2), of which each candidate
 # is evaluated on the first VAL_EVAL (100: a 200-question evaluation took an hour of a loaded core).
@@ -31,7 +32,8 @@ for name in "$@"; do
     ema_pg_lr3e-5_step4) model="$VAL/rl_ema_pg_lr3e-5/checkpoints/step-000004" ;;
     grpo_lr3e-5) model="$VAL/rl_$name"; RL_LR=3e-5 rl_run "$model" grpo 0 ;;
     ema_pg_lr3e-5) model="$VAL/rl_$name"; RL_LR=3e-5 rl_run "$model" ema_pg 0 algo.anchor.every=2 algo.anchor.eta=0.9 ;;
-    ema_pg_eta0.95_every1) model="$VAL/rl_$name"; rl_run "$model" ema_pg 0 algo.anchor.every=1 algo.anchor.eta=0.95 ;;
+    ema_pg_lr3e-5_eta0.9_every1) model="$VAL/rl_$name"
+      RL_LR=3e-5 rl_run "$model" ema_pg 0 algo.anchor.every=1 algo.anchor.eta=0.9 ;;
     *) echo "unknown candidate '$name'" >&2; exit 2 ;;
   esac
   evaluate "$model" "$VAL/eval_$name" "$SLICE" "${VAL_EVAL:-100}"
