@@ -331,3 +331,42 @@ def test_column_major_weights_keep_values_gradients_and_adamw(tiny_model_dir):
             opt.zero_grad()
         outs.append(m(input_ids=ids).logits.detach())
     assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+def test_load_model_keeps_no_tensor_in_the_weights_file_map(tmp_path):
+    """transformers memory-maps model.safetensors and its tensors alias the map; a tensor that nothing copies
+    (the RMSNorm weights) kept the whole file resident. After load_model no parameter or buffer lives in a
+    file map, the map of model.safetensors is gone, and the values are the file's."""
+    import gc
+
+    from safetensors.torch import load_file
+
+    from tether.models import _file_mappings, release_file_mappings
+    from tether.testing import make_tiny_model_dir
+
+    d = make_tiny_model_dir(tmp_path / "m", hidden_size=64, intermediate_size=128)
+    weights = d / "model.safetensors"
+    model, _ = load_model(ModelConfig(name=str(d)))
+    gc.collect()
+    ranges = _file_mappings()
+    tensors = list(model.parameters()) + list(model.buffers())
+    assert ranges and not [t for t in tensors if any(lo <= t.data_ptr() < hi for lo, hi in ranges)]
+    assert str(weights) not in Path("/proc/self/maps").read_text()
+    saved = load_file(weights)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), saved[name]), name
+    assert release_file_mappings(model) == 0  # nothing left to copy
+
+    # the check itself can fail: the plain transformers load does leave norm weights in the map
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(d)
+    ranges = _file_mappings()
+    norms = [p for n, p in plain.named_parameters() if "norm" in n]
+    assert norms and all(any(lo <= p.data_ptr() < hi for lo, hi in ranges) for p in norms)
+    assert str(weights) in Path("/proc/self/maps").read_text()
+    assert release_file_mappings(plain) >= len(norms)
+    del saved
+    gc.collect()
+    assert str(weights) not in Path("/proc/self/maps").read_text()

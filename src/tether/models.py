@@ -187,6 +187,50 @@ def column_major_linear_weights(model: torch.nn.Module) -> int:
     return moved
 
 
+def _file_mappings() -> list[tuple[int, int]]:
+    """The address ranges of this process's file-backed memory maps (Linux ``/proc/self/maps``; [] elsewhere)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/") and parts[4] != "0":  # a path and an inode: a file
+            lo, hi = parts[0].split("-")
+            ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
+
+
+def release_file_mappings(model: torch.nn.Module) -> int:
+    """Give every CPU parameter and buffer that lives in a memory-mapped file its own memory; returns how many.
+
+    transformers loads a safetensors file through one memory map and its tensors alias it. The column-major
+    copies replace the Linear weights, but the tensors nothing else copies (SmolLM2's 61 RMSNorm weights, 2.3 KB
+    each) keep the whole map alive, and every page of it was read while loading: the embedded model's 513 MB
+    stayed resident (RssFile) for the life of the process, beside the copies that train. Copying those tensors
+    lets the map go. Shared parameters (tied embeddings) stay shared.
+    """
+    ranges = _file_mappings()
+
+    def mapped(t: torch.Tensor) -> bool:
+        ptr = t.data_ptr()
+        return t.device.type == "cpu" and any(lo <= ptr < hi for lo, hi in ranges)
+
+    copied = 0
+    with torch.no_grad():
+        for p in model.parameters():  # each Parameter once, tied ones included
+            if mapped(p):
+                p.data = p.data.clone()
+                copied += 1
+        for mod in model.modules():
+            for name, b in mod._buffers.items():
+                if b is not None and mapped(b):
+                    mod._buffers[name] = b.clone()
+                    copied += 1
+    return copied
+
+
 def _apply_lora(model, cfg: ModelConfig):
     """``model`` as a ``peft.PeftModel`` with LoRA from ``cfg.lora_*``; ModelLoadError without peft or on a bad
     config."""
@@ -280,6 +324,7 @@ def _load_pretrained(cfg: ModelConfig) -> tuple[Any, Any]:
         model.config.pad_token_id = tokenizer.pad_token_id
     model.to(device)
     _column_major_unless_sharded(model)
+    release_file_mappings(model)  # after the column-major copies: only what they did not copy
     return model, tokenizer
 
 
