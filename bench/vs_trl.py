@@ -56,10 +56,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _benchutil as bu  # noqa: E402
 
 _T_START = time.perf_counter()  # process start (the imports above are stdlib only)
-RUNS = ("tether_grpo", "trl_grpo", "ema_pg", "rpg_reinforce_urkl", "tether_grpo_ckpt")
-#: tether runs that are tether_grpo with extra overrides: the memory-lean variant recomputes
-#: activations in backward (gradient checkpointing; the shared-prompt passes are then off).
-VARIANTS = {"tether_grpo": ("grpo", {}), "tether_grpo_ckpt": ("grpo", {"model.gradient_checkpointing": True})}
+RUNS = ("tether_grpo", "trl_grpo", "ema_pg", "rpg_reinforce_urkl", "tether_grpo_ckpt", "tether_grpo_mb4",
+        "tether_grpo_lean")
+#: tether runs that are tether_grpo with extra overrides, the same math with less memory at the update's peak:
+#: _ckpt recomputes activations in backward (gradient checkpointing; the shared-prompt passes are then off);
+#: _mb4 runs micro-batches of one group (4 sequences: half the saved activations, two more forward/backward
+#: calls a step); _lean is _mb4 with the fixed reference stored in bf16 (algo.anchor.dtype; docs/benchmarks.md
+#: states what that changes in the KL).
+VARIANTS = {"tether_grpo": ("grpo", {}), "tether_grpo_ckpt": ("grpo", {"model.gradient_checkpointing": True}),
+            "tether_grpo_mb4": ("grpo", {"train.micro_batch_size": 4}),
+            "tether_grpo_lean": ("grpo", {"train.micro_batch_size": 4, "algo.anchor.dtype": "bfloat16"})}
 #: the run whose child also prints a memory breakdown, from one extra untimed step after its timed ones
 MEMORY_RUN = "tether_grpo"
 MICRO_BATCH = 8  # tether's train.micro_batch_size default; TRL's per_device_train_batch_size matches it
@@ -320,7 +326,7 @@ def report(a, results: dict, errors: dict, info: dict) -> tuple[str, list[str]]:
             rows.append([name, "failed"] + ["-"] * (len(header) - 2))
     g = lambda n, k: sums[n][k] if n in sums else None  # noqa: E731
     ratios = [
-        ratio_line("step time tether_grpo/trl_grpo", g("tether_grpo", "median"), g("trl_grpo", "median"), "<= 0.5"),
+        ratio_line("step time tether_grpo/trl_grpo", g("tether_grpo", "median"), g("trl_grpo", "median"), "<= 0.45"),
         ratio_line("peak RSS tether_grpo/trl_grpo", g("tether_grpo", "peak_rss_mb"), g("trl_grpo", "peak_rss_mb"),
                    "<= 0.5"),
         ratio_line("step time ema_pg/tether_grpo", g("ema_pg", "median"), g("tether_grpo", "median"), "<= 1.25"),
@@ -330,6 +336,9 @@ def report(a, results: dict, errors: dict, info: dict) -> tuple[str, list[str]]:
                    g("trl_grpo", "peak_rss_mb"), "<= 0.5"),
         ratio_line("step time tether_grpo_ckpt/trl_grpo", g("tether_grpo_ckpt", "median"), g("trl_grpo", "median"),
                    None),
+        *[line for v in ("tether_grpo_mb4", "tether_grpo_lean") for line in (
+            ratio_line(f"peak RSS {v}/trl_grpo", g(v, "peak_rss_mb"), g("trl_grpo", "peak_rss_mb"), "<= 0.5"),
+            ratio_line(f"step time {v}/trl_grpo", g(v, "median"), g("trl_grpo", "median"), "<= 0.45"))],
         ratio_line("step time per generated token tether_grpo/trl_grpo", g("tether_grpo", "s_per_gen_token"),
                    g("trl_grpo", "s_per_gen_token"), None) + "  (informative: corrects for random lengths)",
     ]
@@ -338,7 +347,7 @@ def report(a, results: dict, errors: dict, info: dict) -> tuple[str, list[str]]:
                 f"{' (EOS banned: every response has full length)' if a.full_length else ''}, temperature 1.0, "
                 f"k3 KL beta={a.beta:g} to a fixed reference (tether_grpo, trl_grpo), lr={a.lr:g}, {a.steps} steps, "
                 f"one optimizer step per generation batch (rpg_reinforce_urkl: 2 mini-batches, its recipe), "
-                f"micro-batches of <= {MICRO_BATCH} sequences, model {a.model_label}, fp32, CPU")
+                f"micro-batches of <= {MICRO_BATCH} sequences (_mb4, _lean: 4), model {a.model_label}, fp32, CPU")
     notes = [
         "- step times: tether `Trainer.train_step()` (`time_step_s`); TRL: `on_step_begin` -> `on_step_end` of a "
         "`TrainerCallback` (generation, reward, reference pass, loss, backward, optimizer step). "
