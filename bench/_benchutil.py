@@ -295,17 +295,17 @@ def md_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def run_child(argv: list[str], log_path: Path, result_path: Path,
-              timeout: float | None = None) -> tuple[dict | None, str]:
+              timeout: float | None = None, env: dict[str, str] | None = None) -> tuple[dict | None, str]:
     """Run ``python argv...`` in a fresh process; return (its JSON result or None, an error text).
 
     stdout and stderr of the child go to ``log_path``; the child writes its result to
-    ``result_path``.
+    ``result_path``. ``env``: variables added to this process's environment for the child only.
     """
     result_path.unlink(missing_ok=True)
     with open(log_path, "w") as log:
         try:
             proc = subprocess.run([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                                  cwd=str(ROOT))
+                                  cwd=str(ROOT), env={**os.environ, **env} if env else None)
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"

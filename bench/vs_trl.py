@@ -57,7 +57,7 @@ import _benchutil as bu  # noqa: E402
 
 _T_START = time.perf_counter()  # process start (the imports above are stdlib only)
 RUNS = ("tether_grpo", "trl_grpo", "ema_pg", "rpg_reinforce_urkl", "tether_grpo_ckpt", "tether_grpo_mb4",
-        "tether_grpo_lean")
+        "tether_grpo_lean", "tether_grpo_lean_mmap")
 #: tether runs that are tether_grpo with extra overrides, the same math with less memory at the update's peak:
 #: _ckpt recomputes activations in backward (gradient checkpointing; the shared-prompt passes are then off);
 #: _mb4 runs micro-batches of one group (4 sequences: half the saved activations, two more forward/backward
@@ -65,7 +65,12 @@ RUNS = ("tether_grpo", "trl_grpo", "ema_pg", "rpg_reinforce_urkl", "tether_grpo_
 #: states what that changes in the KL).
 VARIANTS = {"tether_grpo": ("grpo", {}), "tether_grpo_ckpt": ("grpo", {"model.gradient_checkpointing": True}),
             "tether_grpo_mb4": ("grpo", {"train.micro_batch_size": 4}),
-            "tether_grpo_lean": ("grpo", {"train.micro_batch_size": 4, "algo.anchor.dtype": "bfloat16"})}
+            "tether_grpo_lean": ("grpo", {"train.micro_batch_size": 4, "algo.anchor.dtype": "bfloat16"}),
+            "tether_grpo_lean_mmap": ("grpo", {"train.micro_batch_size": 4, "algo.anchor.dtype": "bfloat16"})}
+#: environment variables of a run's process: _lean_mmap is _lean under glibc's fixed mmap threshold of 1 MiB
+#: (every block of 1 MiB or more is its own mapping, returned to the OS when freed, and the threshold no longer
+#: rises to the largest freed block): less memory kept between the update's allocations, more page faults.
+RUN_ENV = {"tether_grpo_lean_mmap": {"MALLOC_MMAP_THRESHOLD_": "1048576"}}
 #: the run whose child also prints a memory breakdown, from one extra untimed step after its timed ones
 MEMORY_RUN = "tether_grpo"
 MICRO_BATCH = 8  # tether's train.micro_batch_size default; TRL's per_device_train_batch_size matches it
@@ -336,7 +341,7 @@ def report(a, results: dict, errors: dict, info: dict) -> tuple[str, list[str]]:
                    g("trl_grpo", "peak_rss_mb"), "<= 0.5"),
         ratio_line("step time tether_grpo_ckpt/trl_grpo", g("tether_grpo_ckpt", "median"), g("trl_grpo", "median"),
                    None),
-        *[line for v in ("tether_grpo_mb4", "tether_grpo_lean") for line in (
+        *[line for v in ("tether_grpo_mb4", "tether_grpo_lean", "tether_grpo_lean_mmap") for line in (
             ratio_line(f"peak RSS {v}/trl_grpo", g(v, "peak_rss_mb"), g("trl_grpo", "peak_rss_mb"), "<= 0.5"),
             ratio_line(f"step time {v}/trl_grpo", g(v, "median"), g("trl_grpo", "median"), "<= 0.45"))],
         ratio_line("step time per generated token tether_grpo/trl_grpo", g("tether_grpo", "s_per_gen_token"),
@@ -360,6 +365,8 @@ def report(a, results: dict, errors: dict, info: dict) -> tuple[str, list[str]]:
         "- gen tokens/step: mean over all steps of the tokens generated per step (TRL: "
         "`completions/mean_length` x P x G); step times scale with it, and it is random.",
     ]
+    notes += [f"- {name}'s process environment adds " + ", ".join(f"`{k}={v}`" for k, v in RUN_ENV[name].items())
+              for name in results if name in RUN_ENV]
     for name, res in results.items():
         if name == "trl_grpo":
             notes.append(f"- TRL {res['trl_version']} GRPOConfig: " + ", ".join(
@@ -477,7 +484,8 @@ def main(argv=None) -> int:
         log_path = Path(a.workdir) / f"{name}.log"
         t0 = time.perf_counter()
         print(f"[vs_trl] running {name} in a fresh process (log {log_path}) ...", flush=True)
-        res, err = bu.run_child(child_argv(a, name, res_path), log_path, res_path, timeout=a.timeout)
+        res, err = bu.run_child(child_argv(a, name, res_path), log_path, res_path, timeout=a.timeout,
+                                env=RUN_ENV.get(name))
         if res is None:
             errors[name] = err
             print(f"[vs_trl] {name} FAILED after {time.perf_counter() - t0:.0f} s:\n{err}", file=sys.stderr, flush=True)
