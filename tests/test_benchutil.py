@@ -65,3 +65,21 @@ def test_force_full_length_follows_max_new_tokens(bu, tiny_model_dir, tmp_path):
     trainer.cfg.rollout.max_new_tokens = 4
     bu.force_full_length(trainer)
     assert trainer.train_step()["response_len"] == 4
+
+
+def test_run_child_adds_env_to_the_child_only(bu, tmp_path, monkeypatch):
+    """run_child(env=...): the child sees the added variables beside the parent's; the parent's stay as they were
+    (bench/vs_trl.py's RUN_ENV, e.g. glibc's MALLOC_MMAP_THRESHOLD_ for one run)."""
+    import os
+
+    monkeypatch.setenv("TETHER_PARENT_VAR", "kept")
+    script = tmp_path / "child.py"
+    script.write_text("import json, os, sys\n"
+                      "json.dump({'ok': True, 'added': os.environ.get('TETHER_ADDED'), "
+                      "'parent': os.environ.get('TETHER_PARENT_VAR')}, open(sys.argv[1], 'w'))\n")
+    res, err = bu.run_child([str(script), str(tmp_path / "r.json")], tmp_path / "log", tmp_path / "r.json",
+                            env={"TETHER_ADDED": "1048576"})
+    assert err == "" and res["added"] == "1048576" and res["parent"] == "kept"
+    assert "TETHER_ADDED" not in os.environ
+    res, _ = bu.run_child([str(script), str(tmp_path / "r.json")], tmp_path / "log", tmp_path / "r.json")
+    assert res["added"] is None and res["parent"] == "kept"
