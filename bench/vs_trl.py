@@ -63,10 +63,11 @@ RUNS = ("tether_grpo", "trl_grpo", "ema_pg", "rpg_reinforce_urkl", "tether_grpo_
 #: _mb4 runs micro-batches of one group (4 sequences: half the saved activations, two more forward/backward
 #: calls a step); _lean is _mb4 with the fixed reference stored in bf16 (algo.anchor.dtype; docs/benchmarks.md
 #: states what that changes in the KL).
+_MB4 = {"train.micro_batch_size": 4}
+_LEAN = {**_MB4, "algo.anchor.dtype": "bfloat16"}
 VARIANTS = {"tether_grpo": ("grpo", {}), "tether_grpo_ckpt": ("grpo", {"model.gradient_checkpointing": True}),
-            "tether_grpo_mb4": ("grpo", {"train.micro_batch_size": 4}),
-            "tether_grpo_lean": ("grpo", {"train.micro_batch_size": 4, "algo.anchor.dtype": "bfloat16"}),
-            "tether_grpo_lean_mmap": ("grpo", {"train.micro_batch_size": 4, "algo.anchor.dtype": "bfloat16"})}
+            "tether_grpo_mb4": ("grpo", _MB4), "tether_grpo_lean": ("grpo", _LEAN),
+            "tether_grpo_lean_mmap": ("grpo", _LEAN)}
 #: environment variables of a run's process: _lean_mmap is _lean under glibc's fixed mmap threshold of 1 MiB
 #: (every block of 1 MiB or more is its own mapping, returned to the OS when freed, and the threshold no longer
 #: rises to the largest freed block): less memory kept between the update's allocations, more page faults.
