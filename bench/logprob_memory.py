@@ -48,23 +48,6 @@ SRC = HERE.parent.parent / "src"
 # --------------------------------------------------------------------------- #
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _make_inputs(n_tok: int, vocab: int, hidden_size: int, topk: int, seed: int, logit_std: float):
     import torch
 
@@ -116,6 +99,7 @@ def run_child(args: argparse.Namespace) -> None:
     import torch
 
     import tether.logprobs  # noqa: F401  (import cost outside the measurement)
+    from tether.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
     hidden, weight, targets, c_logp, c_ent, c_topk = _make_inputs(
         args.T, args.V, args.hidden, args.topk, args.seed, args.logit_std
@@ -125,8 +109,8 @@ def run_child(args: argparse.Namespace) -> None:
     hidden.requires_grad_()
     weight.requires_grad_()
 
-    base_kb = _status_kb("VmRSS")
-    exact = _reset_peak()
+    base_kb = rss_bytes() // 1024
+    exact = reset_peak_rss()
     t0 = time.perf_counter()
     if args.path == "naive":
         logp, ent, topk_logp, topk_ids = _naive(hidden, weight, targets, args.topk)
@@ -139,7 +123,7 @@ def run_child(args: argparse.Namespace) -> None:
     loss.backward()
     elapsed = time.perf_counter() - t0
     if exact:
-        peak_kb = _status_kb("VmHWM")
+        peak_kb = peak_rss_bytes() // 1024
     else:
         peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     torch.save(
