@@ -62,6 +62,24 @@ def test_every_recipe_trains(recipe, workdir, tiny_model_dir, tmp_path, one_thre
         assert m[-1]["anchor_updates"] == steps // 2 and m[-1]["kl"] > 0
 
 
+def test_centered_topk_kl_leaves_a_step_without_reward_signal_at_rest(workdir, tiny_model_dir, tmp_path):
+    """A first step whose groups carry no reward difference (every advantage 0), the policy equal to its
+    anchor: the update is the KL gradient alone. topk_rev's per-sample terms cancel only on average, so its
+    gradient is noise that Adam turns into lr-sized steps (docs/results_search.md, "The chosen settings,
+    second seed"); topk_rev_centered's is zero up to float rounding between the anchor and policy passes."""
+    norms = {}
+    for est in ("topk_rev", "topk_rev_centered"):
+        cfg = tiny_config(workdir, tiny_model_dir, "ema_pg", 1, **{"algo.kl.estimator": est, "algo.kl.topk": 4,
+                                                                    "algo.kl.beta": 1.0})
+        t = Trainer(cfg, tmp_path / est, log=lambda *a: None)
+        t.score_rewards = lambda texts, examples: ([0.0] * len(texts), [False] * len(texts), [])
+        m = t.train_step()
+        assert m["reward_mean"] == 0.0 and math.isfinite(m["kl"])
+        norms[est] = m["grad_norm"]
+    assert norms["topk_rev"] > 1e-4, norms
+    assert norms["topk_rev_centered"] < 1e-4 * norms["topk_rev"], norms
+
+
 def test_anchor_every_counts_trainer_steps(workdir, tiny_model_dir, tmp_path):
     """anchor.every is in trainer steps: with 2 optimizer steps per trainer step (mini_batches=2)
     and every=2, 4 trainer steps move the EMA anchor exactly twice, at trainer steps 2 and 4."""

@@ -25,6 +25,7 @@ exactly the value and gradient claims it has on-policy (table below). The ``rpg_
 | k5 | KL(pi_a||pi) | grad KL(pi_a||pi) |
 | exact_rev / exact_fwd | exact, full vocabulary | exact |
 | topk_rev / topk_fwd | exact head + unbiased tail | unbiased at every k |
+| topk_*_centered | exact head + unbiased tail | unbiased at every k; zero per sample at pi = pi_a |
 | topk_*_legacy | unbiased | biased by grad pi(q) for 0<k<|V| (public code; kept to show it) |
 | grpo_k3 | E_old[k3], no IS weight (GRPO as published) | not the gradient of any KL |
 | grpo_k3_corrected | UKL(pi||pi_a) | grad UKL(pi||pi_a) |
@@ -91,6 +92,7 @@ KL_DIRECTION = {
     "k5": "forward", "exact_rev": "reverse", "exact_fwd": "forward",
     "topk_rev": "reverse", "topk_fwd": "forward",
     "topk_rev_legacy": "reverse", "topk_fwd_legacy": "forward",
+    "topk_rev_centered": "reverse", "topk_fwd_centered": "forward",
     "grpo_k3": "reverse", "grpo_k3_corrected": "reverse",
     "rpg_fkl": "forward", "rpg_ufkl": "forward", "rpg_rkl": "reverse", "rpg_urkl": "reverse",
 }
@@ -205,14 +207,18 @@ def _tail_fwd(logp: Tensor, ref: Tensor) -> Tensor:
     return _tail_k5(logp, ref) - (score(logp) - 1.0)
 
 
-def _topk(inp: KLInputs, opt: KLOptions, name: str, reverse: bool, tail: Callable) -> Tensor:
+def _topk(inp: KLInputs, opt: KLOptions, name: str, reverse: bool, tail: Callable, centered: bool = False) -> Tensor:
     if inp.head_logp is None or inp.head_ref_logp is None or inp.in_head is None:
         raise ValueError(f"KL estimator {name!r} needs head_logp, head_ref_logp and in_head")
     lp, la = inp.head_logp, inp.head_ref_logp  # [B, T, k]
     if reverse:  # head: sum_{j in q} pi(j) [log pi(j) - log pi_a(j)], differentiated through pi(j)
-        head = (lp.exp() * (lp - la)).sum(-1)
+        # centered: through pi(j) only, gradient sum_q grad pi(j) d(j) (the +1 of d(pi d) = (d + 1) d pi dropped)
+        head = (lp.exp() * ((lp - la).detach() if centered else (lp - la))).sum(-1)
     else:  # head: sum_{j in q} pi_a(j) [log pi_a(j) - log pi(j)]
         head = (la.exp() * (la - lp)).sum(-1)
+        if centered:  # + sum_q (pi - sg(pi)): value 0, gradient + sum_q grad pi(j) (the baseline's head part)
+            pi = lp.exp()
+            head = head + (pi - pi.detach()).sum(-1)
     if opt.truncated:
         return head
     out = (~inp.in_head).to(lp.dtype)  # [B, T] 1 when y_t is in the tail
@@ -231,6 +237,31 @@ def topk_fwd(inp: KLInputs, opt: KLOptions) -> Tensor:
     """sum_{q} pi_a (log pi_a - log pi) + s 1[y not in q] (sg(w) log w + log r - r + 1); q = anchor's top-k.
     Unbiased KL(pi_a||pi)."""
     return _topk(inp, opt, "topk_fwd", False, _tail_fwd)
+
+
+@KL_ESTIMATORS.register("topk_rev_centered", inputs="sampler_topk")
+def topk_rev_centered(inp: KLInputs, opt: KLOptions) -> Tensor:
+    """sum_{q} pi sg(log pi - log pi_a) + s 1[y not in q] r sg(d): topk_rev with the baseline -1.
+
+    The gradient of KL(pi||pi_a) is sum_v grad pi(v) (d(v) + 1) = sum_v grad pi(v) d(v), since
+    sum_v grad pi(v) = 0. topk_rev estimates the first form (the head's (d + 1) grad pi, the tail's
+    (d + 1) grad log pi), whose +1 parts cancel only in expectation: at pi = pi_a each sample still
+    carries grad pi(q) + 1[y not in q] grad log pi(y). This one estimates the second (head d grad pi,
+    tail d grad log pi: the k4 tail), so it is unbiased at every k as well, and its gradient is zero
+    for every sample where the policy is its anchor (a step with no reward signal then stays put).
+    """
+    return _topk(inp, opt, "topk_rev_centered", True, _tail_k4, centered=True)
+
+
+@KL_ESTIMATORS.register("topk_fwd_centered", inputs="anchor_topk")
+def topk_fwd_centered(inp: KLInputs, opt: KLOptions) -> Tensor:
+    """sum_{q} [pi_a (log pi_a - log pi) + pi - sg(pi)] + s 1[y not in q] (sg(w) log w + log r): baseline 1.
+
+    The gradient of KL(pi_a||pi) is -sum_v w(v) grad pi(v) = -sum_v (w(v) - 1) grad pi(v): head
+    -(w - 1) grad pi over q, tail (1 - w) grad log pi (the k5 tail). Unbiased at every k, zero per
+    sample at pi = pi_a (w = 1).
+    """
+    return _topk(inp, opt, "topk_fwd_centered", False, _tail_k5, centered=True)
 
 
 @KL_ESTIMATORS.register("topk_rev_legacy", inputs="sampler_topk")

@@ -32,7 +32,8 @@ class KLConfig:
     """The KL term that ties the policy to the anchor (see tether.algo.kl for every estimator's equation)."""
 
     estimator: str = "none"  # none | k1 | k2 | k3 | k3pp | k4 | k5 | exact_rev | exact_fwd | topk_rev | topk_fwd |
-    # topk_*_legacy | grpo_k3 | grpo_k3_corrected | rpg_fkl | rpg_rkl | rpg_ufkl | rpg_urkl
+    # topk_*_centered (per-sample gradient 0 at the anchor) | topk_*_legacy | grpo_k3 | grpo_k3_corrected | rpg_fkl |
+    # rpg_rkl | rpg_ufkl | rpg_urkl
     beta: float = 0.0  # KL coefficient (> 0 whenever estimator != none)
     placement: str = "loss"  # loss: + beta*KL in the loss | reward: per-token penalty-to-go in the advantage |
     # advantage: RPG's A' = A - beta*C_KL (rpg_rkl/rpg_urkl)
