@@ -31,6 +31,14 @@ pipq() {  # quiet pip, minus the harmless notes about this machine's local index
 stamp="$venv/.tether-setup-$mode-$(cat "$root/pyproject.toml" "$root/scripts/setup.sh" | sha1sum | cut -c1-12)"
 if [ ! -f "$stamp" ]; then
   echo "[setup] installing dependencies into $venv (first run only; a few minutes)" >&2
+  # what each environment takes on disk (measured: .venv 2.0 GB, .venv-vllm 4.2 GB), plus room for the downloads
+  need_gb=3; [ "$mode" = vllm ] && need_gb=6
+  free_gb=$(df -Pk "$venv" 2>/dev/null | awk 'NR==2 {print int($4 / 1048576)}')
+  if [ -n "$free_gb" ] && [ "$free_gb" -lt "$need_gb" ]; then
+    echo "[setup] warning: $free_gb GB free on the disk of $venv; this environment needs about $need_gb GB" \
+         "(pip fails with 'No space left on device' below that). Old run directories (runs/) and" \
+         "${TETHER_CACHE:-~/.cache/tether} are the usual places to free it." >&2
+  fi
   pipq --upgrade pip || echo "[setup] pip upgrade skipped" >&2
   pipq "torch==2.13.0"
   if [ "$mode" = vllm ]; then
