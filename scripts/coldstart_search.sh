@@ -8,8 +8,9 @@
 #   bash scripts/coldstart_search.sh rl grpo:0 ema_pg:0 ...     # RL runs (recipe:seed), each followed by its eval
 #
 # RL recipes: grpo, ema_pg (EMA anchor every RL_EVERY steps with eta RL_ETA), ema_pg_lr3e-5 (ema_pg at the lr
-# chosen on the validation slice, scripts/coldstart_val.sh), ema_pg_fixed (ema_pg with a fixed anchor: its only
-# change). Settings (environment variables): DEV_LIMIT (300 dev questions), SFT_LR (2e-5),
+# chosen on the validation slice, scripts/coldstart_val.sh), ema_pg_centered_lr3e-5 (that, with the top-k KL whose
+# per-sample gradient is zero at the anchor: docs/algorithms.md), ema_pg_fixed (ema_pg with a fixed anchor: its
+# only change). Settings (environment variables): DEV_LIMIT (300 dev questions), SFT_LR (2e-5),
 # RL_EVERY (2), RL_ETA (0.9), and those of scripts/coldstart_lib.sh (OUT, SFT_EPOCHS, RL_STEPS, RL_PROMPTS, RL_LR,
 # RL_CONTEXT, RL_MICRO).
 # Two lanes fit this 2-core CPU with OMP_NUM_THREADS=1 each (taskset -c 0 / -c 1); never more.
@@ -38,12 +39,15 @@ fi
 shift
 for spec in "${@:-grpo:0}"; do
   name=${spec%%:*}; seed=${spec##*:}; lr=$RL_LR
+  ema=(algo.anchor.every="$RL_EVERY" algo.anchor.eta="$RL_ETA")
   case $name in
     grpo) recipe=grpo; extra=() ;;
-    ema_pg) recipe=ema_pg; extra=(algo.anchor.every="$RL_EVERY" algo.anchor.eta="$RL_ETA") ;;
-    ema_pg_lr3e-5) recipe=ema_pg; lr=3e-5; extra=(algo.anchor.every="$RL_EVERY" algo.anchor.eta="$RL_ETA") ;;
+    ema_pg) recipe=ema_pg; extra=("${ema[@]}") ;;
+    ema_pg_lr3e-5) recipe=ema_pg; lr=3e-5; extra=("${ema[@]}") ;;
+    ema_pg_centered_lr3e-5) recipe=ema_pg; lr=3e-5; extra=("${ema[@]}" algo.kl.estimator=topk_rev_centered) ;;
     ema_pg_fixed) recipe=ema_pg; extra=(algo.anchor.kind=fixed) ;;
-    *) echo "unknown RL run '$name' (grpo | ema_pg | ema_pg_lr3e-5 | ema_pg_fixed)" >&2; exit 2 ;;
+    *) echo "unknown RL run '$name' (grpo | ema_pg | ema_pg_lr3e-5 | ema_pg_centered_lr3e-5 | ema_pg_fixed)" >&2
+       exit 2 ;;
   esac
   RL_LR=$lr rl_run "$OUT/rl_${name}_s${seed}" "$recipe" "$seed" "${extra[@]}"
   evaluate "$OUT/rl_${name}_s${seed}" "$OUT/eval_${name}_s${seed}" multihop_dev "$DEV_LIMIT"
