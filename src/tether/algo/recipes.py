@@ -237,6 +237,9 @@ def _kl_errors(cfg: AlgoConfig) -> list[str]:
                     errs.append(f"kl.{f} only applies to top-k estimators ({', '.join(TOPK_ESTIMATORS)})")
         elif k.topk < 0:
             errs.append(f"kl.topk must be >= 0, got {k.topk}")
+        if k.truncated and k.estimator.endswith("_centered"):
+            errs.append(f"kl.truncated drops the tail, and {k.estimator!r}'s baseline is unbiased only with it (the "
+                        f"head alone would not have the truncated KL's gradient); use {k.estimator[:-9]!r}")
         weighted = k.estimator in TOPK_ESTIMATORS or k.estimator in ("k1", "k2", "k3", "k3pp", "k4", "k5")
         if not weighted and (k.s_min or k.s_max):
             errs.append(f"kl.s_min/s_max clip the sampling weight s, which {k.estimator!r} does not use")
