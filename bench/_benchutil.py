@@ -40,18 +40,6 @@ def default_data_dir() -> str | None:
 # --------------------------------------------------------------------------- memory
 
 
-def proc_status_kb(field: str) -> int | None:
-    """A ``/proc/self/status`` field in KiB (VmHWM, VmRSS), or None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def peak_rss() -> dict:
     """This process's peak resident set size in MiB.
 
@@ -59,9 +47,11 @@ def peak_rss() -> dict:
     parent's memory never counts); ``ru_maxrss_mb`` is getrusage's figure, which on Linux also
     carries the peak of the address space a (v)forked child started from.
     """
-    hwm = proc_status_kb("VmHWM")
+    from tether.memory import peak_rss_bytes
+
+    hwm = peak_rss_bytes()
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-    return {"peak_rss_mb": hwm / 1024.0 if hwm is not None else ru, "ru_maxrss_mb": ru}
+    return {"peak_rss_mb": hwm / 2**20 if hwm is not None else ru, "ru_maxrss_mb": ru}
 
 
 def memory_breakdown(trainer, baseline_rss: int | None) -> dict:
