@@ -264,6 +264,36 @@ def test_vllm_options_are_validated(workdir, tiny_model_dir):
         assert msg in str(e.value)
     if importlib.util.find_spec("vllm") is None:
         assert "bash scripts/setup.sh --vllm" in str(e.value)
+    with pytest.raises(ConfigError, match="model.trust_remote_code=true with rollout.engine=vllm: vLLM samples from a "
+                                          "snapshot"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"rollout.engine": "vllm", "model.trust_remote_code": True})
+
+
+def test_vllm_factory_maps_reuse_kv_to_prefix_caching(monkeypatch):
+    """rollout.reuse_kv is vLLM's prefix cache (on by default; false: every turn encodes its whole context)."""
+    import tether.rollout.vllm as tv
+    from tether.rollout import make_engine
+
+    built = []
+    monkeypatch.setattr(tv, "VLLMEngine", lambda model, tok, **kw: built.append(kw) or "engine")
+    model = tok = object()  # the stand-in engine never reads them
+    for reuse in (True, False):
+        cfg = load_config(None, {"rollout.reuse_kv": reuse})
+        cfg.rollout.engine = "vllm"  # built directly: this environment may not have vLLM, which validation checks
+        assert make_engine(cfg.rollout, model, tok) == "engine" and built.pop()["prefix_caching"] is reuse
+
+
+@pytest.mark.parametrize("recipe_name", ["rpg_fkl", "dapo"])
+def test_exact_kl_samples_needs_an_anchor_with_weights(recipe_name):
+    """The exact-KL diagnostic runs in the anchor pass: with anchor.kind none or iterative (the sampler) there is
+    none, so asking for more samples is an error; the default (1) and 0 are not."""
+    with pytest.raises(ConfigError, match="run.exact_kl_samples logs the exact KL to the anchor, and anchor.kind="):
+        load_config(None, {"run.exact_kl_samples": 4}, recipe_name=recipe_name)
+    for n in (0, 1):
+        load_config(None, {"run.exact_kl_samples": n}, recipe_name=recipe_name)
+    load_config(None, {"run.exact_kl_samples": 4}, recipe_name="grpo")
+    with pytest.raises(ConfigError, match="run.exact_kl_samples must be >= 0"):
+        load_config(None, {"run.exact_kl_samples": -1})
 
 
 def test_shipped_configs_are_valid():

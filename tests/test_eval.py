@@ -449,20 +449,21 @@ def test_held_out_evaluation_runs_through_the_trainers_agent_and_engine(tiny_mod
     """The trainer's held-out evaluation (tether.report.HeldOut) samples with the trainer's own agent
     and engine (so rollout.engine=vllm evaluates with vLLM); with eval.anchor the engine is given the
     anchor's weights for the anchor's evaluation and the policy's back after it (a no-op for
-    transformers, a reload for vLLM's copy)."""
+    transformers, a reload for vLLM's copy). It stops at the training rollouts' stop strings."""
     from tether.train import Trainer
 
     cfg = load_config(None, {
         "model.name": str(tiny_model_dir), "data.task": "arithmetic", "train.steps": 1, "train.lr": 1e-2,
         "rollout.max_new_tokens": 4, "rollout.prompts_per_step": 2, "rollout.n": 2, "run.progress": False,
         "run.plot": False, "run.exact_kl_samples": 0, "run.save_every": 0, "eval.limit": 3, "eval.max_new_tokens": 4,
-        "eval.anchor": True, "algo.anchor.every": 1}, recipe_name="ema_pg")
+        "eval.anchor": True, "algo.anchor.every": 1, "rollout.stop": ["\n\n"]}, recipe_name="ema_pg")
     trainer = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
-    rollouts, synced = [], []
+    rollouts, synced, stops = [], [], set()
     real_rollout = trainer.agent.rollout
 
     def rollout(examples, params):
         rollouts.append(("eval" if params.greedy else "train", len(examples)))
+        stops.add(tuple(params.stop))
         return real_rollout(examples, params)
 
     def weights(model) -> float:
@@ -473,6 +474,7 @@ def test_held_out_evaluation_runs_through_the_trainers_agent_and_engine(tiny_mod
     trainer.run()
     # before training: policy, anchor (3 problems each); step 1: training; after it: policy, anchor
     assert rollouts == [("eval", 3)] * 2 + [("train", 2)] + [("eval", 3)] * 2
+    assert stops == {("\n\n",)}  # training's and every evaluation's
     policy = weights(trainer.model)
     # syncs: anchor and policy back (before), the step's, anchor and policy back (after)
     assert len(synced) == 5 and synced[2:5:2] == [policy, policy] and synced[3] != policy

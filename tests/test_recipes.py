@@ -59,6 +59,7 @@ def test_unknown_recipe_lists_choices():
     (lambda c: setattr(c.kl, "placement", "advantage"), "needs kl.estimator rpg_rkl or rpg_urkl"),
     (lambda c: (setattr(c.kl, "estimator", "topk_rev_centered"), setattr(c.kl, "truncated", True)),
      "use 'topk_rev'"),
+    (lambda c: (setattr(c.kl, "truncated", True), setattr(c.kl, "s_max", 2.0)), "which kl.truncated=true drops"),
     (lambda c: (setattr(c, "advantage", "rloo"), setattr(c, "adv_eps", 1e-3)), "adv_eps has no effect"),
 ])
 def test_bad_combinations_are_errors(mutate, msg):

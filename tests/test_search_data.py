@@ -109,3 +109,32 @@ def test_search_jsonl_field_mapping_and_bad_rows(tmp_path):
         assert f"{g} line 2" in str(e.value) and msg in str(e.value)
     with pytest.raises(DataError, match="unknown search dataset"):
         load_search_examples("no_such_set")
+
+
+def test_search_training_on_a_hub_id_reads_data_split(monkeypatch, tmp_path):
+    """rollout.agent=search with a hub id trains on its ``data.split`` (default train, never the test split
+    silently); a named set or a file is one split already and data.data_dir is the math task's: both are errors."""
+    import datasets
+
+    from tether.config import ConfigError, load_config
+    from tether.tasks.registry import search_qa_task
+
+    asked = []
+
+    def load_dataset(hub_id, config, split):
+        asked.append((hub_id, config, split))
+        return [{"question": "Who?", "golden_answers": ["Ann"]}]
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    for over, split in [({}, "train"), ({"data.split": "validation"}, "validation")]:
+        cfg = load_config(None, {"rollout.agent": "search", "data.task": "org/qa", **over})
+        (ex,) = search_qa_task(cfg)
+        assert asked.pop() == ("org/qa", None, split) and ex.answer == "Ann"
+    f = _write(tmp_path / "qa.jsonl", [json.dumps({"question": "Q", "golden_answers": ["a"]})])
+    for task in ("multihop", str(f)):
+        with pytest.raises(ConfigError, match=f"data.split only applies to a hub dataset id.*data.task='{task}' is "
+                                              "one split already"):
+            load_config(None, {"rollout.agent": "search", "data.task": task, "data.split": "test"})
+    with pytest.raises(ConfigError, match=r"data.data_dir has no effect with rollout.agent=search \(its QA sets are "
+                                          r"read from search.data_dir\)"):
+        load_config(None, {"rollout.agent": "search", "data.data_dir": str(tmp_path)})

@@ -73,6 +73,22 @@ def test_greedy_ids_equal_hf_engine(setup):
     assert a.prompt_ids.tolist() == b.prompt_ids.tolist()
 
 
+def test_prefix_caching_off_samples_the_same(setup):
+    """prefix_caching=False (rollout.reuse_kv=false) turns vLLM's prefix cache off; the tokens do not change."""
+    _, model, tok, eng = setup
+    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        pytest.skip("one engine layout is enough")
+    off = VLLMEngine(model, tok, prefix_caching=False, **OPTS)
+    try:
+        assert eng.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
+        assert off.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+        p = SamplingParams(n=1, temperature=0.0, max_new_tokens=16)
+        a, b = off.generate(_prompts(tok), p), eng.generate(_prompts(tok), p)
+        assert a.response_ids.tolist() == b.response_ids.tolist()
+    finally:
+        del off
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_equal_response_stats(setup, temperature):
     _, model, tok, eng = setup

@@ -90,7 +90,7 @@ class HeldOut:
         e = self.cfg.eval
         settings = dict(n=e.n, greedy=e.greedy, temperature=0.0 if e.greedy else e.temperature,
                         max_new_tokens=e.max_new_tokens, batch_size=self.cfg.rollout.batch_size,
-                        seed=self.cfg.train.seed)
+                        seed=self.cfg.train.seed, stop=list(self.cfg.rollout.stop))
         examples = {k: v[0] for k, v in self.sets.items()}
         rewards = {k: v[1] for k, v in self.sets.items()}
         with dist.gathered(model):

@@ -39,8 +39,10 @@ class KLConfig:
     # advantage: RPG's A' = A - beta*C_KL (rpg_rkl/rpg_urkl)
     topk: int = 32  # top-k estimators: head size k (EMA-PG: 32); 0 = pure sampled tail; >= |V| = exact
     truncated: bool = False  # top-k estimators: drop the tail, KL over the head only (a biased, distillation-style KL)
-    s_min: float = 0.0  # sampled and top-k estimators: lower clip of s = sg(pi/pi_old) (0 = none; a documented bias)
-    s_max: float = 0.0  # sampled and top-k estimators: upper clip of s (0 = none; a documented bias)
+    s_min: float = 0.0  # sampled and top-k estimators (their sampled tail; not with truncated): lower clip of
+    # s = sg(pi/pi_old) (0 = none; a documented bias)
+    s_max: float = 0.0  # sampled and top-k estimators (their sampled tail; not with truncated): upper clip of s (0 =
+    # none; a documented bias)
 
 
 @dataclass
@@ -243,6 +245,9 @@ def _kl_errors(cfg: AlgoConfig) -> list[str]:
         weighted = k.estimator in TOPK_ESTIMATORS or k.estimator in ("k1", "k2", "k3", "k3pp", "k4", "k5")
         if not weighted and (k.s_min or k.s_max):
             errs.append(f"kl.s_min/s_max clip the sampling weight s, which {k.estimator!r} does not use")
+        elif k.truncated and (k.s_min or k.s_max):
+            errs.append("kl.s_min/s_max clip the sampling weight of the top-k estimators' sampled tail, which "
+                        "kl.truncated=true drops")
     return errs
 
 

@@ -21,10 +21,11 @@ class DataConfig:
     task: str = "arithmetic"  # arithmetic (synthetic, no files) | gsm8k | math500 | aime24 | amc | minerva |
     # olympiadbench | a .jsonl/.json/.parquet file | a hub dataset id | a user's task module:function /
     # path.py:function (docs/extending.md); with rollout.agent=search, a QA set of the search data dir
-    split: str = "train"  # dataset split (named and hub datasets)
+    split: str = "train"  # dataset split (named and hub datasets; rollout.agent=search: hub ids only)
     prompt_key: Optional[str] = None  # files/hub: the prompt field (default: first of prompt, question, problem)
     answer_key: Optional[str] = None  # files/hub: the answer field (default: answer)
-    data_dir: Optional[str] = None  # named datasets: local directory tried before $TETHER_DATA_DIR and the hub
+    data_dir: Optional[str] = None  # named datasets: local directory tried before $TETHER_DATA_DIR and the hub (the
+    # search agent's QA sets: search.data_dir)
     limit: int = 0  # use only the first N examples (0 = all)
     shuffle: bool = True  # files/datasets: visit examples in a seeded random order (train.seed)
     difficulty: int = 1  # arithmetic: number of steps per problem (1-4)
@@ -63,15 +64,18 @@ class RolloutConfig:
     # once)
     min_new_tokens: int = 0  # EOS is banned before this many new tokens (0 = off; benchmarks use it for fixed-length
     # decoding)
-    stop: list = field(default_factory=list)  # stop strings; the response ends right after one
-    batch_size: int = 32  # sequences per generate call
+    stop: list = field(default_factory=list)  # stop strings; the response ends right after one (the held-out
+    # evaluations during training stop at them too)
+    batch_size: int = 32  # sequences per generate call (engine=hf; vLLM schedules a whole step's batch itself) and
+    # per held-out evaluation call (either engine)
     share_prompt: bool = True  # pre-fill each distinct prompt once per generate call and copy its KV cache to its n
     # samples
     prune_every: int = 64  # decode in segments of N tokens and drop finished rows between them (0 = never; generate
     # alone decodes finished rows until the longest ends)
     reuse_kv: bool = True  # multi-turn agents (multi_turn, search): keep each episode's KV cache between its turns, so
     # each token is encoded once (engine=hf: turn t encodes only the tokens added since turn t-1; engine=vllm: its
-    # prefix cache); false re-encodes the whole context every turn (same tokens, for A/B comparison)
+    # prefix cache); false re-encodes the whole context every turn (same tokens, for A/B comparison; engine=vllm:
+    # prefix caching off)
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and refill with new prompts
     max_refill_rounds: int = 3  # dynamic_sampling: at most this many extra generation rounds per step
     overlong_buffer_frac: float = 0.0  # DAPO soft overlong penalty: linear penalty over the last frac of max_new_tokens
@@ -216,7 +220,8 @@ class RunConfig:
     # only, e.g. for a benchmark that evaluates them in process; a stop signal still writes one)
     keep_checkpoints: int = 2  # keep the newest N checkpoints (-1 = keep every checkpoint)
     log_samples: int = 2  # prompts/responses per step written to samples.jsonl
-    exact_kl_samples: int = 1  # responses per step whose exact full-vocabulary KL to the anchor is logged (0 = off)
+    exact_kl_samples: int = 1  # responses per step whose exact full-vocabulary KL to the anchor is logged (0 = off;
+    # an anchor with its own weights: not anchor.kind none or iterative)
     progress: bool = True  # a progress bar with live reward and KL
     plot: bool = True  # write curves.png when the run ends
     tensorboard: bool = False  # also log to TensorBoard (needs the tensorboard package)

@@ -24,6 +24,7 @@ from .schema import (
     EnvConfig,
     EvalConfig,
     RolloutConfig,
+    RunConfig,
     SearchConfig,
     eval_benchmarks,
 )
@@ -227,8 +228,16 @@ def _anchor_has_weights(kind: str) -> bool:
 
 
 def _check_run(cfg: Config) -> list[str]:
-    """run.*: overwrite needs an output directory; the loggers need their packages."""
-    return check_outputs(cfg.run)
+    """run.*: overwrite needs an output directory; the loggers need their packages; the exact-KL diagnostic needs
+    an anchor with its own weights."""
+    errs = check_outputs(cfg.run)
+    n, kind = cfg.run.exact_kl_samples, cfg.algo.anchor.kind
+    if n < 0:
+        errs.append(f"run.exact_kl_samples must be >= 0 (0 = off), got {n}")
+    elif n and n != RunConfig().exact_kl_samples and not _anchor_has_weights(kind):
+        errs.append(f"run.exact_kl_samples logs the exact KL to the anchor, and anchor.kind={kind} has no anchor "
+                    f"pass (none: no anchor; iterative: the anchor is the sampler); set it to 0 or leave it out")
+    return errs
 
 
 def check_outputs(run) -> list[str]:
@@ -438,6 +447,10 @@ def _check_engine(cfg: Config) -> list[str]:
         for k in ("share_prompt", "prune_every"):
             if getattr(r, k) != getattr(dr, k):
                 errs.append(f"rollout.{k} is an option of engine hf; vLLM schedules its own batches")
+        if cfg.model.trust_remote_code:
+            errs.append("model.trust_remote_code=true with rollout.engine=vllm: vLLM samples from a snapshot of the "
+                        "weights with its own implementation of the architecture, not the model's custom code; use "
+                        "rollout.engine=hf")
     # (train.max_staleness >= 1: the rollout workers' engine records its log-probs)
     if (uses_sampler_logp(cfg.algo) and r.engine in ENGINES and not engine_reports_logp(r.engine)
             and cfg.train.max_staleness == 0):

@@ -38,7 +38,7 @@ def _vllm(cfg, model, tokenizer, **overrides: Any) -> Engine:
     opts = dict(dtype=cfg.vllm_dtype, max_model_len=cfg.vllm_max_model_len, enforce_eager=cfg.vllm_enforce_eager,
                 gpu_memory_utilization=None if gmu == default.vllm_gpu_memory_utilization else gmu,
                 kv_cache_gb=cfg.vllm_kv_cache_gb,
-                sleep=cfg.vllm_sleep, sync_bucket_mb=cfg.vllm_sync_bucket_mb)
+                sleep=cfg.vllm_sleep, sync_bucket_mb=cfg.vllm_sync_bucket_mb, prefix_caching=cfg.reuse_kv)
     opts.update(overrides)
     return VLLMEngine(model, tokenizer, **opts)
 

@@ -31,10 +31,11 @@ Multi-turn sessions. ``generate(..., sessions=keys)`` and ``release(keys)`` exis
 protocol's optional session interface (``supports_sessions = True``, see ``tether.rollout.base``)
 and do nothing: the engine runs with ``enable_prefix_caching=True`` (set explicitly, not left to
 vLLM's default), so a turn's prompt, which extends the previous turn's prompt + response, finds
-those tokens' KV blocks in vLLM's prefix cache by their content and encodes only the rest. The
-cache evicts blocks by itself (least recently used), so there is nothing to release, and
-`sync_weights` resets it. What is reused is vLLM's business (whole blocks, while not evicted);
-the sampling distribution does not depend on it.
+those tokens' KV blocks in vLLM's prefix cache by their content and encodes only the rest
+(``prefix_caching=False``, i.e. ``rollout.reuse_kv=false``, turns the cache off: every turn encodes
+its whole context again, for A/B comparison). The cache evicts blocks by itself (least recently
+used), so there is nothing to release, and `sync_weights` resets it. What is reused is vLLM's
+business (whole blocks, while not evicted); the sampling distribution does not depend on it.
 
 Weight sync (`sync_weights`, once per trainer step). The policy's weights are sent under
 their ``state_dict`` names (HF checkpoint names, which vLLM's ``load_weights`` maps onto its
@@ -154,13 +155,16 @@ class VLLMEngine(RowPostprocess):
         sleep: GPU only: sleep mode level 1 between generations (an error on CPU).
         sync_bucket_mb: bucket size of the weight stream in `sync_weights`.
         seed: the engine's own seed (per-call seeds come from ``SamplingParams.seed``).
+        prefix_caching: vLLM's prefix cache, which reuses a multi-turn episode's KV between its turns
+            (``rollout.reuse_kv``); False encodes every prompt whole.
     """
 
     supports_sessions = True  # generate(..., sessions=...) accepted; prefix caching does the reuse (module doc)
 
     def __init__(self, model, tokenizer, *, dtype: str = "auto", max_model_len: int = 0,
                  enforce_eager: bool = False, gpu_memory_utilization: Optional[float] = None,
-                 kv_cache_gb: int = 0, sleep: bool = False, sync_bucket_mb: float = 256, seed: int = 0):
+                 kv_cache_gb: int = 0, sleep: bool = False, sync_bucket_mb: float = 256, seed: int = 0,
+                 prefix_caching: bool = True):
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
         if sync_bucket_mb <= 0:
@@ -203,7 +207,8 @@ class VLLMEngine(RowPostprocess):
         kw: dict[str, Any] = dict(model=str(path), tokenizer=str(path), dtype=dtype, seed=seed,
                                   tensor_parallel_size=1, enforce_eager=enforce_eager,
                                   logprobs_mode="processed_logprobs", generation_config="vllm",
-                                  enable_sleep_mode=sleep, enable_prefix_caching=True)  # multi-turn reuse
+                                  enable_sleep_mode=sleep,
+                                  enable_prefix_caching=prefix_caching)  # multi-turn reuse (rollout.reuse_kv)
         if max_model_len:
             kw["max_model_len"] = max_model_len
         if not cpu:  # None = tether's default share, 0.5 (vLLM's own would leave the trainer little)
