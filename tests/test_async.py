@@ -353,3 +353,19 @@ def test_a_batch_older_than_k_is_dropped_or_kept(policy, workdir, tiny_model_dir
     assert t.passes.on_policy == (policy == "drop")  # a stale batch: pi_old recomputed by the trainer
     jobs = 4 if policy == "drop" else 3
     assert t.state()["async_"]["jobs"] == jobs and t.state()["data_position"] == 4 * jobs
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["nohostport"], "a rollout worker's address is HOST:PORT with a port in 1-65535, got 'nohostport'"),
+    (["127.0.0.1:99999"], "a rollout worker's address is HOST:PORT with a port in 1-65535, got '127.0.0.1:99999'"),
+    (["127.0.0.1:1", "--wait", "nan"], "--wait must be a number of seconds >= 0, got nan"),
+    (["127.0.0.1:1", "--wait", "-1"], "--wait must be a number of seconds >= 0, got -1.0"),
+])
+def test_tether_worker_rejects_a_bad_address_or_wait_by_name(argv, msg, capsys, monkeypatch):
+    """`tether worker` checks its arguments before it connects: one `tether: error:` line, exit 2 (a bad port was
+    an OverflowError traceback, --wait nan retried forever)."""
+    from tether.cli import main
+
+    monkeypatch.setenv("TETHER_WORKER_KEY", "k")
+    assert main(["worker", *argv]) == 2
+    assert capsys.readouterr().err.strip() == f"tether: error: {msg}"

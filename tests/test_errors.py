@@ -68,6 +68,8 @@ BAD_VALUES = [  # (overrides, text the error must contain: the key and the value
     (["rollout.temperature=yes"], "rollout.temperature: expected a number, got True"),
     (["data.system_prompt=no"], "data.system_prompt: expected a string (quote it in YAML), got False"),
     (["run.plot=2"], "run.plot: expected true/false, got 2"),
+    (["run.output_dir=elsewhere"], "and run.output_dir=elsewhere set the same key to different values; give one"),
+    (["--steps", "3", "train.steps=5"], "--steps 3 and train.steps=5 set the same key to different values"),
 ]
 
 
@@ -233,6 +235,10 @@ MODELS = {  # name -> (how to make the model argument from (tmp_path, tiny_model
                          "tokenizer"),
     "missing_weights": (lambda t, m: _copy_model(m, t / "m", lambda d: (d / "model.safetensors").unlink()),
                         "model.safetensors"),
+    "empty_directory": (lambda t, m: (t / "empty").mkdir() or t / "empty",
+                        "holds no model: no config.json (a Hugging Face model directory), no .gguf file"),
+    "two_ggufs": (lambda t, m: [(t / "g" / n).parent.mkdir(exist_ok=True) or (t / "g" / n).write_bytes(b"GGUF")
+                                for n in ("a.gguf", "b.gguf")] and t / "g", "no config.json and 2 .gguf files"),
 }
 
 
@@ -311,13 +317,15 @@ def _subcommands(t: Path) -> dict:
         "retrieve_non_utf8_corpus": (["retrieve", "serve", "--corpus", corpus, "--port", "0"],
                                      f"{corpus} line 1: not valid UTF-8"),
         "train_resume_missing_run": (["train", "--resume", missing], f"cannot resume {missing}: no such directory"),
+        "train_resume_a_file": (["train", "--resume", good], f"cannot resume {good}: a file, not a run directory"),
     }
 
 
 SUBCOMMANDS = [  # the keys of _subcommands (built per test: each needs its own files)
     "eval_missing_run", "eval_missing_benchmark", "eval_non_utf8_benchmark", "eval_non_utf8_run_config",
     "eval_bad_device", "export_missing_run", "export_non_utf8_run_config", "plot_missing_run",
-    "plot_non_utf8_metrics", "retrieve_missing_corpus", "retrieve_non_utf8_corpus", "train_resume_missing_run"]
+    "plot_non_utf8_metrics", "retrieve_missing_corpus", "retrieve_non_utf8_corpus", "train_resume_missing_run",
+    "train_resume_a_file"]
 
 
 @pytest.mark.faults

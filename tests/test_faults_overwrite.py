@@ -286,3 +286,18 @@ def test_disk_full_at_the_first_checkpoint_advises_what_works(work, tiny_model_d
     r = run_module(*cli_args(work, tiny_model_dir, run, 2, **FAULTS), "--overwrite")
     assert r.returncode == 0, r.stderr
     assert [x["step"] for x in rows(run)] == [1, 2]
+
+
+def test_refusals_name_the_kind_with_its_article(tmp_path):
+    """"not an export", "not an evaluation output", "a training run" (was "not a export")."""
+    from tether.errors import OutputError
+    from tether.owned import check_replaceable, write_marker
+
+    d = tmp_path / "out"
+    d.mkdir()
+    (d / "x.json").write_text("{}")
+    write_marker(d, "run", ["x.json"])
+    for kind, phrase in [("export", "not an export"), ("eval", "not an evaluation output"),
+                         ("sft", "not a supervised fine-tuning run")]:
+        with pytest.raises(OutputError, match=f"is a tether training run, {phrase}: --overwrite will not replace it"):
+            check_replaceable(d, kind)

@@ -22,7 +22,7 @@ from tether.search.protocol import render_observation
 from tether.search.retrievers import BM25Retriever, HTTPRetriever, RetrievalError
 from tether.search.server import RetrievalServer
 
-from search_helpers import synthetic_corpus
+from search_helpers import synthetic_corpus, write_jsonl
 
 START_TIMEOUT_S = 120  # generous: the subprocess imports numpy/bm25s and builds the index on a shared CPU
 
@@ -189,6 +189,19 @@ def test_in_process_server_health_and_bad_corpus(tmp_path):
         srv.shutdown()
     # a missing corpus is a clean CLI error, not a traceback
     assert main(["retrieve", "serve", "--corpus", str(tmp_path / "missing.jsonl"), "--port", "0"]) == 2
+
+
+def test_serve_errors_name_the_corpus_or_the_cache_dir(tmp_path, capsys):
+    """A corpus with nothing BM25 can index, or a --cache-dir that is a file: one `tether: error:` line, exit 2."""
+    stop = write_jsonl(tmp_path / "stop.jsonl", [{"id": "1", "title": "the", "text": "of and a"},
+                                                 {"id": "2", "title": "a", "text": "the ."}])
+    assert main(["retrieve", "serve", "--corpus", str(stop), "--port", "0", "--cache-dir", str(tmp_path / "c")]) == 2
+    assert f"tether: error: {stop}: no passage has a word BM25 can index" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    ok = synthetic_corpus(tmp_path / "ok.jsonl", 4)
+    assert main(["retrieve", "serve", "--corpus", str(ok), "--port", "0", "--cache-dir", str(tmp_path / "afile")]) == 2
+    err = capsys.readouterr().err
+    assert "tether: error: cannot create the BM25 index cache" in err and "--cache-dir" in err, err
 
 
 def _raw_post(body: bytes) -> bytes:

@@ -53,13 +53,18 @@ def _sft(args) -> int:
 
 def _overrides(args, flags) -> dict:
     """The command line's key=value overrides, plus the options (``flags``: (attribute, key) pairs) it
-    gave and ``--overwrite`` (``run.overwrite``)."""
+    gave and ``--overwrite`` (``run.overwrite``). An option and an override of the same key with different
+    values is a ConfigError (which one was meant?)."""
+    from .algo.recipes import ConfigError
     from .config import parse_overrides
 
     overrides = parse_overrides(args.overrides)
     for flag, key in flags:
         v = getattr(args, flag)
         if v is not None:
+            if key in overrides and overrides[key] != v:
+                raise ConfigError(f"--{flag.replace('_', '-')} {v} and {key}={overrides[key]} set the same key to "
+                                  f"different values; give one")
             overrides[key] = v
     if args.overwrite:
         overrides["run.overwrite"] = True

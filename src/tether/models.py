@@ -98,7 +98,7 @@ def resolve_model_path(name: str, cache_dir: str | Path | None = None) -> str:
     * ``"smollm2"`` -> the embedded GGUF, dequantized once into the cache;
     * an existing ``*.gguf`` file -> dequantized once into the cache;
     * an existing directory -> itself (if it holds no ``config.json`` but exactly one
-      ``.gguf`` file, that file is converted);
+      ``.gguf`` file, that file is converted; neither is a `ModelLoadError`);
     * anything else shaped like ``owner/name`` -> downloaded from the Hub (or found in the HF
       cache when ``HF_HUB_OFFLINE=1``).
 
@@ -117,6 +117,12 @@ def resolve_model_path(name: str, cache_dir: str | Path | None = None) -> str:
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) == 1:
                 return str(convert_gguf(ggufs[0], cache_dir))
+            if len(ggufs) > 1:
+                raise ModelLoadError(f"Model directory {path} has no config.json and {len(ggufs)} .gguf files "
+                                     f"({', '.join(g.name for g in ggufs[:4])}); name one of them")
+            if not (path / "adapter_config.json").is_file():  # a PEFT adapter: transformers loads it on its base
+                raise ModelLoadError(f"Model directory {path} holds no model: no config.json (a Hugging Face model "
+                                     f"directory), no .gguf file, and no config.yaml (a tether run directory)")
         return str(path.resolve())
     looks_like_path = name.startswith((".", "/", "~", "\\")) or name.lower().endswith(".gguf")
     if looks_like_path or not _HUB_ID.match(name):

@@ -47,6 +47,11 @@ RUN_NAMES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "checkpoints", "cu
 _WHAT = {"run": "training run", "sft": "supervised fine-tuning run", "export": "export", "eval": "evaluation output"}
 
 
+def _a(what: str) -> str:
+    """``what`` with its article: "an export", "a training run"."""
+    return ("an " if what[0] in "aeiou" else "a ") + what
+
+
 def is_run_dir(p: Path) -> bool:
     """``p`` looks like a run directory (``tether train`` or ``tether sft``): a ``config.yaml`` (and no
     ``config.json``: not a model directory)."""
@@ -108,7 +113,7 @@ def check_replaceable(path: str | os.PathLike, kind: str, *, flag: str = "--over
     p = Path(path)
     what = _WHAT[kind]
     if p.is_symlink():
-        raise OutputError(f"{p} is a symbolic link; tether writes a {what} only to a real directory: name the "
+        raise OutputError(f"{p} is a symbolic link; tether writes {_a(what)} only to a real directory: name the "
                           f"target itself ({os.path.realpath(p)}) or another path")
     if not p.exists():
         return []
@@ -124,10 +129,10 @@ def check_replaceable(path: str | os.PathLike, kind: str, *, flag: str = "--over
     shown = lambda xs: ", ".join(xs[:5]) + (f", ... ({len(xs)} entries)" if len(xs) > 5 else "")  # noqa: E731
     if marker is None:
         raise OutputError(f"{p} is not empty ({shown(names)}) and was not written by tether (no {MARKER}): {flag} "
-                          f"replaces only a {what} tether wrote, and never deletes your files; choose another path "
+                          f"replaces only {_a(what)} tether wrote, and never deletes your files; choose another path "
                           f"or empty it yourself")
     if marker["kind"] != kind:
-        raise OutputError(f"{p} is a tether {_WHAT[marker['kind']]}, not a {what}: {flag} will not replace it; "
+        raise OutputError(f"{p} is a tether {_WHAT[marker['kind']]}, not {_a(what)}: {flag} will not replace it; "
                           f"choose another path")
     foreign = [n for n in names if not _owned(kind, n, marker)]
     if foreign:

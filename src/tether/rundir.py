@@ -209,7 +209,8 @@ class RunDirectory:
                     if not p.is_dir():
                         raise RunError(f"run directory {p} exists and is not a directory") from None
             elif not p.is_dir():
-                raise RunError(f"cannot resume {p}: no such directory")
+                what = "a file, not a run directory" if p.exists() else "no such directory"
+                raise RunError(f"cannot resume {p}: {what}")
             self.lock.acquire()
             if self.fresh:
                 old = sorted(e.name for e in p.iterdir() if e.name != LOCK_NAME)

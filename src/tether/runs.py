@@ -108,7 +108,8 @@ class RunDir:
     def open(self) -> RunDir:
         """Check that the directory exists and has a ``config.yaml``; returns self."""
         if not self.path.is_dir():
-            raise self.error(f"cannot {self.verb} {self.path}: no such directory")
+            what = "a file, not a run directory" if self.path.exists() else "no such directory"
+            raise self.error(f"cannot {self.verb} {self.path}: {what}")
         if not (self.path / "config.yaml").is_file():
             raise self.error(f"cannot {self.verb} {self.path}: it has no config.yaml (not a tether run directory, "
                              f"or its run never started)")

@@ -58,9 +58,10 @@ def _key() -> bytes:
 
 
 def parse_address(address: str) -> tuple[str, int]:
+    """``(host, port)`` of ``HOST:PORT`` (an IPv6 host in brackets); anything else is a `WorkerError`."""
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"an address is HOST:PORT, got {address!r}")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise WorkerError(f"a rollout worker's address is HOST:PORT with a port in 1-65535, got {address!r}")
     return host.strip("[]"), int(port)
 
 
@@ -284,6 +285,9 @@ def serve(address: str, wait_s: float = 600.0, log: Callable = print) -> int:
     """``tether worker ADDRESS``: connect to the trainer listening at ``address`` (retrying for ``wait_s``
     seconds while it starts), build the model, engine and agent from the run's config it sends, and answer
     its jobs with rollouts until it says stop (returns 0). A lost trainer ends the process (exit 2)."""
+    parse_address(address)
+    if not 0 <= wait_s < float("inf"):
+        raise WorkerError(f"--wait must be a number of seconds >= 0, got {wait_s}")
     key = _key()
     conn = _connect(address, key, wait_s, log)
     conn.send_bytes(_dumps(("hello", dict(host=socket.gethostname(), pid=os.getpid()))))

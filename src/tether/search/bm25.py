@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .corpus import Corpus, Passage
+from ..errors import OutputError
+from .corpus import Corpus, CorpusError, Passage
 from .retriever_base import _as_corpus, _check_args, _digest, _publish, _top_k, default_cache_root
 
 
@@ -97,9 +98,16 @@ class BM25Retriever:
         import bm25s
 
         tokens = self._tokenize([f"{t}\n{x}" for t, x in zip(self.corpus.titles, self.corpus.texts)])
+        if not any(tokens):
+            raise CorpusError(f"{self.corpus.path}: no passage has a word BM25 can index (every title and text is "
+                              f"stop words ({self.settings['stopwords']}), single characters or punctuation)")
         model = bm25s.BM25(k1=self.settings["k1"], b=self.settings["b"], method=self.settings["method"])
         model.index(tokens, show_progress=False)
-        self.index_dir.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.index_dir.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"cannot create the BM25 index cache {self.index_dir.parent} ({e.strerror or e}); "
+                              f"`tether retrieve serve --cache-dir` names a writable directory") from None
         tmp = self.index_dir.parent / f".{self.index_dir.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         model.save(str(tmp / "index"), show_progress=False)
