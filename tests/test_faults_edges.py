@@ -228,3 +228,17 @@ def test_reward_worker_counts_crashes_in_a_row(work, tmp_path, monkeypatch):
         assert len(calls.read_text().split()) == n_calls == 11  # no call was made after giving up
     finally:
         w.close()
+
+
+def test_plot_smooth_and_serve_topk_are_checked(tmp_path, capsys):
+    """--smooth 0 or -3 (a moving-average window) and retrieve serve's --topk above --topk-max are refused by
+    name, exit 2 (both were accepted)."""
+    from tether.cli import main
+
+    run = _metrics_run(tmp_path / "run")
+    for bad in ("0", "-3"):
+        with pytest.raises(SystemExit) as e:
+            main(["plot", str(run), "--smooth", bad])
+        assert e.value.code == 2 and f"argument --smooth: must be >= 1, got {bad}" in capsys.readouterr().err
+    assert main(["retrieve", "serve", "--corpus", str(tmp_path / "c.jsonl"), "--topk", "10", "--topk-max", "5"]) == 2
+    assert capsys.readouterr().err.strip() == "tether: error: --topk 10 (the default per request) is above --topk-max 5"

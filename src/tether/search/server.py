@@ -396,6 +396,10 @@ def _serve(args) -> int:
         if getattr(args, flag) < 1:
             print(f"tether: error: --{flag.replace('_', '-')} must be at least 1", file=sys.stderr)
             return 2
+    if args.topk > args.topk_max:
+        print(f"tether: error: --topk {args.topk} (the default per request) is above --topk-max {args.topk_max}",
+              file=sys.stderr)
+        return 2
     try:  # before the index load, which may take minutes
         _check_port(args.port, "--port")
         check_listen_address(args.host, args.port)
