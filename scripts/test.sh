@@ -17,6 +17,7 @@ export TETHER_DATA_DIR="${TETHER_DATA_DIR:-$root/../shared/data/math}"
 if [ "$#" -eq 0 ]; then
   # the default suite starts with the linter (pyproject.toml [tool.ruff]): zero findings or no tests
   "$venv/bin/python" -m ruff check src bench tests
-  set -- -m "not slow"
+  # --durations: the slowest tests, to watch the default suite's 15-minute budget (mark a slower one `slow`)
+  set -- -m "not slow" --durations=15
 fi
 exec "$venv/bin/python" -m pytest -q "$@"
