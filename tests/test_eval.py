@@ -223,6 +223,17 @@ def test_greedy_settings_are_checked(work, tiny):
     assert res.settings["temperature"] == 0.0 and res.settings["n"] == 1 and "avg@1" in res.metrics
 
 
+@pytest.mark.parametrize("flags,msg", [(["--n", "0"], "--n must be >= 1, got 0"),
+                                       (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+                                       (["--temperature", "-1"], "--temperature must be >= 0, got -1.0")])
+def test_cli_sampling_errors_name_the_option(flags, msg, tmp_path, capsys):
+    """The CLI's sampling checks name its options (--n, --top-p), before any file or model is read."""
+    from tether.cli import main
+
+    assert main(["eval", "--model", str(tmp_path / "none"), "--benchmarks", "gsm8k", *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"tether: error: {msg}"
+
+
 def test_cli_custom_benchmark_greedy(work, tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["eval", "--model", str(tiny_model_dir), "--benchmarks", str(work / "custom.json"),

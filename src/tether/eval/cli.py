@@ -294,7 +294,7 @@ def _eval_settings(args) -> EvalSettings:
                         f"(or sample with --temperature > 0)")
     n = 1 if greedy else (4 if args.n is None else int(args.n))
     temperature = 0.0 if greedy else float(args.temperature)
-    n, temperature = _check_sampling(n, temperature, args.top_p, greedy)
+    n, temperature = _check_sampling(n, temperature, args.top_p, greedy, flag="--")
     greedy = greedy or temperature == 0
     for k in ("max_new_tokens", "batch_size"):
         if getattr(args, k) < 1:

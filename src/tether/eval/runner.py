@@ -77,11 +77,13 @@ class EvalSettings:
     stop: list = field(default_factory=list)
 
 
-def _check_sampling(n: int, temperature: float, top_p: float, greedy: bool) -> tuple[int, float]:
-    """Validate the sampling knobs; greedy means temperature 0 and exactly one sample."""
+def _check_sampling(n: int, temperature: float, top_p: float, greedy: bool,
+                    flag: str = "") -> tuple[int, float]:
+    """Validate the sampling knobs; greedy means temperature 0 and exactly one sample. ``flag``: how the
+    errors name them (``"--"``: as the CLI's options, ``--n``, ``--temperature``, ``--top-p``)."""
     n = int(n)
     if n < 1:
-        raise EvalError(f"n must be >= 1, got {n}")
+        raise EvalError(f"{flag}n must be >= 1, got {n}")
     if greedy or temperature == 0:
         if n > 1:
             what = "--greedy" if greedy else "temperature 0"
@@ -89,9 +91,9 @@ def _check_sampling(n: int, temperature: float, top_p: float, greedy: bool) -> t
                             f"use n = 1 with greedy, or sample with temperature > 0")
         return 1, 0.0
     if temperature < 0:
-        raise EvalError(f"temperature must be >= 0, got {temperature}")
+        raise EvalError(f"{flag}temperature must be >= 0, got {temperature}")
     if not 0 < top_p <= 1:
-        raise EvalError(f"top_p must be in (0, 1], got {top_p}")
+        raise EvalError(f"{flag}{'top-p' if flag else 'top_p'} must be in (0, 1], got {top_p}")
     return n, float(temperature)
 
 
