@@ -87,13 +87,15 @@ def agent_setup(this, args) -> tuple[list, dict[str, Any]]:
 def run_env(this, args) -> dict[str, Any]:
     """The ``env`` section of the run ``--model`` names (a run directory or one of its checkpoints) when that run
     trained with ``rollout.agent=multi_turn``; else ``{}``. A problem with the run is left to the model loading,
-    which names it; nothing is loaded here."""
+    which names it; nothing is loaded here. The resolved spec is kept in ``args.eval_spec`` for the model
+    loading (a checkpoint is verified once)."""
     import dataclasses
 
     try:
-        run = this.resolve_eval_spec(args.model).run
+        args.eval_spec = this.resolve_eval_spec(args.model)
     except EvalError:
         return {}
+    run = args.eval_spec.run
     if run is None or run.kind != "run":  # a plain model, or an SFT run (no environment)
         return {}
     cfg = run.config

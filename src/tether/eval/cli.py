@@ -323,7 +323,7 @@ def run_eval_cli(args) -> int:
     search = getattr(args, "agent", "single_turn") == "search"
     benches, agent_options = agent_setup(this, args)
     # 2. the model (cheap checks first: run without checkpoint, anchor without tensors)
-    info = this.resolve_eval_spec(args.model)
+    info = getattr(args, "eval_spec", None) or this.resolve_eval_spec(args.model)  # --agent multi_turn resolved it
     if args.anchor:
         _check_anchor(info)
     system_prompt = args.system_prompt
