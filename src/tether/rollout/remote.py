@@ -281,13 +281,18 @@ def _connect(address: str, key: bytes, wait_s: float, log: Callable) -> Connecti
             time.sleep(1.0)
 
 
+def _check_arguments(address: str, wait_s: float) -> None:
+    """`tether worker`'s address and --wait, before anything connects (a WorkerError names the bad one)."""
+    parse_address(address)
+    if not 0 <= wait_s < float("inf"):
+        raise WorkerError(f"--wait must be a number of seconds >= 0, got {wait_s}")
+
+
 def serve(address: str, wait_s: float = 600.0, log: Callable = print) -> int:
     """``tether worker ADDRESS``: connect to the trainer listening at ``address`` (retrying for ``wait_s``
     seconds while it starts), build the model, engine and agent from the run's config it sends, and answer
     its jobs with rollouts until it says stop (returns 0). A lost trainer ends the process (exit 2)."""
-    parse_address(address)
-    if not 0 <= wait_s < float("inf"):
-        raise WorkerError(f"--wait must be a number of seconds >= 0, got {wait_s}")
+    _check_arguments(address, wait_s)
     key = _key()
     conn = _connect(address, key, wait_s, log)
     conn.send_bytes(_dumps(("hello", dict(host=socket.gethostname(), pid=os.getpid()))))
