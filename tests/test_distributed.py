@@ -165,6 +165,7 @@ def test_matches_single_process(runs):
     assert len(samples) == len((one / "samples.jsonl").read_text().splitlines())
 
 
+@pytest.mark.slow  # about 35 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_async_staleness_1_matches_single_process(runs, work, tiny_model_dir):
     """train.max_staleness=1 on 2 ranks: rank 0's rollout worker (a spawned process) samples each whole step,
     every rank trains on its share of the prompts. The scripted engine's responses depend only on the prompt,

@@ -560,6 +560,7 @@ def test_disk_full_for_real_in_a_subprocess(work, tiny_model_dir, tmp_path):
 # ---------------------------------------------------------------- 7. two trainers at once
 
 
+@pytest.mark.slow  # about 35 s: out of the default suite's 15 minutes, run by CI's slow step (and -m faults)
 def test_two_concurrent_trainers(work, tiny_model_dir, tmp_path):
     """Two `tether train` processes started together on one directory: exactly one trains, the other
     exits 2 at once naming the holder's pid; a --resume meanwhile is refused too; the survivor's run

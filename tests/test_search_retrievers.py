@@ -132,6 +132,7 @@ def test_bm25_cache_beside_corpus_or_fallback_when_read_only(tmp_path, monkeypat
         ro.chmod(stat.S_IRWXU)
 
 
+@pytest.mark.slow  # about 30 s (loads MiniLM): out of the default suite's 15 minutes, run by CI's slow step
 def test_dense_retriever_minilm(tmp_path):
     pytest.importorskip("faiss", reason="dense extra not installed (pip install 'tether[dense]')")
     pytest.importorskip("sentence_transformers", reason="dense extra not installed (pip install 'tether[dense]')")

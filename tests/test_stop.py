@@ -152,6 +152,7 @@ def test_signal_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(name,
 
 
 @pytest.mark.faults
+@pytest.mark.slow  # about 33 s: out of the default suite's 15 minutes, run by CI's slow step (and -m faults)
 def test_a_second_signal_aborts_without_a_new_checkpoint(stopdir, tiny_model_dir, tmp_path, reference):
     """SIGTERM, then SIGINT while step 2 still runs: the process ends at once (inside step 2), writes
     no checkpoint, says so, and the run resumes from step 1's checkpoint to the same result."""
