@@ -124,7 +124,8 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """['a.b=1', 'c=x'] -> {'a.b': 1, 'c': 'x'} (values parsed as YAML scalars)."""
+    """['a.b=1', 'c=x'] -> {'a.b': 1, 'c': 'x'} (values parsed as YAML scalars). A key given twice takes its last
+    value, so that a script can append overrides to a base list (scripts/coldstart_lib.sh does)."""
     out = {}
     for it in items:
         if "=" not in it:
