@@ -143,6 +143,10 @@ def test_read_metrics_skips_torn_last_line_but_not_a_bad_middle_line(tmp_path, c
         read_metrics(tmp_path)
     assert main(["plot", str(tmp_path)]) == 2
     assert "metrics.jsonl: line 2" in capsys.readouterr().err
+    # complete JSON that is not an object is no torn write, even as the last line
+    (tmp_path / "metrics.jsonl").write_text(good[0] + "\n[1]\n")
+    with pytest.raises(RunError, match=r"metrics.jsonl: line 2 is a JSON list, not a row \(an object\)"):
+        read_metrics(tmp_path)
 
 
 def test_failed_append_leaves_no_torn_row(tmp_path, monkeypatch):

@@ -73,14 +73,15 @@ def read_jsonl(path: Path, warn: Callable[[str], None] = warn) -> tuple[list[dic
     for k, (i, ln) in enumerate(numbered):
         try:
             row = json.loads(ln)
-            if not isinstance(row, dict):
-                raise ValueError(f"a JSON {type(row).__name__}, not an object")
         except ValueError as e:
             if k < len(numbered) - 1:
                 raise RunError(f"{path}: line {i} is not a JSON row ({e}); fix or delete that line") from None
             warn(f"{path}: line {i} is incomplete (a write interrupted by a kill or a full disk); dropped")
             dirty = True
             continue
+        if not isinstance(row, dict):  # complete JSON, so not a torn write, wherever it stands
+            raise RunError(f"{path}: line {i} is a JSON {type(row).__name__}, not a row (an object); fix or delete "
+                           f"that line")
         rows.append(row)
     return rows, dirty
 
