@@ -49,7 +49,15 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6, help="timed steps per run (default 6)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--ks", default="0,1,4", help="staleness bounds, 0 = synchronous (default 0,1,4)")
-    p.add_argument("--workers", type=int, default=1, help="rollout workers of a K >= 1 run (default 1)")
+    p.add_argument("--workers", default="1",
+                   help="rollout workers of a K >= 1 run; a comma list runs every K >= 1 with each (default 1)")
+    p.add_argument("--device", default="cpu", help="model.device of every run, trainer and workers (default cpu; "
+                   "on a GPU they share it)")
+    p.add_argument("--dtype", default="float32", help="model.dtype (default float32; bfloat16 on a GPU)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="--model's architecture and tokenizer with random weights (only its config and tokenizer "
+                        "files are read: a machine without the weights times the same shapes, since EOS is banned "
+                        "and every response is full length whatever the weights)")
     p.add_argument("--trainer-threads", type=int, default=max(1, cores // 2),
                    help=f"torch threads of a K >= 1 run's trainer (default {max(1, cores // 2)})")
     p.add_argument("--worker-threads", type=int, default=max(1, cores - cores // 2),
@@ -57,15 +65,47 @@ def parse_args(argv=None):
     p.add_argument("--sync-threads", type=int, default=0,
                    help="torch threads of the synchronous run (default: trainer + workers x worker threads)")
     a = p.parse_args(argv)
-    a.ks = [int(k) for k in a.ks.split(",") if k.strip()]
-    if not a.ks or any(k < 0 for k in a.ks) or a.steps < 1 or a.warmup < 0:
-        p.error("--ks: staleness bounds >= 0; --steps >= 1; --warmup >= 0")
-    a.sync_threads = a.sync_threads or a.trainer_threads + a.workers * a.worker_threads
+    try:
+        a.ks = [int(k) for k in a.ks.split(",") if k.strip()]
+        a.workers = [int(w) for w in a.workers.split(",") if w.strip()]
+    except ValueError:
+        p.error("--ks and --workers are comma lists of integers")
+    if not a.ks or any(k < 0 for k in a.ks) or not a.workers or any(w < 1 for w in a.workers) or a.steps < 1 \
+            or a.warmup < 0:
+        p.error("--ks: staleness bounds >= 0; --workers: counts >= 1; --steps >= 1; --warmup >= 0")
+    a.sync_threads = a.sync_threads or a.trainer_threads + max(a.workers) * a.worker_threads
+    # the runs, in order: (K, workers); the synchronous run has none
+    a.runs = [(k, w) for k in a.ks for w in (a.workers if k else [0])]
     return a
 
 
-def run(a, k: int, out: Path) -> list[dict]:
-    """The timed steps' metrics of one run with train.max_staleness=k."""
+def random_like(name: str, dtype: str, out: Path, seed: int = 0) -> Path:
+    """A directory holding model ``name``'s config and tokenizer files with random weights (the config's own
+    initialization, torch seed ``seed``)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tether.models import resolve_dtype, resolve_model_path
+
+    src = Path(resolve_model_path(name))
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt", ".gguf")) and f.name != "config.json":
+            shutil.copy(f, out / f.name)
+    torch.manual_seed(seed)
+    cfg = AutoConfig.from_pretrained(src)
+    AutoModelForCausalLM.from_config(cfg, dtype=resolve_dtype(dtype)).save_pretrained(out)
+    return out
+
+
+def label(k: int, w: int, a) -> str:
+    return "sync" if k == 0 else f"K={k}" + (f" W={w}" if len(a.workers) > 1 else "")
+
+
+def run(a, k: int, w: int, out: Path) -> list[dict]:
+    """The timed steps' metrics of one run with train.max_staleness=k and w rollout workers."""
     import torch
 
     from tether.config import load_config
@@ -74,12 +114,15 @@ def run(a, k: int, out: Path) -> list[dict]:
     over = {"model.name": a.model, "rollout.prompts_per_step": a.prompts, "rollout.n": a.n,
             "rollout.max_new_tokens": a.max_new_tokens, "rollout.min_new_tokens": a.max_new_tokens,
             "train.steps": a.steps + a.warmup, "run.progress": False, "run.plot": False, "run.save_every": 0,
-            "run.exact_kl_samples": 0, "eval.before": False, "eval.after": False, "train.max_staleness": k}
+            "run.exact_kl_samples": 0, "eval.before": False, "eval.after": False, "train.max_staleness": k,
+            "model.device": a.device, "model.dtype": a.dtype}
     if k:
-        over["train.rollout_workers"] = a.workers
+        over["train.rollout_workers"] = w
+        if w > k + 1:
+            over["train.stale_batches"] = "keep"  # every batch trains, as in the synchronous run
     torch.set_num_threads(a.trainer_threads if k else a.sync_threads)
     os.environ["OMP_NUM_THREADS"] = str(a.worker_threads)  # read by the spawned workers' torch
-    t = Trainer(load_config(None, over, recipe_name="grpo"), out / f"k{k}", log=lambda *x: None)
+    t = Trainer(load_config(None, over, recipe_name="grpo"), out / f"k{k}w{w}", log=lambda *x: None)
     rows = []
     try:
         for step in range(a.steps + a.warmup):
@@ -87,8 +130,8 @@ def run(a, k: int, out: Path) -> list[dict]:
             m = t.train_step()
             m["wall_s"] = time.perf_counter() - t0
             gen = m.get("async/worker_gen_s", m["time_rollout_s"])
-            print(f"[async] K={k} step {step}{' (warm-up)' if step < a.warmup else ''}: {m['wall_s']:.2f} s, "
-                  f"generation {gen:.2f} s, {m['gen_tokens']} tokens", flush=True)
+            print(f"[async] {label(k, w, a)} step {step}{' (warm-up)' if step < a.warmup else ''}: "
+                  f"{m['wall_s']:.2f} s, generation {gen:.2f} s, {m['gen_tokens']} tokens", flush=True)
             if step >= a.warmup:
                 rows.append(m)
     finally:
@@ -108,22 +151,29 @@ def summary(rows: list[dict]) -> dict:
 def main(argv=None) -> int:
     a = parse_args(argv)
     print(machine_info())
+    if a.device.startswith("cuda"):
+        import torch
+
+        print(f"device: {torch.cuda.get_device_name(a.device)}, {a.dtype}; torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
-        res = {k: summary(run(a, k, Path(tmp))) for k in a.ks}
+        if a.random_weights:
+            a.model = str(random_like(a.model, a.dtype, Path(tmp) / "model"))
+            print(f"model: {a.model}, random weights")
+        res = {(k, w): summary(run(a, k, w, Path(tmp))) for k, w in a.runs}
     print(f"\n{a.prompts} prompts x {a.n} samples, {a.max_new_tokens} tokens each (EOS banned), median of "
-          f"{a.steps} steps after {a.warmup} warm-up; threads: sync {a.sync_threads}, async trainer "
-          f"{a.trainer_threads} + {a.workers} worker(s) x {a.worker_threads}")
-    print(f"{'run':8s} {'step s':>8s} {'gen s':>8s} {'update s':>9s} {'wait s':>7s} {'gen tok':>8s}")
-    for k, s in res.items():
-        print(f"{'sync' if k == 0 else f'K={k}':8s} {s['step']:8.2f} {s['gen']:8.2f} {s['upd']:9.2f} "
-              f"{s['wait']:7.2f} {s['tokens']:8.0f}")
-    if 0 in res:
-        s0 = res[0]
-        for k in (k for k in res if k):
-            pred = speedup(s0["gen_all"], s0["upd_all"], k, a.workers)
-            own = s0["step"] / simulate(res[k]["gen_all"], res[k]["upd_all"], k, a.workers)
-            print(f"ratio step time sync/K={k} = {s0['step'] / res[k]['step']:.2f} (model: {pred:.2f} from the sync "
-                  f"run's times, {own:.2f} from this run's own generation and update times)")
+          f"{a.steps} steps after {a.warmup} warm-up; {a.device}, {a.dtype}; threads: sync {a.sync_threads}, async "
+          f"trainer {a.trainer_threads} + worker(s) x {a.worker_threads}; workers {','.join(map(str, a.workers))}")
+    print(f"{'run':10s} {'step s':>8s} {'gen s':>8s} {'update s':>9s} {'wait s':>7s} {'gen tok':>8s}")
+    for (k, w), s in res.items():
+        print(f"{label(k, w, a):10s} {s['step']:8.2f} {s['gen']:8.2f} {s['upd']:9.2f} {s['wait']:7.2f} "
+              f"{s['tokens']:8.0f}")
+    if (0, 0) in res:
+        s0 = res[(0, 0)]
+        for (k, w) in (r for r in res if r[0]):
+            pred = speedup(s0["gen_all"], s0["upd_all"], k, w)
+            own = s0["step"] / simulate(res[(k, w)]["gen_all"], res[(k, w)]["upd_all"], k, w)
+            print(f"ratio step time sync/{label(k, w, a)} = {s0['step'] / res[(k, w)]['step']:.2f} (model: {pred:.2f} "
+                  f"from the sync run's times, {own:.2f} from this run's own generation and update times)")
     return 0
 
 

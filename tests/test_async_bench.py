@@ -45,3 +45,33 @@ def test_bench_async_runs_end_to_end(bench_script, tiny_model_dir, capsys):
     assert re.search(r"^sync\s+[\d.]+\s+[\d.]+", out, re.M) and re.search(r"^K=1\s+[\d.]+", out, re.M)
     assert re.search(r"ratio step time sync/K=1 = \d+\.\d\d \(model: \d+\.\d\d", out)
     assert re.findall(r"^(?:sync|K=1)\s+(?:\S+\s+){4}(\d+)$", out, re.M) == ["16", "16"]  # the same samples
+
+
+def test_bench_async_runs_every_k_with_each_worker_count(bench_script, capsys):
+    """--workers 1,2 runs each K >= 1 with one and with two workers (the synchronous run once, with none);
+    the labels tell them apart; a bad list is refused by name."""
+    mod = bench_script("async")
+    a = mod.parse_args(["--ks", "0,1,4", "--workers", "1,2", "--device", "cuda", "--dtype", "bfloat16"])
+    assert a.runs == [(0, 0), (1, 1), (1, 2), (4, 1), (4, 2)]
+    assert [mod.label(k, w, a) for k, w in a.runs] == ["sync", "K=1 W=1", "K=1 W=2", "K=4 W=1", "K=4 W=2"]
+    assert mod.label(1, 1, mod.parse_args(["--ks", "0,1"])) == "K=1"  # one worker count: the label as before
+    for bad in (["--workers", "0"], ["--workers", "one"], ["--ks", "-1"]):
+        with pytest.raises(SystemExit):
+            mod.parse_args(bad)
+        assert "--workers" in capsys.readouterr().err
+
+
+def test_random_weights_keep_the_shape_and_tokenizer(bench_script, tiny_model_dir, tmp_path):
+    """--random-weights: the model's config and tokenizer, new weights, loadable by tether (what the bench times
+    on a machine that has the config but not the weights)."""
+    import torch
+
+    from tether.models import ModelConfig, load_model
+
+    out = bench_script("async").random_like(str(tiny_model_dir), "float32", tmp_path / "rand", seed=123)
+    (m0, tok0), (m1, tok1) = (load_model(ModelConfig(name=str(d), dtype="float32")) for d in (tiny_model_dir, out))
+    assert m0.config.to_dict() | {"_name_or_path": ""} == m1.config.to_dict() | {"_name_or_path": ""}
+    assert tok0.get_vocab() == tok1.get_vocab() and tok0.chat_template == tok1.chat_template
+    p0, p1 = dict(m0.named_parameters()), dict(m1.named_parameters())
+    assert p0.keys() == p1.keys() and all(p0[k].shape == p1[k].shape for k in p0)
+    assert not any(torch.equal(p0[k], p1[k]) for k in p0 if "norm" not in k)  # norms start at 1 in both

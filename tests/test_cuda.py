@@ -157,3 +157,97 @@ def test_fsdp2_over_nccl_on_two_gpus(workdir, gpu_model_dir, tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert [x["step"] for x in rows(out)] == [1, 2]
 
+
+
+# ---------------------------------------------------------------- asynchronous training on the GPU (#28)
+
+
+@pytest.fixture(scope="module")
+def gpu_tied_model_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("gpu_tied"), seed=2, tie_word_embeddings=True, **SHAPE)
+
+
+@pytest.mark.parametrize("kind", ["plain", "lora", "tied"])
+def test_async_workers_sample_on_cuda_with_the_trainers_weights(kind, workdir, gpu_model_dir, gpu_tied_model_dir,
+                                                               tmp_path):
+    """K = 1 on the GPU in bf16: a spawned worker loads the model on CUDA, takes every pushed version (LoRA merged,
+    a tied head under both names) with verified checksums, and its log-probs of the tokens it sampled at
+    version 1 are the trainer's own bf16 forward at that version, to bf16's tolerance."""
+    from tether.logprobs import response_stats
+    from tether.rollout import SamplingParams
+    from tether.rollout.workers import Job
+    from tether.train import Trainer
+
+    over = {"model.dtype": "bfloat16", "model.device": "cuda", "train.max_staleness": 1, "train.verify_sync": True,
+            "algo.tis_cap": 2.0}
+    model_dir = gpu_tied_model_dir if kind == "tied" else gpu_model_dir
+    if kind == "lora":
+        over.update({"model.lora_r": 4, "model.lora_target_modules": ["q_proj", "v_proj"]})
+    t = Trainer(tiny_config(workdir, model_dir, "grpo", 3, **over), tmp_path / "run", log=lambda *a: None)
+    try:
+        ms = [t.train_step() for _ in range(3)]
+        for step, m in enumerate(ms):
+            assert 0 <= m["async/staleness"] <= 1 and m["async/version"] == step - m["async/staleness"], m
+            assert m["skipped_updates"] == 0 and m["pg_loss"] == m["pg_loss"]
+            if m["async/staleness"] == 0:  # the same weights on both sides: only bf16's numerics apart
+                assert m["rollout_corr/ppl_ratio"] == pytest.approx(1.0, abs=0.05), m
+        pool = t.feed.pool
+        pool.next_batch()  # the job submitted during step 3
+        ex = t.data.take(2)
+        pool.submit(Job(100, ex, SamplingParams(n=2, temperature=0.7, max_new_tokens=8, seed=100), t.data.position))
+        r = pool.next_batch()
+        assert r.version == 3 and r.checksum == pool.checksums[3]
+        rb = r.rb
+        with torch.no_grad():
+            st = response_stats(t.model, *(x.to("cuda") for x in (rb.prompt_ids, rb.prompt_mask, rb.response_ids,
+                                                                  rb.response_mask)), temperature=0.7, entropy=False)
+        m = rb.response_mask
+        diff = (rb.sampler_logp[m] - st.logp.float().cpu()[m]).abs()
+        assert diff.max() <= BF16_MAX and diff.mean() <= BF16_MEAN, (diff.max().item(), diff.mean().item())
+    finally:
+        t.close()
+    assert all(not p.is_alive() for p in t.feed.pool.procs)
+
+
+def test_async_cli_on_cuda_survives_a_worker_killed_mid_run(workdir, gpu_model_dir, tmp_path):
+    """`tether train` with K = 1 on the GPU: the worker (a process with its own CUDA context) is killed with SIGKILL
+    after the first step; it is restarted on the GPU, its job resubmitted, and training goes on within K until a
+    SIGTERM stops the run gracefully (exit 143; the run is planned far longer than the test lets it go)."""
+    import os
+    import signal
+    import time
+
+    out, log = tmp_path / "run", tmp_path / "train.log"
+    cmd = [sys.executable, "-m", "tether", "train", "--recipe", "grpo", f"model.name={gpu_model_dir}",
+           f"data.task={workdir / 'prompts.jsonl'}", f"data.reward={workdir / 'rew.py'}:digits",
+           "model.device=cuda", "model.dtype=bfloat16", "train.steps=10000", "rollout.prompts_per_step=2",
+           "rollout.n=2", "rollout.max_new_tokens=8", "train.max_staleness=1", "train.verify_sync=true",
+           "run.progress=false", "run.plot=false", "run.save_every=0", "eval.before=false", "eval.after=false",
+           f"run.output_dir={out}"]
+
+    def wait_rows(n: int) -> list[dict]:
+        deadline = time.monotonic() + 600
+        while not ((out / "metrics.jsonl").is_file() and len(rows(out)) >= n):
+            assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        return rows(out)
+
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=subprocess_env())
+    try:
+        wait_rows(1)
+        started = [ln for ln in log.read_text().splitlines() if "rollout worker 0 started (pid" in ln]
+        pid = int(started[-1].split("pid ")[1].rstrip(")"))
+        os.kill(pid, signal.SIGKILL)
+        done = len(rows(out))
+        wait_rows(done + 3)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(600) == 143, log.read_text()[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+    text = log.read_text()
+    assert f"rollout worker 0 (pid {pid}) died with exit code -9" in text and "restarting it" in text, text[-3000:]
+    rs = rows(out)
+    assert [x["step"] for x in rs] == list(range(1, len(rs) + 1)) and len(rs) >= done + 3
+    assert all(x["async/staleness"] <= 1 for x in rs) and rs[-1]["async/restarts"] == 1
