@@ -99,10 +99,12 @@ fi
 
 if [ "${1:-}" = "async" ]; then
   echo "[gpu_check] pytest -m cuda (bf16, FSDP2 over NCCL with 2 GPUs, K >= 1 rollout workers on the GPU)"
-  "$PYTHON" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --durations=0 || echo "[gpu_check] CUDA TESTS FAILED"
+  # at most CUDA_TESTS_S seconds (default 330), so that the bench still runs within one call of a lent machine
+  timeout "${CUDA_TESTS_S:-330}" "$PYTHON" -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider --durations=0 \
+    || echo "[gpu_check] CUDA TESTS FAILED (or out of time)"
   shape="$carry/smollm2_shape"; [ -f "$shape/config.json" ] || shape=smollm2
   # shellcheck disable=SC2086
-  "$PYTHON" "$root/bench/async.py" --model "$shape" --random-weights --device cuda --dtype bfloat16 \
+  timeout "${ASYNC_BENCH_S:-270}" "$PYTHON" "$root/bench/async.py" --model "$shape" --random-weights --device cuda --dtype bfloat16 \
     ${ASYNC_ARGS:---ks 0,1,4 --workers 1,2 --prompts 8 --n 8 --max-new-tokens 128 --steps 4 --warmup 1} \
     || echo "[gpu_check] bench/async.py FAILED"
   exit 0
