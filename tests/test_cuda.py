@@ -1,4 +1,5 @@
 """The GPU path (marker ``cuda``; skipped where ``torch.cuda.is_available()`` is False, tests/conftest.py).
+The two bf16 numerics tests also run on the CPU, in the default suite.
 
 Run them with ``pytest -m cuda`` or ``bash scripts/gpu_check.sh`` on a machine with a GPU: a bf16 policy's
 forward and the chunked log-prob engine against fp32 within a bf16 tolerance, bf16 training steps with the
@@ -22,12 +23,19 @@ from tether.logprobs import response_stats
 from tether.models import ModelConfig, load_model
 from tether.testing import make_tiny_model_dir
 
-pytestmark = pytest.mark.cuda
+CUDA = pytest.mark.cuda
+#: the bf16 numerics tests, on the CPU (default suite) and on the GPU
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
-#: bf16 keeps 8 bits of mantissa: a log-prob of magnitude ~6 (the tiny model's vocabulary of 384) carries
-#: about 6 * 2^-8 = 0.02 of rounding per operation; a few layers of it stay within 0.1 per token and 0.03
-#: on average (the values fp32 and bf16 agree to)
-BF16_MAX, BF16_MEAN = 0.1, 0.03
+#: a bf16 model against the same model in fp32, per response token: the tiny model's random weights are peaked
+#: (initializer_range 0.2; log-probs of magnitude ~8, logits up to ~10), and rounding its weights to bf16 alone
+#: moves a log-prob by up to 0.17 (fp32 compute); with bf16 activations too the largest difference on this
+#: batch was 0.63 on an H200 and 0.62 on the CPU, the mean 0.069 and 0.072 (2026-11-27). The first guess,
+#: 0.1 / 0.03, had not been measured: the first GPU run failed it, and the CPU gives the same figures
+BF16_VS_FP32_MAX, BF16_VS_FP32_MEAN = 1.0, 0.1
+#: two bf16 forwards of the same weights on one device, in different shapes (a worker's sampling with a KV
+#: cache against the trainer's full forward): only the kernels' rounding apart (passed on the H200)
+SAME_BF16_MAX, SAME_BF16_MEAN = 0.1, 0.03
 #: the chunked engine against the full-logits log-softmax of the same bf16 model: both compute the
 #: softmax in fp32 from the same bf16 hidden states, so they differ by the logits' rounding only
 CHUNK_MAX = 0.05
@@ -55,16 +63,18 @@ def _batch(seed=0, B=4, P=12, T=16, vocab=384, device="cuda"):
     return [x.to(device) for x in (pid, pm, rid, rm)]
 
 
-def test_bf16_forward_and_chunked_logprobs_match_fp32(gpu_model_dir):
-    m32, _ = load_model(ModelConfig(name=str(gpu_model_dir), dtype="float32", device="cuda"))
-    m16, _ = load_model(ModelConfig(name=str(gpu_model_dir), dtype="bfloat16", device="cuda"))
-    assert next(m16.parameters()).dtype == torch.bfloat16 and next(m16.parameters()).is_cuda
-    pid, pm, rid, rm = _batch()
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_forward_and_chunked_logprobs_match_fp32(device, gpu_model_dir):
+    m32, _ = load_model(ModelConfig(name=str(gpu_model_dir), dtype="float32", device=device))
+    m16, _ = load_model(ModelConfig(name=str(gpu_model_dir), dtype="bfloat16", device=device))
+    assert next(m16.parameters()).dtype == torch.bfloat16 and next(m16.parameters()).device.type == device
+    pid, pm, rid, rm = _batch(device=device)
     with torch.no_grad():
         lp32 = response_stats(m32, pid, pm, rid, rm, chunk_size=16).logp
         lp16 = response_stats(m16, pid, pm, rid, rm, chunk_size=16).logp
         diff = (lp32 - lp16.float())[rm].abs()
-        assert diff.max() <= BF16_MAX and diff.mean() <= BF16_MEAN, (diff.max().item(), diff.mean().item())
+        assert diff.max() <= BF16_VS_FP32_MAX and diff.mean() <= BF16_VS_FP32_MEAN, (diff.max().item(),
+                                                                                     diff.mean().item())
         # the chunked engine against the naive full-logits path on the same bf16 model
         ids = torch.cat([pid, rid], 1)
         mask = torch.cat([pm, rm.long()], 1)
@@ -74,12 +84,13 @@ def test_bf16_forward_and_chunked_logprobs_match_fp32(gpu_model_dir):
         assert d.max() <= CHUNK_MAX, d.max().item()
 
 
-def test_bf16_chunked_logprob_gradient_matches_fp32(gpu_model_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_chunked_logprob_gradient_matches_fp32(device, gpu_model_dir):
     """The gradient of the mean log-prob through the chunked engine, bf16 against fp32 (cosine >= 0.99)."""
     grads = []
     for dtype in ("float32", "bfloat16"):
-        m, _ = load_model(ModelConfig(name=str(gpu_model_dir), dtype=dtype, device="cuda"))
-        pid, pm, rid, rm = _batch(seed=1)
+        m, _ = load_model(ModelConfig(name=str(gpu_model_dir), dtype=dtype, device=device))
+        pid, pm, rid, rm = _batch(seed=1, device=device)
         st = response_stats(m, pid, pm, rid, rm, chunk_size=16, entropy=False)
         st.logp[rm].float().mean().backward()
         grads.append(torch.cat([p.grad.float().flatten() for p in m.parameters()]))
@@ -87,6 +98,7 @@ def test_bf16_chunked_logprob_gradient_matches_fp32(gpu_model_dir):
     assert cos >= 0.99, cos.item()
 
 
+@CUDA
 def test_bf16_training_steps_on_cuda_with_the_transformers_engine(workdir, gpu_model_dir, tmp_path):
     from tether.train import Trainer
 
@@ -100,6 +112,7 @@ def test_bf16_training_steps_on_cuda_with_the_transformers_engine(workdir, gpu_m
     assert any(not torch.equal(a, b) for a, b in zip(before, t.model.parameters()))
 
 
+@CUDA
 def test_memory_breakdown_on_cuda(workdir, gpu_model_dir, tmp_path):
     """tether.memory on the GPU: the per-phase CUDA peaks are recorded and the breakdown names the overhead."""
     from tether.memory import StepMemory, breakdown_rows
@@ -115,6 +128,7 @@ def test_memory_breakdown_on_cuda(workdir, gpu_model_dir, tmp_path):
     assert dict((k, v) for k, v, _ in breakdown_rows(mem))["allocator overhead"] >= 0
 
 
+@CUDA
 def test_tether_train_with_vllm_on_cuda(gpu_model_dir, tmp_path):
     pytest.importorskip("vllm")
     data = tmp_path / "prompts.jsonl"
@@ -137,6 +151,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+@CUDA
 def test_fsdp2_over_nccl_on_two_gpus(workdir, gpu_model_dir, tmp_path):
     """Two ranks under torchrun, one GPU each (nccl): `tether train` with the policy sharded by FSDP2."""
     if torch.cuda.device_count() < 2:
@@ -167,14 +182,20 @@ def gpu_tied_model_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("gpu_tied"), seed=2, tie_word_embeddings=True, **SHAPE)
 
 
+@CUDA
 @pytest.mark.parametrize("kind", ["plain", "lora", "tied"])
 def test_async_workers_sample_on_cuda_with_the_trainers_weights(kind, workdir, gpu_model_dir, gpu_tied_model_dir,
                                                                tmp_path):
     """K = 1 on the GPU in bf16: a spawned worker loads the model on CUDA, takes every pushed version (LoRA merged,
     a tied head under both names) with verified checksums, and its log-probs of the tokens it sampled at
-    version 1 are the trainer's own bf16 forward at that version, to bf16's tolerance."""
+    version 3 are a bf16 forward of that version's effective weights on the trainer's side, to the tolerance of
+    two bf16 forwards of the same weights. Under LoRA those weights are the merged W + scale B A rounded to bf16,
+    which the trainer's own forward (W x + scale B (A x)) does not round the same way: the first GPU run measured
+    that gap at 0.13 per token at most, 0.041 on average, within bf16's tolerance against fp32 (the rollout
+    correction's mu against pi_old sees it)."""
     from tether.logprobs import response_stats
     from tether.rollout import SamplingParams
+    from tether.rollout.weights import effective_weights
     from tether.rollout.workers import Job
     from tether.train import Trainer
 
@@ -198,17 +219,26 @@ def test_async_workers_sample_on_cuda_with_the_trainers_weights(kind, workdir, g
         r = pool.next_batch()
         assert r.version == 3 and r.checksum == pool.checksums[3]
         rb = r.rb
+        batch = [x.to("cuda") for x in (rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask)]
+        ref, _ = load_model(ModelConfig(name=str(model_dir), dtype="bfloat16", device="cuda"))  # plain, like a worker
         with torch.no_grad():
-            st = response_stats(t.model, *(x.to("cuda") for x in (rb.prompt_ids, rb.prompt_mask, rb.response_ids,
-                                                                  rb.response_mask)), temperature=0.7, entropy=False)
+            eff = effective_weights(t.model)
+            assert set(dict(ref.named_parameters())) <= set(eff)  # every parameter of a plain model is pushed
+            assert not ref.load_state_dict(eff, strict=False).unexpected_keys
+            merged = response_stats(ref, *batch, temperature=0.7, entropy=False).logp.float().cpu()
+            own = response_stats(t.model, *batch, temperature=0.7, entropy=False).logp.float().cpu()
         m = rb.response_mask
-        diff = (rb.sampler_logp[m] - st.logp.float().cpu()[m]).abs()
-        assert diff.max() <= BF16_MAX and diff.mean() <= BF16_MEAN, (diff.max().item(), diff.mean().item())
+        diff = (rb.sampler_logp[m] - merged[m]).abs()
+        assert diff.max() <= SAME_BF16_MAX and diff.mean() <= SAME_BF16_MEAN, (diff.max().item(), diff.mean().item())
+        gap = (rb.sampler_logp[m] - own[m]).abs()  # the trainer's own forward: equal but for LoRA's merge rounding
+        tol = (BF16_VS_FP32_MAX, BF16_VS_FP32_MEAN) if kind == "lora" else (SAME_BF16_MAX, SAME_BF16_MEAN)
+        assert gap.max() <= tol[0] and gap.mean() <= tol[1], (gap.max().item(), gap.mean().item())
     finally:
         t.close()
     assert all(not p.is_alive() for p in t.feed.pool.procs)
 
 
+@CUDA
 def test_async_cli_on_cuda_survives_a_worker_killed_mid_run(workdir, gpu_model_dir, tmp_path):
     """`tether train` with K = 1 on the GPU: the worker (a process with its own CUDA context) is killed with SIGKILL
     after the first step; it is restarted on the GPU, its job resubmitted, and training goes on within K until a
