@@ -152,6 +152,28 @@ def test_async_trains_with_staleness_at_most_k(k, over, workdir, tiny_model_dir,
     assert all(not p.is_alive() for p in t.feed.pool.procs)
 
 
+def test_async_at_staleness_0_is_the_synchronous_loop_bit_for_bit(workdir, tiny_model_dir, tmp_path, monkeypatch):
+    """With one job in flight (each submitted after the last push, so sampled by the newest version) a K = 1 run
+    is the synchronous loop to the last bit: every metric and every weight equal, the EMA anchor's period
+    included. The worker's sampling, the batch's trip back, the trainer's passes and update add nothing; all a
+    K >= 1 run changes is which version samples a batch (#28's held-out deficit is the lag's, not the pipeline's)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the worker's torch threads, as the trainer's (one_thread)
+    steps, over = 3, {"train.mini_batches": 2, "algo.anchor.every": 2}
+    sync = Trainer(tiny_config(workdir, tiny_model_dir, "ema_pg", steps, **over), tmp_path / "sync", **QUIET)
+    ms = [strip(sync.train_step()) for _ in range(steps)]
+    t = Trainer(tiny_config(workdir, tiny_model_dir, "ema_pg", steps, **asynchronous(1, **over)), tmp_path / "k1",
+                **QUIET)
+    t.feed.pool.lookahead = 1
+    try:
+        ma = [strip(t.train_step()) for _ in range(steps)]
+    finally:
+        t.close()
+    assert all(m["async/staleness"] == 0 for m in ma)
+    assert [{k: v for k, v in m.items() if not k.startswith("async/")} for m in ma] == ms
+    assert all(torch.equal(a, b) for a, b in zip(sync.model.parameters(), t.model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(sync.anchor.master, t.anchor.master))
+
+
 # ---------------------------------------------------------------- verified sync
 
 
