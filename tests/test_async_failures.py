@@ -110,6 +110,7 @@ def _worker_pid(log: Path) -> int:
     return int(lines[-1].split("pid ")[1].rstrip(")")) if lines else 0
 
 
+@pytest.mark.slow  # about 24 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_kill_9_without_restarts_stops_with_a_checkpoint_and_resumes(workdir, tiny_model_dir, tmp_path):
     """`tether train` with train.worker_restarts=0; its worker is killed (kill -9) after the first step: exit 2,
     one `tether: error:` naming the worker, the exit code and the checkpoint of the last completed step, which

@@ -276,6 +276,7 @@ def test_pitfalls_generation_anchor_head(work, tiny_model_dir):
     assert out.count("[check] rank") >= 4 and "rank 0: ok" in out and "rank 1: ok" in out
 
 
+@pytest.mark.slow  # about 15 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_two_node_rendezvous_with_lora(work, tiny_model_dir):
     """Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1) complete a 1-step run; with LoRA
     and gradient checkpointing (frozen sharded base, adapters trained), it equals one process."""

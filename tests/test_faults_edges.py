@@ -105,6 +105,7 @@ def test_plot_to_an_unwritable_path_is_one_error_line(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
 
 
+@pytest.mark.slow  # about 18 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_plot_prints_the_path_it_wrote(tmp_path):
     """`--out DIR` wrote DIR.png (matplotlib adds the suffix) but printed DIR; an existing directory
     gets curves.png inside it; the printed path is always the file written, and it is an image."""
@@ -156,6 +157,7 @@ def work(make_workdir):
     return make_workdir("faults_edges", REWARDS)
 
 
+@pytest.mark.slow  # about 23 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_resume_when_metrics_jsonl_is_a_directory(work, tiny_model_dir, tmp_path):
     """`--resume` trims metrics.jsonl to the checkpoint's step; a directory there was an
     IsADirectoryError traceback. Now: one error naming the path, exit 2; the checkpoints are

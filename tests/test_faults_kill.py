@@ -65,6 +65,7 @@ def kill_after(p: subprocess.Popen, log: Path, run: Path, rng: random.Random, ph
 
 
 @pytest.mark.faults
+@pytest.mark.slow  # about 31 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_kill_9_at_random_points_then_resume_equals_an_uninterrupted_run(workdir, tiny_model_dir, tmp_path):
     over = {"run.save_every": 2}  # a kill lands in a checkpoint write, or with rows logged after the checkpoint
     ref = tmp_path / "reference"

@@ -58,6 +58,7 @@ def export(*args):
 # ---------------------------------------------------------------- --overwrite: only what tether wrote
 
 
+@pytest.mark.slow  # about 15 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_export_overwrite_refuses_a_directory_tether_did_not_write(base_run, tmp_path):
     """Item 1: ``tether export RUN OUT --overwrite`` deleted any non-empty OUT (thesis.tex and sub/ gone)."""
     mine = tmp_path / "u"
@@ -151,6 +152,7 @@ def eval_args(work, model, out, *extra, bench=None):
             "--no-progress", "--out", out, *extra]
 
 
+@pytest.mark.slow  # about 20 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_eval_out_never_writes_into_a_run_or_a_directory_of_yours(work, base_run, tmp_path):
     """Item 5: eval --out into a live run's directory overwrote its samples.jsonl (a benchmark named
     samples); --out was checked neither for emptiness nor for a lock."""

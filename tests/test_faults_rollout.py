@@ -252,6 +252,7 @@ def test_cli_eval_bad_reward_spec_and_overlong_prompt_exit_2(workdir, long_data,
         assert len(err) == 1 and "Traceback" not in r.stderr and want in err[0], r.stderr
 
 
+@pytest.mark.slow  # about 15 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_cli_train_bad_reward_spec_exits_2_before_the_model_loads(workdir, tiny_model_dir, tmp_path):
     """Before: a traceback (ValueError, SyntaxError or the module's own exception) and exit 1."""
     (tmp_path / "syntax.py").write_text("def fn(c, e):\n    return 1 +\n")

@@ -113,8 +113,11 @@ def test_search_jsonl_field_mapping_and_bad_rows(tmp_path):
 
 def test_search_training_on_a_hub_id_reads_data_split(monkeypatch, tmp_path):
     """rollout.agent=search with a hub id trains on its ``data.split`` (default train, never the test split
-    silently); a named set or a file is one split already and data.data_dir is the math task's: both are errors."""
-    import datasets
+    silently); a named set or a file is one split already and data.data_dir is the math task's: both are errors.
+    ``datasets`` (the optional extra [hub], not a test dependency) is replaced by a stand-in module, so the test
+    needs neither the package nor the hub."""
+    import sys
+    import types
 
     from tether.config import ConfigError, load_config
     from tether.tasks.registry import search_qa_task
@@ -125,7 +128,7 @@ def test_search_training_on_a_hub_id_reads_data_split(monkeypatch, tmp_path):
         asked.append((hub_id, config, split))
         return [{"question": "Who?", "golden_answers": ["Ann"]}]
 
-    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     for over, split in [({}, "train"), ({"data.split": "validation"}, "validation")]:
         cfg = load_config(None, {"rollout.agent": "search", "data.task": "org/qa", **over})
         (ex,) = search_qa_task(cfg)
