@@ -73,20 +73,36 @@ def test_greedy_ids_equal_hf_engine(setup):
     assert a.prompt_ids.tolist() == b.prompt_ids.tolist()
 
 
+_PREFIX_OFF = """
+import json, sys
+from tether.models import ModelConfig, load_model
+from tether.rollout import HFEngine, SamplingParams
+from tether.rollout.vllm import VLLMEngine
+model, tok = load_model(ModelConfig(name=sys.argv[1]))
+off = VLLMEngine(model, tok, prefix_caching=False, **json.loads(sys.argv[2]))
+prompts = [tok(t)["input_ids"] for t in json.loads(sys.argv[3])]
+p = SamplingParams(n=1, temperature=0.0, max_new_tokens=16)
+print(json.dumps({"flag": off.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching,
+                  "same": off.generate(prompts, p).response_ids.tolist()
+                          == HFEngine(model, tok).generate(prompts, p).response_ids.tolist()}))
+"""
+
+
 def test_prefix_caching_off_samples_the_same(setup):
-    """prefix_caching=False (rollout.reuse_kv=false) turns vLLM's prefix cache off; the tokens do not change."""
-    _, model, tok, eng = setup
+    """prefix_caching=False (rollout.reuse_kv=false) turns vLLM's prefix cache off; the tokens do not change (greedy
+    ids equal the transformers engine's, as the cached engine's do). The second engine runs in its own process: two
+    vLLM engines in one process share vLLM's global parallel state, and deleting one tears it down under the other
+    (the module's engine then fails every later test with 'pipeline model parallel group is not initialized')."""
+    d, model, tok, eng = setup
     if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
         pytest.skip("one engine layout is enough")
-    off = VLLMEngine(model, tok, prefix_caching=False, **OPTS)
-    try:
-        assert eng.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
-        assert off.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
-        p = SamplingParams(n=1, temperature=0.0, max_new_tokens=16)
-        a, b = off.generate(_prompts(tok), p), eng.generate(_prompts(tok), p)
-        assert a.response_ids.tolist() == b.response_ids.tolist()
-    finally:
-        del off
+    assert eng.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src")
+               + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", _PREFIX_OFF, str(d), json.dumps(OPTS), json.dumps(PROMPTS)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"flag": False, "same": True}
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
