@@ -295,6 +295,7 @@ def test_a_failing_worker_is_a_named_error_and_leaves_no_process(workdir, tiny_m
     assert len(pids) == 1 and gone(pids[0])
 
 
+@pytest.mark.slow  # about 23 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_sigterm_stops_with_a_checkpoint_no_orphan_workers_and_resumes(workdir, tiny_model_dir, tmp_path):
     """`tether train` in a subprocess sends itself SIGTERM during step 1 (its reward): the step finishes, a
     checkpoint is written, the process exits 143 and its workers are gone; --resume regenerates the batches

@@ -101,6 +101,7 @@ def test_train_overwrite_refuses_a_run_you_added_files_to(work, tiny_model_dir, 
     assert tree(run) == before
 
 
+@pytest.mark.slow  # about 15 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_failed_overwrite_keeps_the_old_run(work, tiny_model_dir, base_run, tmp_path):
     """Item 3: --overwrite deleted the old run before the new model loaded; a model that failed to load
     left an empty directory. Now the old run is set aside and put back."""
@@ -275,6 +276,7 @@ def test_resume_refuses_a_recipe_override(work, tiny_model_dir, base_run, tmp_pa
     assert tree(run) == before and not (tmp_path / "elsewhere").exists()
 
 
+@pytest.mark.slow  # about 13 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_disk_full_at_the_first_checkpoint_advises_what_works(work, tiny_model_dir, tmp_path):
     """Item 14: a disk that filled at the first checkpoint advised --resume, which then refused (no
     checkpoint). The advice is now to start again with --overwrite, and that command works."""

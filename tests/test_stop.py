@@ -239,6 +239,7 @@ def test_ignored_signal_stays_ignored_and_threads_install_nothing(stopdir, tiny_
 
 
 @pytest.mark.faults
+@pytest.mark.slow  # about 15 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_ranks_stop_at_the_same_step_when_one_is_signalled(stopdir, tiny_model_dir, tmp_path):
     """Under torchrun a SIGTERM that reaches rank 1 only stops both ranks after the same step (the flag
     is all-reduced once per step), both take part in the (collective) checkpoint, rank 0 alone reports it;
