@@ -78,6 +78,12 @@ def subprocess_env(**extra) -> dict:
     return e
 
 
+def worker_pid(log: Path, worker: int = 0) -> int:
+    """The pid of local rollout worker ``worker`` as the trainer's log last announced it (0 if not yet)."""
+    lines = [ln for ln in Path(log).read_text().splitlines() if f"rollout worker {worker} started (pid" in ln]
+    return int(lines[-1].split("pid ")[1].rstrip(")")) if lines else 0
+
+
 def run_module(*args, cwd=None, env=None, timeout: float = 300):
     """``python -m tether ARGS`` in a fresh interpreter importing this checkout (``env``: extra variables)."""
     return subprocess.run([sys.executable, "-m", "tether", *map(str, args)], capture_output=True, text=True,

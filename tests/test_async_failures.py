@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import DIGITS, cli_args, rows, subprocess_env, tiny_config
+from helpers import DIGITS, cli_args, rows, subprocess_env, tiny_config, worker_pid
 from tether.checkpoint import checkpoints
 from tether.train import Trainer
 
@@ -105,11 +105,6 @@ def test_resume_pushes_the_checkpoint_version_and_continues_the_stream(workdir, 
         r.close()
 
 
-def _worker_pid(log: Path) -> int:
-    lines = [ln for ln in log.read_text().splitlines() if "rollout worker 0 started (pid" in ln]
-    return int(lines[-1].split("pid ")[1].rstrip(")")) if lines else 0
-
-
 @pytest.mark.slow  # about 24 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_kill_9_without_restarts_stops_with_a_checkpoint_and_resumes(workdir, tiny_model_dir, tmp_path):
     """`tether train` with train.worker_restarts=0; its worker is killed (kill -9) after the first step: exit 2,
@@ -127,7 +122,7 @@ def test_kill_9_without_restarts_stops_with_a_checkpoint_and_resumes(workdir, ti
         while not ((run / "metrics.jsonl").exists() and rows(run)):
             assert p.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.3)
-        pid = _worker_pid(log)
+        pid = worker_pid(log)
         os.kill(pid, signal.SIGKILL)
         assert p.wait(TIMEOUT) == 2, log.read_text()[-3000:]
     finally:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DIGITS, rows, subprocess_env, tiny_config
+from helpers import DIGITS, rows, subprocess_env, tiny_config, worker_pid
 
 from tether.logprobs import response_stats
 from tether.models import ModelConfig, load_model
@@ -173,7 +173,6 @@ def test_fsdp2_over_nccl_on_two_gpus(workdir, gpu_model_dir, tmp_path):
     assert [x["step"] for x in rows(out)] == [1, 2]
 
 
-
 # ---------------------------------------------------------------- asynchronous training on the GPU (#28)
 
 
@@ -266,8 +265,7 @@ def test_async_cli_on_cuda_survives_a_worker_killed_mid_run(workdir, gpu_model_d
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=subprocess_env())
     try:
         wait_rows(1)
-        started = [ln for ln in log.read_text().splitlines() if "rollout worker 0 started (pid" in ln]
-        pid = int(started[-1].split("pid ")[1].rstrip(")"))
+        pid = worker_pid(log)
         os.kill(pid, signal.SIGKILL)
         done = len(rows(out))
         wait_rows(done + 3)

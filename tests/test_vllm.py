@@ -19,6 +19,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
+from helpers import subprocess_env  # noqa: E402
 from tether.logprobs import response_stats  # noqa: E402
 from tether.models import ModelConfig, load_model  # noqa: E402
 from tether.rollout import HFEngine, SamplingParams  # noqa: E402
@@ -97,10 +98,8 @@ def test_prefix_caching_off_samples_the_same(setup):
     if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
         pytest.skip("one engine layout is enough")
     assert eng.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src")
-               + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", _PREFIX_OFF, str(d), json.dumps(OPTS), json.dumps(PROMPTS)],
-                       capture_output=True, text=True, timeout=600, env=env)
+                       capture_output=True, text=True, timeout=600, env=subprocess_env())
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"flag": False, "same": True}
 
