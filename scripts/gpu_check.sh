@@ -35,7 +35,8 @@
 # then run(carry=[".cache/gpu_carry/smollm2.part-aa"]), run(carry=[".cache/gpu_carry/smollm2.part-ab"]),
 # then run(command="bash scripts/gpu_check.sh") with nothing more to carry; or, in one call,
 # run(command="bash scripts/gpu_check.sh async", carry=[".cache/gpu_carry/wheels", ".cache/gpu_carry/smollm2_shape"]).
-# `async` takes ASYNC_ARGS (bench/async.py's options; default below).
+# `async` takes ASYNC_ARGS (bench/async.py's options; default below), CUDA_TESTS_S and ASYNC_BENCH_S (time
+# limits in seconds of its tests, default 330, and of its bench, default 270, so that a 600 s call returns output).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
