@@ -297,3 +297,80 @@ def test_describe_names_the_correction():
     assert describe(validate(cfg)).endswith(" tis=sequence(C=2) mask=[geo[1/1.5,1.5], k3<=0.1] kl_sampler=mu")
     assert describe(validate(_with(recipe("dapo"), mask_token_high=3.0))).endswith(" mask=[token<=3]")
     assert "mask=" not in describe(recipe("dapo")) and "tis=" not in describe(recipe("dapo"))
+
+
+# ---------------------------------------------------------------- step-level metrics across micro-batches
+
+
+def _micro_batches():
+    """Two micro-batches of one step, of very different token counts, through compute_loss (the trainer's
+    path). A: 1 response of 12 tokens, log r = log pi_old - log mu = -1 on each (k1 = 1), every token masked
+    by the k1 rejection; B: 3 responses of 1 token, log r = 0 (k1 = 0), none masked."""
+    cfg = cfg_for(mask_kl="k1", mask_kl_max=0.5)
+    outs = []
+    for rows, length, log_r in ((1, 12, -1.0), (3, 1, 0.0)):
+        lp = torch.full((rows, length), -2.0, requires_grad=True)
+        mask = torch.ones(rows, length, dtype=torch.bool)
+        outs.append(compute_loss(cfg, LossInputs(logp=lp, mask=mask, adv=torch.ones(rows), old_logp=lp.detach(),
+                                                 sampler_logp=lp.detach() - log_r, num_tokens=15.0, num_seqs=4)))
+    return [o.metrics for o in outs]
+
+
+def test_step_level_rollout_corr_metrics_over_micro_batches_of_different_sizes():
+    """``rollout_corr/masked_seq_frac`` is the step's fully masked responses over its responses, and
+    ``rollout_corr/ppl_ratio`` exp of the step's token mean of k1 (tether.algo.correction.mismatch_metrics),
+    whatever the micro-batch split: not the token-weighted mean of the micro-batches' values
+    (0.8 and (12 e + 3) / 15 = 2.37 here), which weighs A's one response as 12 and averages exp."""
+    from tether.metrics import UpdateStats
+
+    a, b = _micro_batches()
+    assert float(a["rollout_corr/masked_seq_frac"]) == 1.0 and float(b["rollout_corr/masked_seq_frac"]) == 0.0
+    st = UpdateStats()
+    for m in (a, b):
+        st.add(m, torch.tensor(0.0), m["n_tokens"], m["n_tokens"])
+    st.end_mini_batch()
+    row = st.result()
+    assert row["rollout_corr/masked_seq_frac"] == pytest.approx(1 / 4, abs=1e-12)  # 1 of 4 responses
+    assert row["rollout_corr/kl_k1"] == pytest.approx(12 / 15, abs=1e-12)  # token mean: 12 x 1 + 3 x 0
+    assert row["rollout_corr/ppl_ratio"] == pytest.approx(math.exp(12 / 15), abs=1e-12)
+    assert row["rollout_corr/masked_token_frac"] == pytest.approx(12 / 15, abs=1e-12)  # token fractions stay
+    assert "rollout_corr/n_seqs" not in row  # a weight, not a metric
+
+    # the whole step in one micro-batch gives the same values (the definition on the step's batch)
+    cfg = cfg_for(mask_kl="k1", mask_kl_max=0.5)
+    lp = torch.full((4, 12), -2.0, requires_grad=True)
+    mask = torch.zeros(4, 12, dtype=torch.bool)
+    mask[0], mask[1:, 0] = True, True
+    log_r = torch.zeros(4, 12)
+    log_r[0] = -1.0
+    whole = compute_loss(cfg, LossInputs(logp=lp, mask=mask, adv=torch.ones(4), old_logp=lp.detach(),
+                                         sampler_logp=lp.detach() - log_r)).metrics
+    for k in ("masked_seq_frac", "kl_k1", "ppl_ratio", "masked_token_frac"):
+        assert float(whole[f"rollout_corr/{k}"]) == pytest.approx(row[f"rollout_corr/{k}"], abs=1e-12), k
+
+
+def test_step_level_rollout_corr_metrics_across_data_parallel_ranks():
+    """Under data parallelism each rank holds one micro-batch; the ranks' numerators and denominators are
+    summed (``reduce``, the all-reduce) before they are divided: the same step values as on one rank."""
+    from tether.metrics import UpdateStats
+
+    a, b = _micro_batches()
+    ranks = []
+    for m in (a, b):
+        st = UpdateStats()
+        st.add(m, torch.tensor(0.0), m["n_tokens"], m["n_tokens"])
+        st.end_mini_batch()
+        ranks.append(st)
+    sent = []  # rank 1's values, in the order it reduces them (every rank reduces the same names in order)
+    ranks[1].result(reduce=lambda x, op="sum": sent.append((torch.as_tensor(x), op)) or x)
+
+    def all_reduce(x, op="sum"):  # rank 0's view of a two-rank all-reduce
+        other, other_op = sent.pop(0)
+        assert op == other_op
+        return {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}[op](torch.as_tensor(x), other)
+
+    row = ranks[0].result(reduce=all_reduce)
+    assert not sent
+    assert row["rollout_corr/masked_seq_frac"] == pytest.approx(1 / 4, abs=1e-12)
+    assert row["rollout_corr/ppl_ratio"] == pytest.approx(math.exp(12 / 15), abs=1e-12)
+    assert row["rollout_corr/kl_k1"] == pytest.approx(12 / 15, abs=1e-12)

@@ -224,17 +224,35 @@ class UpdateStats:
     """An update's metrics, summed as tensors over micro-batches and read once at the end.
 
     ``compute_loss`` reports token-means per micro-batch (weighted here by the micro-batch's
-    token count), except ``pg_loss`` / ``kl_loss``, which it normalizes by the whole
-    mini-batch: their micro-batch parts add up, and the result is their mean over mini-batches.
+    token count), except:
+
+    - ``pg_loss`` / ``kl_loss``, which it normalizes by the whole mini-batch: their micro-batch parts
+      add up, and the result is their mean over mini-batches;
+    - extremes (``*ratio_max`` / ``*ratio_min``): the step's max / min;
+    - `WEIGHTED_BY`: a fraction over another unit than tokens, weighted by its micro-batch's own
+      denominator, so the step's value is the step's numerator over the step's denominator
+      (``rollout_corr/masked_seq_frac``: the step's fully masked responses / its responses with a
+      loss token); the denominators are weights, not logged;
+    - `FROM_MEAN`: a non-linear function of a token mean, computed once from the step's mean rather
+      than averaged over micro-batches (``rollout_corr/ppl_ratio`` = exp(the step's
+      ``rollout_corr/kl_k1``)).
+
+    The step is every micro-batch of every mini-batch and epoch of the update, and with ``reduce``
+    every data-parallel rank's: numerators and denominators are summed before they are divided.
     ``pad_frac``: the fraction of the positions the micro-batches' forwards laid out that were padding.
+    The ``rollout_corr/*`` definitions: `tether.algo.correction.mismatch_metrics`.
     """
 
     PARTIAL_SUMS = ("pg_loss", "kl_loss")
+    WEIGHTED_BY = {"rollout_corr/masked_seq_frac": "rollout_corr/n_seqs"}  # metric -> its denominator's
+    FROM_MEAN = {"rollout_corr/ppl_ratio": ("rollout_corr/kl_k1", torch.exp)}  # metric -> (token mean, f)
 
     def __init__(self):
         self.weighted: dict[str, torch.Tensor] = {}
+        self.denominators: dict[str, torch.Tensor] = {}  # WEIGHTED_BY metrics: the sum of their denominators
         self.partial: dict[str, torch.Tensor] = {}
         self.extreme: dict[str, torch.Tensor] = {}
+        self.derived: list[str] = []  # FROM_MEAN metrics reported
         self.weight = self.entropy = self.entropy_tokens = self.train_tokens = self.positions = 0
         self.mini_batches, self.grad_norms = 0, []
 
@@ -243,13 +261,23 @@ class UpdateStats:
         """One micro-batch: compute_loss's metrics, the masked entropy sum, tokens forwarded, and the positions
         its forward laid out, padding included (`tether.passes.forwarded_positions`; None = no padding)."""
         w = metrics["n_tokens"]
+        weights = {"n_tokens", *self.WEIGHTED_BY.values()}
         for k, v in metrics.items():
+            if k in weights:
+                continue
             if k in self.PARTIAL_SUMS:
                 self.partial[k] = self.partial.get(k, 0) + v
+            elif k in self.WEIGHTED_BY:
+                d = metrics[self.WEIGHTED_BY[k]]
+                self.weighted[k] = self.weighted.get(k, 0) + v * d
+                self.denominators[k] = self.denominators.get(k, 0) + d
+            elif k in self.FROM_MEAN:
+                if k not in self.derived:
+                    self.derived.append(k)
             elif k.endswith(("ratio_max", "ratio_min")):  # also rollout_corr/ratio_max
                 pick = torch.maximum if k.endswith("ratio_max") else torch.minimum
                 self.extreme[k] = v if k not in self.extreme else pick(self.extreme[k], v)
-            elif k != "n_tokens":
+            else:
                 self.weighted[k] = self.weighted.get(k, 0) + v * w
         self.weight = self.weight + w
         self.entropy = self.entropy + entropy_sum
@@ -273,13 +301,19 @@ class UpdateStats:
         """
         red = reduce or (lambda x, op="sum": x)
         weighted = {k: red(v) for k, v in self.weighted.items()}
+        denominators = {k: red(v) for k, v in self.denominators.items()}
         partial = {k: red(v) for k, v in self.partial.items()}
         extreme = {k: red(v, "max" if k.endswith("ratio_max") else "min") for k, v in self.extreme.items()}
         weight, entropy, entropy_tokens, train_tokens, positions = (
             red(x) for x in (self.weight, self.entropy, self.entropy_tokens, self.train_tokens, self.positions))
-        names = list(weighted) + list(partial) + list(extreme) + ["_entropy", "_tokens", "_pad_frac"]
         w = torch.as_tensor(weight).clamp_min(1.0)
-        vals = ([v / w for v in weighted.values()]
+        means = {k: v / (torch.as_tensor(denominators[k]).clamp_min(1.0) if k in denominators else w)
+                 for k, v in weighted.items()}
+        derived = {k: self.FROM_MEAN[k][1](torch.as_tensor(means[self.FROM_MEAN[k][0]], dtype=torch.float64))
+                   for k in self.derived if self.FROM_MEAN[k][0] in means}
+        names = (list(means) + list(derived) + list(partial) + list(extreme)
+                 + ["_entropy", "_tokens", "_pad_frac"])
+        vals = (list(means.values()) + list(derived.values())
                 + [v / max(self.mini_batches, 1) for v in partial.values()]
                 + list(extreme.values())
                 + [torch.as_tensor(entropy) / torch.as_tensor(entropy_tokens).clamp_min(1),

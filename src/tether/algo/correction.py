@@ -167,7 +167,9 @@ def correction_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap
         k3 = r - 1 - log r: KL(mu || pi_old) per token), ``ppl_ratio`` (ppl under pi_old / ppl
         under mu = exp(mean_t(log mu - log pi_old)) over the batch's tokens),
         ``masked_token_frac`` (tokens with w = 0: the masks, and ``mode='mask'``'s veto) and
-        ``masked_seq_frac`` (responses with tokens, every one of them masked).
+        ``masked_seq_frac`` (responses with tokens, every one of them masked), with ``n_seqs``
+        (the responses with tokens: ``masked_seq_frac``'s denominator). See `mismatch_metrics` for
+        how a training step combines its micro-batches' values.
     """
     if mode not in TIS_MODES:
         raise ValueError(f"unknown rollout-correction mode {mode!r}. Valid choices: {', '.join(TIS_MODES)}")
@@ -189,7 +191,23 @@ def correction_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap
 
 
 def mismatch_metrics(log_r: Tensor, mask: Tensor, cut: Tensor, dropped: Tensor) -> dict:
-    """The ``rollout_corr/*`` metrics (``correction_weights``) from log r [B, T] (0 off the mask)."""
+    """The ``rollout_corr/*`` metrics (``correction_weights``) from log r [B, T] (0 off the mask).
+
+    Each is defined on the batch it is given; in training, on the whole step (every micro-batch and
+    mini-batch of the update, each epoch's pass counted; summed over data-parallel ranks), which
+    `tether.metrics.UpdateStats` assembles from the micro-batches' values as follows:
+
+        ratio_mean, trunc_frac, kl_k1, kl_k3, masked_token_frac
+                          token means / token fractions: the step's sum over its loss tokens divided
+                          by its loss-token count (each micro-batch weighted by its ``n_tokens``)
+        ratio_max         the largest r_t of the step
+        ppl_ratio         exp(the step's kl_k1) = ppl under pi_old / ppl under mu over the step's tokens
+                          (not a mean of the micro-batches' ratios: exp is not linear)
+        masked_seq_frac   the step's fully masked responses / its responses with a loss token (each
+                          micro-batch weighted by its ``n_seqs``, not by its tokens)
+        n_seqs            responses with a loss token: ``masked_seq_frac``'s denominator (a weight,
+                          not logged)
+    """
     zero = torch.zeros((), dtype=log_r.dtype, device=log_r.device)
     r = log_r.exp()
     count = mask.sum().clamp_min(1).to(r.dtype)
@@ -206,6 +224,7 @@ def mismatch_metrics(log_r: Tensor, mask: Tensor, cut: Tensor, dropped: Tensor) 
         "rollout_corr/masked_token_frac": (mask & dropped).sum().to(r.dtype) / count,
         "rollout_corr/masked_seq_frac": (rows & ~(mask & ~dropped).any(-1)).sum().to(r.dtype)
         / rows.sum().clamp_min(1).to(r.dtype),
+        "rollout_corr/n_seqs": rows.sum().to(r.dtype),
     }
 
 
