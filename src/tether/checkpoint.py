@@ -46,7 +46,7 @@ from safetensors.torch import load_file, save_file
 
 from . import distributed as dist
 from .anchor import Anchor
-from .errors import RunError
+from .errors import RunError, loads_json
 from .metrics import warn, with_path
 from .metrics import write_text_atomic as _write_text_atomic  # a module name: tests inject failures here
 
@@ -139,7 +139,7 @@ def verify_checkpoint(ckpt: Path) -> tuple[bool, str]:
             return False, "no state.json and no manifest.json"
         return True, "has no manifest.json (saved by an older tether): loaded without verification"
     try:
-        files = json.loads(mpath.read_text())["files"]
+        files = loads_json(mpath.read_text())["files"]
         entries = [(name, int(f["size"]), str(f["sha256"])) for name, f in files.items()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return False, f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
@@ -342,7 +342,7 @@ def load_checkpoint(ckpt: Path, model: torch.nn.Module, anchor: Optional[Anchor]
     """Restore everything saved by ``save_checkpoint``; returns the trainer state (step, data position...)."""
     ckpt = Path(ckpt)
     try:
-        state = json.loads((ckpt / "state.json").read_text())
+        state = loads_json((ckpt / "state.json").read_text())
     except (OSError, ValueError) as e:
         raise RunError(f"cannot restore checkpoint {ckpt}: {ckpt / 'state.json'} is unreadable ({e})") from None
     try:

@@ -11,6 +11,8 @@ anchor), so it lives below both.
 
 from __future__ import annotations
 
+import json
+
 
 class EvalError(ValueError):
     """An evaluation cannot run as asked (bad settings, a run without checkpoint or anchor, ...)."""
@@ -52,7 +54,28 @@ def read_utf8(path, label: str, error: type[Exception]) -> str:
         raise error(f"{label} line {line}: not valid UTF-8 (byte {e.start}: {e.reason})") from None
 
 
+class JSONTooDeep(json.JSONDecodeError):
+    """JSON nested more deeply than the parser can recurse (``"[" * 100000``): a `JSONDecodeError`,
+    so every reader that refuses invalid JSON refuses it too, instead of a `RecursionError` traceback."""
+
+
+def loads_json(text):
+    """``json.loads(text)``, except that JSON nested too deeply for the parser raises `JSONTooDeep`
+    (a ``ValueError``) rather than ``RecursionError``: every reader of a file a user may hand tether
+    (data rows, a corpus, a marker, a checkpoint's manifest) parses through it."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise JSONTooDeep("nested too deeply for the parser", text if isinstance(text, str) else "", 0) from None
+
+
+def json_error(e: json.JSONDecodeError) -> str:
+    """What is wrong with invalid JSON, for an error line: the parser's message and column (none when it
+    is nested too deeply: the parser gives up at no one column)."""
+    return e.msg if isinstance(e, JSONTooDeep) else f"{e.msg} at column {e.colno}"
+
+
 USER_ERRORS = (EvalError, RunError, OutputError, ModelLoadError, RewardError, GenerationError)
 
-__all__ = ["EvalError", "GenerationError", "ModelLoadError", "OutputError", "RewardError", "RunError", "USER_ERRORS",
-           "read_utf8"]
+__all__ = ["EvalError", "GenerationError", "JSONTooDeep", "ModelLoadError", "OutputError", "RewardError", "RunError",
+           "USER_ERRORS", "json_error", "loads_json", "read_utf8"]

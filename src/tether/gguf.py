@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .errors import ModelLoadError
+from .errors import ModelLoadError, loads_json
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def file_digest(path: Path, memo_dir: Path | None = None) -> str:
     memo: dict[str, str] = {}
     if memo_file is not None and memo_file.is_file():
         try:
-            memo = json.loads(memo_file.read_text())
+            memo = loads_json(memo_file.read_text())
         except (OSError, ValueError):
             memo = {}
         if isinstance(memo, dict) and isinstance(memo.get(key), str):

@@ -387,7 +387,7 @@ def _run_model_config(run_dir: Path) -> ModelConfig:
     path = Path(run_dir) / "config.yaml"
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:  # RecursionError: nested too deeply
         raise ModelLoadError(f"cannot read the base model of run {run_dir} from {path}: {e}") from None
     section = raw.get("model") if isinstance(raw, dict) else None
     if not isinstance(section, dict) or not section.get("name"):

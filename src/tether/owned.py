@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
-from .errors import OutputError
+from .errors import OutputError, loads_json
 
 MARKER = ".tether.json"
 KINDS = ("run", "sft", "export", "eval")
@@ -75,7 +75,7 @@ def run_kind(path: Path) -> str:
 def read_marker(path: Path) -> Optional[dict]:
     """The marker of directory ``path`` (None: none, or not readable as tether's)."""
     try:
-        data = json.loads((Path(path) / MARKER).read_text(encoding="utf-8"))
+        data = loads_json((Path(path) / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and data.get("kind") in KINDS else None

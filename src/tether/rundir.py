@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 
 from . import distributed as dist
 from .checkpoint import checkpoints, pid_alive
-from .errors import OutputError, RunError
+from .errors import OutputError, RunError, loads_json
 from .metrics import warn
 from .owned import MARKER, RUN_KINDS, check_replaceable, run_kind, write_marker
 from .stop import resume_hint
@@ -154,7 +154,7 @@ def _read_holder(fd: int, wait: bool = False) -> dict:
         raw = os.pread(fd, 4096, 0)
         if raw:
             try:
-                out = json.loads(raw)
+                out = loads_json(raw)
                 return out if isinstance(out, dict) else {}
             except ValueError:
                 pass  # being written, or not ours

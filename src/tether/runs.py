@@ -20,12 +20,11 @@ Nothing here imports torch or the config at import time: ``tether eval`` classif
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import RunError
+from .errors import RunError, loads_json
 from .owned import RUN_KINDS, is_checkpoint_dir, is_run_dir, run_kind  # noqa: F401  (is_*: re-exported for tether eval)
 
 
@@ -212,7 +211,7 @@ def checkpoint_step(ckpt: Path) -> int:
     from .checkpoint import _step_of
 
     try:
-        return int(json.loads((Path(ckpt) / "state.json").read_text())["step"])
+        return int(loads_json((Path(ckpt) / "state.json").read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
         n = _step_of(Path(ckpt))
         return -1 if n is None else n

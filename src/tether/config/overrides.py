@@ -48,7 +48,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"{key}: {value!r} is not a valid {tp}")
     if tp in (list, typing.List) or origin in (list, typing.List):
         if isinstance(value, str):
-            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+            value = yaml_value(key, value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return list(value)
@@ -131,5 +131,17 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if "=" not in it:
             raise ConfigError(f"override {it!r} is not of the form key=value (e.g. train.lr=1e-5)")
         k, v = it.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v) if v.strip() else ""
+        out[k.strip()] = yaml_value(k.strip(), v) if v.strip() else ""
     return out
+
+
+def yaml_value(key: str, text: str) -> Any:
+    """An override's value parsed as YAML; text that is not YAML (``[`` alone) or is nested too deeply for the
+    parser is a ConfigError naming the key, not a traceback."""
+    try:
+        return yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"{key}: the value is nested too deeply for the YAML parser") from None
+    except yaml.YAMLError as e:
+        what = " ".join(str(getattr(e, "problem", None) or e).split())
+        raise ConfigError(f"{key}={text[:60]}: not a valid YAML value: {what}") from None

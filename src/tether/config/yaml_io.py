@@ -111,10 +111,10 @@ def read_yaml_mapping(path: str | Path) -> dict:
     Raises ConfigError naming the file (and the line, where the problem has one) when it is
     missing or unreadable, not UTF-8, not valid YAML, or its top level is not a mapping; also
     when a key appears twice in one mapping, at any depth (naming the dotted key and both
-    lines: YAML itself would silently keep the last), or a node contains itself through an
-    alias (``a: &x {b: *x}``, naming the key). Every YAML file tether reads (``--config``
-    files, a run's config.yaml on ``--resume``, ``tether eval`` and ``tether export``) goes
-    through here.
+    lines: YAML itself would silently keep the last), a node contains itself through an
+    alias (``a: &x {b: *x}``, naming the key), or it is nested too deeply for the parser. Every
+    YAML file tether reads (``--config`` files, a run's config.yaml on ``--resume``, ``tether
+    eval`` and ``tether export``) goes through here.
     """
     p = Path(path)
     if not p.is_file():
@@ -125,6 +125,9 @@ def read_yaml_mapping(path: str | Path) -> dict:
         data = yaml.load(text, Loader=_ConfigLoader)
     except _YamlTreeError as e:
         raise ConfigError(f"config file {path} line {e.line}: {e.message}") from None
+    except RecursionError:  # e.g. `train: [[[[...` 20,000 deep: PyYAML composes and constructs recursively
+        raise ConfigError(f"config file {path}: not valid YAML: nested too deeply for the parser (a config is a "
+                          f"few levels deep)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""

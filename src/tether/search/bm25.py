@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import OutputError
+from ..errors import OutputError, loads_json
 from .corpus import Corpus, CorpusError, Passage
 from .retriever_base import _as_corpus, _check_args, _digest, _publish, _top_k, default_cache_root
 
@@ -89,7 +89,7 @@ class BM25Retriever:
         if not meta.is_file():
             return False
         try:
-            m = json.loads(meta.read_text())
+            m = loads_json(meta.read_text())
         except (OSError, ValueError):
             return False
         return m.get("corpus_sha256") == self.corpus.sha256 and m.get("num_docs") == len(self.corpus)

@@ -5,8 +5,9 @@
 * ``.json``: a list of objects, or ``{"data": [...]}``;
 * ``.parquet``: read in batches (needs ``pyarrow``).
 
-An unreadable file, bytes that are not UTF-8, invalid JSON or an unreadable parquet page
-raise :class:`DataError` naming the file and the line or row.
+An unreadable file, bytes that are not UTF-8, invalid JSON (JSON nested too deeply for the parser
+included: `tether.errors.loads_json`) or an unreadable parquet page raise :class:`DataError`
+naming the file and the line or row.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..errors import JSONTooDeep, json_error, loads_json
 from .base import DataError
 
 __all__ = ["iter_jsonl"]
@@ -45,18 +47,20 @@ def iter_jsonl(path: str | os.PathLike, label: str | None = None, error: type[Da
             if not line.strip():
                 continue
             try:
-                yield lineno, json.loads(line)
+                row = loads_json(line)
             except json.JSONDecodeError as e:
-                raise error(f"{label} line {lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+                raise error(f"{label} line {lineno}: invalid JSON ({json_error(e)})") from None
+            yield lineno, row
 
 
 def _iter_json(path: Path, label: str) -> Iterator[tuple[int, Any]]:
     from ..errors import read_utf8
     text = read_utf8(path, label, DataError)
     try:
-        data = json.loads(text)
+        data = loads_json(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{label}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        where = "" if isinstance(e, JSONTooDeep) else f" at line {e.lineno} column {e.colno}"
+        raise DataError(f"{label}: invalid JSON{where}: {e.msg}") from None
     if isinstance(data, dict) and isinstance(data.get("data"), list):
         data = data["data"]
     if not isinstance(data, list):
