@@ -109,6 +109,10 @@ def test_quick_report_tables_plot_and_kl(cr, tiny_model_dir, gsm_dir, tmp_path, 
     for ln in rows:
         cells = [c.strip() for c in ln.strip("|").split("|")]
         assert all(re.fullmatch(r"\d+\.\d", c) for c in cells[1:3]), ln
+    # the change's across-seed s.e. (the error of a training effect): sd of the seeds' changes / sqrt(seeds)
+    for ln, (task, recipe) in zip(rows, [(t, r) for t in ("arithmetic", "gsm8k") for r in ("grpo", "dapo")]):
+        acc = [res["runs"][f"{task}/{recipe}/seed{s}"]["eval"]["avg@1"] for s in (2, 3)]
+        assert ln.split("|")[5].strip() == f"{100 * abs(acc[0] - acc[1]) / 2:.1f} (2)", ln  # n = 2: sd/sqrt2 = |d|/2
     t2 = text.split("## Table 2")[1].split("## Table 3")[0]
     kl_cells = re.findall(r"\| (grpo|dapo) \| ([0-9.e+-]+) \|", t2)
     assert len(kl_cells) == 4 and all(float(v) >= 0 for _, v in kl_cells)

@@ -44,11 +44,21 @@ def _dur(s) -> str:
 
 
 
+def _sd(xs) -> float | None:
+    """Sample standard deviation of the numbers in ``xs`` (None entries dropped); None under two."""
+    xs = [x for x in xs if x is not None]
+    if len(xs) < 2:
+        return None
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
 def clustered_se(before: list[int], after: list[int] | None, clusters: list[str]) -> float | None:
     """Cluster-robust standard error of mean(after - before) (or of mean(before) when ``after`` is None)
     with problems grouped by content: sqrt(C/(C-1) * sum_c (sum_{i in c} (d_i - mean d))^2) / n. Problems that
-    share a content are not independent draws, so this is the honest error bar (the binomial one assumes
-    they are)."""
+    share a content are not independent draws, so this is the honest error bar of the evaluation (the binomial
+    one assumes they are). It holds the trained policy fixed: the error of a training effect is the spread
+    across seeds (Table 1's across-seed s.e.)."""
     d = [float(x) for x in before] if after is None else [float(y - x) for x, y in zip(before, after)]
     n = len(d)
     if n == 0 or len(clusters) != n:
@@ -160,13 +170,17 @@ def _budgets(res: dict) -> list[str]:
 
 
 def _table1(res: dict) -> list[str]:
-    """Table 1: held-out accuracy before and after, with clustered standard errors."""
+    """Table 1: held-out accuracy before and after; the change's spread across seeds (the error of a training
+    effect) and each seed's evaluation noise (clustered standard errors, the trained policy held fixed)."""
     st, md = res["settings"], bu.md_table
     L: list[str] = []
     L += ["## Table 1: held-out accuracy before and after training", "",
           "Greedy accuracy in %; 'before' is the initial model (one evaluation per task), 'after' each run's "
-          "final policy; mean over the seeds that finished, then each seed. s.e.: binomial standard error of "
-          "one accuracy on this many problems at the 'before' accuracy.", ""]
+          "final policy; mean over the seeds that finished, then each seed. Across-seed s.e.: the standard "
+          "deviation of the seeds' changes / sqrt(seeds), from how much whole runs differ: the error of the mean "
+          "change as a training effect. Evaluation noise (policy held fixed): each seed's change's standard "
+          "error over the problems, what the same trained policy would show on other problems; it is not the "
+          "significance of a training effect.", ""]
     for task in st["tasks"]:
         b = res.get("before", {}).get(task, {})
         be = b.get("eval", {})
@@ -185,13 +199,16 @@ def _table1(res: dict) -> list[str]:
             contents, c0 = b.get("contents"), be.get("correct")
             ses = [clustered_se(c0, r["eval"].get("correct"), contents) if contents and c0 and r["eval"].get("correct")
                    else None for r in ok]
+            sd_after, n_after = _sd(after), sum(x is not None for x in after)
             rows.append([recipe, _pct(acc0), _pct(m),
-                         "-" if m is None or acc0 is None else f"{100 * (m - acc0):+.1f}", per,
+                         "-" if m is None or acc0 is None else f"{100 * (m - acc0):+.1f}",
+                         "-" if sd_after is None else f"{_pct(sd_after / math.sqrt(n_after))} ({n_after})", per,
                          ", ".join(_pct(x) for x in ses) or "-",
                          _f1(_mean([_num(r["eval"].get("mean_response_tokens")) for r in ok])),
                          _pct(_mean([_num(r["eval"].get("truncation_rate")) for r in ok]))])
-        L += [md(["recipe", "before %", "after % (mean)", "change (points)", "after % per seed",
-                  "s.e. of each seed's change (clustered)", "mean response tokens (after)", "truncated % (after)"],
+        L += [md(["recipe", "before %", "after % (mean)", "change (points)", "change: across-seed s.e. (seeds)",
+                  "after % per seed", "evaluation noise of each seed's change (policy held fixed; clustered s.e.)",
+                  "mean response tokens (after)", "truncated % (after)"],
                  rows), ""]
         contents = b.get("contents")
         n_c = len(set(contents)) if contents else None
