@@ -7,9 +7,12 @@ the per-step curves and the dev metrics of each evaluation.
 
 With ``--base NAME`` it also prints each evaluation's exact match paired against evaluation NAME
 on the same questions (the difference and its paired standard error, each question its own
-cluster, as bench/recipes_compare's ``clustered_se``), the EM of each source dataset beside the
-paper's search table, and ``--per-problem FILE`` keeps every question's EM per evaluation. ``--seeds
-GROUP=EVAL,EVAL`` pools a recipe's seeds into one row (EM per seed, their mean, paired differences).
+cluster, as bench/recipes_compare's ``clustered_se``: evaluation noise with the trained policies held
+fixed, never the significance of a training effect, which is judged by how much whole runs differ),
+the EM of each source dataset beside the paper's search table, and ``--per-problem FILE`` keeps every
+question's EM per evaluation. ``--seeds GROUP=EVAL,EVAL`` pools a recipe's seeds into one row (EM per
+seed, their mean, paired differences with their across-seed s.e., the error of a training effect,
+beside the evaluation noise).
 
 Usage::
 
@@ -70,7 +73,8 @@ def paired_table(evals: dict[str, Path], base: str) -> tuple[str, dict]:
             raise SystemExit(f"evaluation {n!r} has no benchmark {bench!r}")
         em[n] = {q["id"]: int(bool(q["correct"][0])) for q in r[bench]}
     ids = [q["id"] for q in rows[base][bench]]
-    lines = [f"| model | EM | vs {base}: difference | paired s.e. | questions |", "| --- | --- | --- | --- | --- |"]
+    lines = [f"| model | EM | vs {base}: difference | evaluation noise (policy held fixed): paired s.e. | questions |",
+             "| --- | --- | --- | --- | --- |"]
     for n in evals:
         common = [i for i in ids if i in em[n]]
         x, y = [em[base][i] for i in common], [em[n][i] for i in common]
@@ -87,10 +91,12 @@ def paired_table(evals: dict[str, Path], base: str) -> tuple[str, dict]:
 
 def seeds_table(record: dict, groups: dict[str, list[str]], base: str) -> str:
     """Markdown: each group of seeds (one recipe's runs) pooled. Its EM per seed and their mean; the mean's
-    difference from ``base`` (a single evaluation, e.g. the SFT start) and from every other group, with the s.e.
-    of a paired difference where each question is one cluster holding all of its seeds' draws (seed i of one
-    group paired with seed i of the other): question sampling and within-question seed noise, not the run-level
-    spread that the per-seed column shows."""
+    difference from ``base`` (a single evaluation, e.g. the SFT start) and from every other group, seed i of one
+    group paired with seed i of the other, with two errors: "across seeds", the s.e. of the mean of the seeds'
+    differences (their sd / sqrt(seeds); "-" under two seeds), how much whole runs differ, the error of a
+    training effect; and "evaluation noise", the s.e. of a paired difference where each question is one
+    cluster holding all of its seeds' draws: question sampling and within-question seed noise, with the
+    trained policies held fixed, not the significance of a training effect."""
     em, n_q = record["em"], len(record["id"])
     for g, names in groups.items():
         missing = [n for n in names if n not in em]
@@ -108,7 +114,14 @@ def seeds_table(record: dict, groups: dict[str, list[str]], base: str) -> str:
         y = [v for n in b for v in em[n]]
         ids = [q for _ in b for q in record["id"]]
         se = clustered_se(x, y, ids)
-        return f"{mean(y) - mean(x):+.1f} (s.e. {'-' if se is None else f'{100 * se:.1f}'})"
+        per_seed = [mean(em[m]) - mean(em[n]) for n, m in zip(a, b)]
+        across = "-"
+        if len(per_seed) > 1:
+            mu = sum(per_seed) / len(per_seed)
+            sd = (sum((d - mu) ** 2 for d in per_seed) / (len(per_seed) - 1)) ** 0.5
+            across = f"{sd / len(per_seed) ** 0.5:.1f}"
+        return (f"{mean(y) - mean(x):+.1f} (across seeds {across}; evaluation noise "
+                f"{'-' if se is None else f'{100 * se:.1f}'})")
 
     lines = [f"| recipe | seeds | EM per seed | mean EM | vs {base} | " + " | ".join(f"vs {g}" for g in groups) + " |",
              "| --- | --- | --- | --- | --- |" + " --- |" * len(groups)]

@@ -1,5 +1,6 @@
 """bench/search_report.py's pooled seeds: the EM per seed, the mean, and paired differences with the
-question-clustered s.e. (seed i of one recipe against seed i of another; a single base repeated)."""
+question-clustered s.e. (evaluation noise) beside the across-seed s.e. (seed i of one recipe against seed i of
+another; a single base repeated)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def test_seeds_are_pooled_and_paired_by_question(report):
     # question: q1 sum 2, q2 1, q3 0, q4 0 -> centred (2-0.75, 1-0.75, -0.75, -0.75); se = sqrt(4/3 * sum sq) / 8
     sums = [2 - 2 * 3 / 8, 1 - 2 * 3 / 8, -2 * 3 / 8, -2 * 3 / 8]
     se = math.sqrt(4 / 3 * sum(v * v for v in sums)) / 8
-    assert f"+37.5 (s.e. {100 * se:.1f})" in a_row
-    assert "-50.0 (s.e." in b_row  # b minus a: 12.5 - 62.5
+    # across seeds (the error of a training effect): the seeds' differences 50 - 25 and 75 - 25, sd / sqrt(2) = 12.5
+    assert f"+37.5 (across seeds 12.5; evaluation noise {100 * se:.1f})" in a_row
+    assert "-50.0 (across seeds 25.0; evaluation noise" in b_row  # b minus a: 12.5 - 62.5; seeds -25 and -75
     with pytest.raises(SystemExit, match="--seeds c: zz not among --evals"):
         report.seeds_table(record, {"c": ["zz"]}, "sft")
     assert "unequal seeds" in report.seeds_table(record, {"a": ["a0", "a1"], "b": ["b0"]}, "sft")
