@@ -9,9 +9,16 @@ code path, seconds faster)."""
 
 from __future__ import annotations
 
+import builtins
+import errno
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from helpers import assert_clean_error, run_module
+from helpers import assert_clean_error, subprocess_env
 from tether.cli import main
 
 pytestmark = pytest.mark.faults
@@ -78,3 +85,67 @@ def test_a_config_nested_too_deeply_is_one_error_line(tmp_path, capsys):
     assert_clean_error(rc, err, "train.steps", "nested too deeply", line_only=True)
     rc, _, err = cli(capsys, "config", "train.steps=[")
     assert_clean_error(rc, err, "train.steps", "not a valid YAML value", line_only=True)
+
+
+# ---------------------------------------------------------------- tether demos --out
+
+
+def _demos(capsys, out, *extra):
+    return cli(capsys, "demos", "calculator", "--limit", "5", "--out", out, *extra)
+
+
+def test_demos_onto_a_full_disk_is_one_error_line(tmp_path):
+    """A real write failure, not a mock: a file-size limit (EFBIG, as a full disk or quota ends a write). It was an
+    OSError traceback; now one line naming the file, and neither it nor a temporary file is left."""
+    out = tmp_path / "demos.jsonl"
+    code = ("import resource, sys; from tether.cli import main; "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000)); sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, "demos", "calculator", "--limit", "50", "--out", str(out)],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert_clean_error(r.returncode, r.stderr, f"cannot write {out}", "File too large", line_only=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_demos_onto_a_read_only_filesystem_is_one_error_line(tmp_path, monkeypatch, capsys):
+    """Read-only as the kernel reports it (EROFS on creating the file; injected, since root writes anyway), and a
+    real one: /proc."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    real_open = builtins.open
+
+    def open_(file, mode="r", *a, **k):
+        if str(file).startswith(str(ro)) and any(c in mode for c in "wax"):
+            raise OSError(errno.EROFS, "Read-only file system", str(file))
+        return real_open(file, mode, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", open_)
+    outs = [ro / "demos.jsonl"] + ([Path("/proc/tether-test-demos.jsonl")] if Path("/proc/self").is_dir() else [])
+    for out, why in zip(outs, ["Read-only file system", ""]):
+        rc, stdout, err = _demos(capsys, out)
+        assert_clean_error(rc, err, f"cannot write {out}", why, line_only=True)
+        assert stdout == ""
+    assert list(ro.iterdir()) == []
+
+
+def test_demos_overwrite_replaces_only_a_file_tether_wrote(tmp_path, capsys):
+    """`tether demos --overwrite` replaced a file of yours. The rule of docs/reliability.md: --overwrite deletes only
+    what tether wrote; every row tether demos writes carries its mark, and a file is replaced only if all do."""
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"messages": [{"role": "user", "content": "my own"}]}\n')
+    before = mine.read_bytes()
+    rc, _, err = _demos(capsys, mine, "--overwrite")
+    assert_clean_error(rc, err, str(mine), "not written by tether demos", "line 1", line_only=True)
+    assert mine.read_bytes() == before
+    out = tmp_path / "demos.jsonl"
+    assert _demos(capsys, out)[0] == 0
+    first = out.read_bytes()
+    assert all(json.loads(ln)["tether"] == "demos" for ln in first.splitlines())
+    assert _demos(capsys, out, "--overwrite", "--seed", "1")[0] == 0  # tether's own file: replaced
+    assert out.read_bytes() != first
+    with open(out, "a") as f:  # a row of yours appended to tether's file
+        f.write('{"prompt": "mine", "completion": "too"}\n')
+    before = out.read_bytes()
+    rc, _, err = _demos(capsys, out, "--overwrite")
+    assert_clean_error(rc, err, str(out), "line 6", line_only=True)
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demos.jsonl", "mine.jsonl"]

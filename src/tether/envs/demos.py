@@ -231,12 +231,14 @@ def _examples(args) -> list[Example]:
 
 def _demos(args) -> int:
     """``tether demos``: write the demonstrations of ``args.env`` to ``args.out`` (JSONL, one SFT row per line)."""
+    import contextlib
     import json
     import os
     import sys
     from pathlib import Path
 
     from ..errors import OutputError
+    from ..owned import ROW_MARK, check_replaceable_file
 
     out = Path(args.out)
     if out.is_dir():
@@ -245,6 +247,7 @@ def _demos(args) -> int:
         raise OutputError(f"{out} exists; pass --overwrite to replace it")
     if not out.parent.is_dir():
         raise OutputError(f"cannot write {out}: {out.parent} is not a directory")
+    check_replaceable_file(out, "demos")  # --overwrite replaces only a file tether demos wrote (tether.owned)
     examples = _examples(args)
     stats = DemoStats()
     if args.env == "calculator":
@@ -266,15 +269,20 @@ def _demos(args) -> int:
     try:
         with open(tmp, "w") as f:
             for row in rows:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps({**row, ROW_MARK: "demos"}) + "\n")  # the mark of a row tether wrote
         if not stats.written:
             from ..tasks.base import DataError
 
             raise DataError(f"no demonstration could be built from {len(examples)} examples of {args.data} ({stats}); "
                             f"nothing was written")
         os.replace(tmp, out)
+    except OSError as e:  # a full disk, a read-only filesystem, a quota: nothing is written
+        if e.filename not in (None, str(tmp), str(out)):  # not our write (e.g. a retriever's cache): as it was
+            raise
+        raise OutputError(f"cannot write {out}: {e.strerror or e}; nothing was written") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     print(f"[tether] {args.env}: {stats} (from {len(examples)} training examples)", file=sys.stderr)
     print(out)
     return 0
@@ -289,7 +297,8 @@ def add_demos_parser(sub) -> None:
                        "They are teacher demonstrations, not model samples; build them from training splits only.")
     d.add_argument("env", choices=["calculator", "search"], help="the environment")
     d.add_argument("--out", required=True, help="the JSONL file to write (one SFT row per line)")
-    d.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    d.add_argument("--overwrite", action="store_true", help="replace --out if it exists and tether demos wrote it "
+                   "(every row marked \"tether\": \"demos\"); a file of yours is never replaced")
     d.add_argument("--data", help="training examples: calculator: arithmetic (default; the synthetic task's train "
                    "split) | gsm8k (its train split) | a train file; search: multihop (default; the closed-pool "
                    "train split) | a train .jsonl")
