@@ -229,8 +229,8 @@ LAYERS = [
     ("pieces", ["tether.rollout", "tether.tasks", "tether.search", "tether.agents", "tether.envs", "tether.passes",
                 "tether.config", "tether.testing"]),
     ("loop", ["tether.train", "tether.sft", "tether.rundir", "tether.runs", "tether.report", "tether.eval",
-              "tether.export", "tether.export_card"]),
-    ("command line", ["tether.cli", "tether.__main__", "tether.eval.cli", "tether.search.server"]),
+              "tether.export", "tether.export_card", "tether.sweep"]),
+    ("command line", ["tether.cli", "tether.__main__", "tether.eval.cli", "tether.search.server", "tether.sweep.cli"]),
 ]
 
 MAX_MODULE_LINES = 500

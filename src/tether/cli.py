@@ -1,4 +1,4 @@
-"""The ``tether`` command: train, sft, worker, eval, export, plot, recipes, retrieve."""
+"""The ``tether`` command: train, sft, worker, eval, export, plot, recipes, retrieve, sweep."""
 
 from __future__ import annotations
 
@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .envs.demos import add_demos_parser
 
     add_demos_parser(sub)
+    from .sweep.cli import add_sweep_parser
+
+    add_sweep_parser(sub)
     return p
 
 
@@ -268,6 +271,9 @@ def _add_sft_parser(sub) -> None:
 def main(argv=None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    if args.cmd == "sweep":  # its own parsers (tether.sweep.cli) take every argument after the word sweep
+        raw = list(sys.argv[1:] if argv is None else argv)
+        args.argv, extra = raw[raw.index("sweep") + 1:], []
     # key=value overrides may stand anywhere on the line, also after options
     if args.cmd in ("train", "sft", "config"):
         args.overrides += [e for e in extra if "=" in e and not e.startswith("-")]

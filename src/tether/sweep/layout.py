@@ -1,0 +1,99 @@
+"""A sweep directory's layout and the sweep's records in it (written by the runner, read by the report).
+
+    DIR/sweep.json                 the spec as run: path, name, metric, seeds, base, each arm's overrides
+    DIR/runs/<arm>/seed-<s>/       the run directory of `tether train` (config.yaml, metrics.jsonl, ...)
+    DIR/runs/<arm>/seed-<s>.json   the sweep's record of the run: state "done" or "failed", exit code, times,
+                                   the command, its final metrics row (done) or the tail of its stderr (failed)
+    DIR/runs/<arm>/seed-<s>.out    the run's stdout, every attempt appended
+    DIR/runs/<arm>/seed-<s>.err    the run's stderr, every attempt appended
+
+The records sit beside the run directory, not in it: a run directory holds only what `tether train`
+writes, so ``--resume`` and ``--overwrite`` treat it as they treat any run (`tether.owned`). A run
+without a record has not finished (never started, running, or killed): the next ``tether sweep`` of
+the same spec continues it. Records and sweep.json are written atomically (a kill leaves the old file
+or the new one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from ..algo.recipes import ConfigError
+from ..errors import OutputError
+
+DONE, FAILED = "done", "failed"
+
+
+def run_dir(out: Path, arm: str, seed: int) -> Path:
+    return Path(out) / "runs" / arm / f"seed-{seed}"
+
+
+def record_path(out: Path, arm: str, seed: int) -> Path:
+    return Path(out) / "runs" / arm / f"seed-{seed}.json"
+
+
+def log_paths(out: Path, arm: str, seed: int) -> tuple[Path, Path]:
+    """(stdout, stderr) files of the run's process."""
+    base = Path(out) / "runs" / arm
+    return base / f"seed-{seed}.out", base / f"seed-{seed}.err"
+
+
+def _write_json(path: Path, obj) -> None:
+    from ..metrics import json_safe
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(json_safe(obj), indent=1, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def read_record(out: Path, arm: str, seed: int) -> Optional[dict]:
+    """The run's record, or None when it has none (or an unreadable one: the run is then redone)."""
+    try:
+        rec = json.loads(record_path(out, arm, seed).read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and rec.get("state") in (DONE, FAILED) else None
+
+
+def write_record(out: Path, arm: str, seed: int, rec: dict) -> None:
+    _write_json(record_path(out, arm, seed), rec)
+
+
+def read_sweep(out: Path) -> dict:
+    """DIR/sweep.json; OutputError when DIR is not a sweep directory."""
+    p = Path(out) / "sweep.json"
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        what = "no such directory" if not Path(out).is_dir() else f"no readable sweep.json ({e})"
+        raise OutputError(f"{out} is not a sweep directory: {what}") from None
+    if not isinstance(data, dict) or "arms" not in data:
+        raise OutputError(f"{p} is not a sweep's sweep.json")
+    return data
+
+
+def write_sweep(out: Path, spec) -> None:
+    """Write DIR/sweep.json for ``spec`` (a `tether.sweep.spec.Spec`). A DIR made by a spec whose common
+    base or one of whose arms differs from this one is refused (ConfigError naming the arm): its runs were
+    made with other settings. New arms and seeds may be added."""
+    out = Path(out)
+    p = out / "sweep.json"
+    fp = spec.fingerprint()
+    if p.exists():
+        old = read_sweep(out)
+        if old.get("base") != json.loads(json.dumps(fp["base"])):
+            raise ConfigError(f"{out} was made by a spec with another base ({old.get('base')}); use another --out")
+        for arm, over in fp["arms"].items():
+            if arm in old["arms"] and old["arms"][arm] != json.loads(json.dumps(over)):
+                raise ConfigError(f"{out}: arm {arm!r} had overrides {old['arms'][arm]} there, the spec now gives "
+                                  f"{over}; rename the arm or use another --out")
+        arms = {**old["arms"], **fp["arms"]}
+        seeds = sorted(set(old.get("seeds", [])) | set(spec.seeds))
+    else:
+        arms, seeds = fp["arms"], spec.seeds
+    _write_json(p, {"spec": spec.path, "name": spec.name, "metric": spec.metric, "seeds": seeds,
+                    "base": fp["base"], "arms": arms})
