@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_clean_error, subprocess_env
+from helpers import DIGITS, assert_clean_error, cli_args, subprocess_env
 from tether.cli import main
 
 pytestmark = pytest.mark.faults
@@ -149,3 +149,52 @@ def test_demos_overwrite_replaces_only_a_file_tether_wrote(tmp_path, capsys):
     assert_clean_error(rc, err, str(out), "line 6", line_only=True)
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demos.jsonl", "mine.jsonl"]
+
+
+# ---------------------------------------------------------------- run directories and checkpoints
+
+
+@pytest.fixture(scope="module")
+def work(make_workdir):
+    return make_workdir("faults_inputs", DIGITS)
+
+
+def test_train_overwrite_refusal_does_not_name_tethers_own_lock(work, tmp_path, capsys):
+    """The refusal listed `.lock` (the lock this trainer had just taken) among the user's entries."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    rc, _, err = cli(capsys, *cli_args(work, tmp_path / "nope", mine, 1), "--overwrite")
+    error = assert_clean_error(rc, err, str(mine), "(notes.txt)", "not written by tether", line_only=True)
+    assert ".lock" not in error
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+def _run_with_checkpoints(run: Path, steps) -> Path:
+    """A run directory holding checkpoints of a one-layer model at ``steps`` (all a checkpoint listing reads)."""
+    import torch
+
+    from tether.checkpoint import save_checkpoint
+
+    run.mkdir()
+    (run / "config.yaml").write_text("recipe: grpo\n")
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    for s in steps:
+        save_checkpoint(run, s, model, None, opt, None, {}, keep=len(steps))
+    return run
+
+
+def test_a_damaged_checkpoint_is_not_listed_as_available(tmp_path, capsys):
+    """`export --step 3` of a damaged step 3 said "available: 2, 3"; a missing step listed it too. Now the list
+    holds the checkpoints that verify, and names the damaged one as such."""
+    run = _run_with_checkpoints(tmp_path / "run", [2, 3])
+    f = run / "checkpoints" / "step-000003" / "policy.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0xFF
+    f.write_bytes(bytes(data))
+    for step in ("3", "5"):
+        rc, _, err = cli(capsys, "export", run, tmp_path / "out", "--step", step)
+        error = assert_clean_error(rc, err, "available", "2; damaged: 3", line_only=True)
+        assert "2, 3" not in error
+    assert not (tmp_path / "out").exists()

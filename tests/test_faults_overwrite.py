@@ -140,7 +140,7 @@ def test_an_explicit_damaged_checkpoint_is_refused_by_eval_and_export(work, base
     assert_clean_error(r.returncode, r.stderr, str(ckpt), "damaged", "sha256")
     assert not (tmp_path / "ev").exists()
     r = export(run, tmp_path / "exp", "--step", "1")
-    assert_clean_error(r.returncode, r.stderr, str(ckpt), "damaged", "available: 1, 2")
+    assert_clean_error(r.returncode, r.stderr, str(ckpt), "damaged", "available: 2; damaged: 1")
     assert not (tmp_path / "exp").exists()
 
 

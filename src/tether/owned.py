@@ -141,12 +141,14 @@ def _owned(kind: str, name: str, marker: dict) -> bool:
     return name in set(marker.get("files", []))
 
 
-def check_replaceable(path: str | os.PathLike, kind: str, *, flag: str = "--overwrite") -> list[str]:
+def check_replaceable(path: str | os.PathLike, kind: str, *, flag: str = "--overwrite",
+                      ignore: Iterable[str] = ()) -> list[str]:
     """The rule: raise `OutputError` unless ``path`` may be replaced by a new ``kind`` output.
 
     Returns the entries that replacing it deletes (``[]``: the path is absent or empty). A symlink
     or a file at ``path``, a directory without tether's marker, a marker of another kind, and any
-    entry tether did not write are refused, naming what is in the way.
+    entry tether did not write are refused, naming what is in the way. ``ignore``: entries the
+    caller itself has just made there (a trainer's own ``.lock``): neither counted nor named.
     """
     p = Path(path)
     what = _WHAT[kind]
@@ -158,7 +160,7 @@ def check_replaceable(path: str | os.PathLike, kind: str, *, flag: str = "--over
     if not p.is_dir():
         raise OutputError(f"{p} exists and is not a directory; choose another path for the {what}")
     try:
-        names = sorted(e.name for e in p.iterdir())
+        names = sorted(e.name for e in p.iterdir() if e.name not in set(ignore))
     except OSError as e:
         raise OutputError(f"cannot read {p}: {e.strerror or e}") from None
     if not names or names == [".lock"]:

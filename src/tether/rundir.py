@@ -236,7 +236,7 @@ class RunDirectory:
         by :meth:`commit` once the new trainer is built, and put back by :meth:`abandon` if it cannot be
         (e.g. the model does not load): a failed ``--overwrite`` loses nothing."""
         try:
-            check_replaceable(self.path, self.kind)
+            check_replaceable(self.path, self.kind, ignore=(LOCK_NAME,))  # our own lock is not the user's entry
         except OutputError as e:
             raise RunError(str(e)) from None
         aside = self.path / f"{ASIDE_PREFIX}{os.getpid()}"

@@ -151,6 +151,17 @@ class RunDir:
 
         return sorted(_step_of(p) for p in checkpoints(self.path) if (p / "state.json").is_file())
 
+    def available(self) -> str:
+        """The checkpoints one may name instead, for an error message: the steps whose checkpoints verify
+        (``"2, 4"``), then any damaged ones as such (``"2, 4; damaged: 3"``). It reads every checkpoint's
+        files: only an error path calls it."""
+        from .checkpoint import _step_of, checkpoints, verify_checkpoint
+
+        good, bad = [], []
+        for p in sorted((p for p in checkpoints(self.path) if (p / "state.json").is_file()), key=_step_of):
+            (good if verify_checkpoint(p)[0] else bad).append(str(_step_of(p)))
+        return (", ".join(good) or "none") + (f"; damaged: {', '.join(bad)}" if bad else "")
+
     def has_checkpoint(self) -> bool:
         """Whether the run saved any checkpoint (valid or not)."""
         from .checkpoint import checkpoints
@@ -179,20 +190,19 @@ class RunDir:
             if ckpt is None:
                 raise self.error(self.no_checkpoint())
             return ckpt
-        have = ", ".join(map(str, self.steps())) or "none"
         if isinstance(which, int):
             found = [p for p in (self.path / "checkpoints").glob("step-*")
                      if _step_of(p) == which and (p / "state.json").is_file()]
             if not found:
                 raise self.error(f"cannot {self.verb} {self.path}: it has no checkpoint at step {which}; available "
-                                 f"steps: {have}")
+                                 f"steps: {self.available()}")
             ckpt = found[0]
         else:
             ckpt = Path(which)
         ok, note = verify_checkpoint(ckpt)  # the newest is verified by latest_checkpoint; a named one here
         if not ok:
-            raise self.error(f"checkpoint {ckpt} is damaged: {note}; {self.verb} another step (available: {have}), "
-                             f"or the run directory without a step (its newest valid checkpoint)")
+            raise self.error(f"checkpoint {ckpt} is damaged: {note}; {self.verb} another step (available: "
+                             f"{self.available()}), or the run directory without a step (its newest valid checkpoint)")
         if note:
             warn(f"checkpoint {ckpt} {note}")
         return ckpt
