@@ -22,6 +22,8 @@ from helpers import DIGITS, cli_args, rows, subprocess_env, tiny_config
 # (docs/async.md, known issue). Run them with `bash scripts/test.sh -m slow tests/test_async_remote.py`.
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 TIMEOUT = 420
+KEY = "loopback-test-secret-0123456789abcdef"  # the key rule: >= 32 characters, 8 of them different
+OTHER_KEY = "another-loopback-secret-0123456789abcdef"
 TETHER = str(Path(sys.executable).parent / "tether")
 
 
@@ -65,7 +67,7 @@ def end(*procs) -> None:
 
 def test_trainer_and_a_remote_worker_on_loopback(workdir, tiny_model_dir, tmp_path):
     addr, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
-    key = dict(TETHER_WORKER_KEY="loopback-test-secret")
+    key = dict(TETHER_WORKER_KEY=KEY)
     trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 4, **{"algo.tis_cap": 2.0}), tmp_path / "t.log",
                     **key)
     worker = start(["worker", addr, "--wait", "300"], tmp_path / "w.log", **key)
@@ -98,7 +100,7 @@ def test_the_two_node_layout_under_torchrun_on_loopback(workdir, tiny_model_dir,
     train.worker_address and `torchrun --nproc_per_node 2 -m tether worker` (2 workers, one per process). Both
     exit 0; both workers sampled; every batch within K with verified checksums."""
     addr, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
-    env = subprocess_env(OMP_NUM_THREADS="1", TETHER_WORKER_KEY="loopback-test-secret")
+    env = subprocess_env(OMP_NUM_THREADS="1", TETHER_WORKER_KEY=KEY)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     args = remote_run(workdir, tiny_model_dir, run, addr, 4, **{"train.rollout_workers": 2})
@@ -124,7 +126,7 @@ def test_a_remote_worker_that_dies_or_freezes_is_an_error_not_a_hang(fault, work
     """SIGKILL: the closed connection stops the trainer at its next batch. SIGSTOP: the connection stays open
     and silent; the trainer stops after train.worker_timeout_s. Either way one `tether: error:` line, exit 2."""
     addr, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
-    key = dict(TETHER_WORKER_KEY="loopback-test-secret")
+    key = dict(TETHER_WORKER_KEY=KEY)
     worker = start(["worker", addr, "--wait", "300"], tmp_path / "w.log", **key)  # first: it waits for the trainer
     trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 5000, **{"train.worker_timeout_s": 20,
                                                                            "train.worker_restarts": 0}),
@@ -152,7 +154,7 @@ def test_a_killed_remote_worker_is_replaced_by_the_next_that_connects(workdir, t
     """train.worker_restarts (default 2): the trainer waits for a new `tether worker` (as a supervisor loop on the
     worker's node would start it), gives it the dead one's rank, the newest version and the jobs it held."""
     addr, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
-    key = dict(TETHER_WORKER_KEY="loopback-test-secret")
+    key = dict(TETHER_WORKER_KEY=KEY)
     worker = start(["worker", addr, "--wait", "300"], tmp_path / "w.log", **key)
     trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 40, **{"train.worker_timeout_s": 120}),
                     tmp_path / "t.log", **key)
@@ -190,11 +192,11 @@ def test_keys_and_addresses(workdir, tiny_model_dir, tmp_path, monkeypatch):
 
     addr = f"127.0.0.1:{free_port()}"
     trainer = start(remote_run(workdir, tiny_model_dir, tmp_path / "run", addr, 2, **{"train.worker_timeout_s": 60}),
-                    tmp_path / "t.log", TETHER_WORKER_KEY="right")
+                    tmp_path / "t.log", TETHER_WORKER_KEY=KEY)
     try:
         wait_for(lambda: "waiting for 1 rollout worker" in (tmp_path / "t.log").read_text(), "the trainer", [trainer])
         bad = subprocess.run([TETHER, "worker", addr, "--wait", "10"], capture_output=True, text=True, timeout=120,
-                             env=subprocess_env(OMP_NUM_THREADS="1", TETHER_WORKER_KEY="wrong"))
+                             env=subprocess_env(OMP_NUM_THREADS="1", TETHER_WORKER_KEY=OTHER_KEY))
         assert bad.returncode == 2 and "tether: error: the trainer at" in bad.stderr and "refused" in bad.stderr
         assert trainer.wait(TIMEOUT) == 2
     finally:
@@ -222,7 +224,7 @@ def crashing(engine, tokenizer, **options):
 def test_a_remote_worker_that_raises_is_named_on_both_sides(workdir, tiny_model_dir, tmp_path):
     (tmp_path / "crash.py").write_text(CRASHING_AGENT)
     addr, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
-    key = dict(TETHER_WORKER_KEY="loopback-test-secret")
+    key = dict(TETHER_WORKER_KEY=KEY)
     agent = {"rollout.agent": f"{tmp_path}/crash.py:crashing"}
     trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 3, **agent), tmp_path / "t.log", **key)
     worker = start(["worker", addr, "--wait", "300"], tmp_path / "w.log", **key)

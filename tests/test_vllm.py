@@ -397,7 +397,7 @@ def test_a_remote_vllm_worker_on_loopback(tmp_path_factory, tmp_path):
         s.bind(("127.0.0.1", 0))
         addr = f"127.0.0.1:{s.getsockname()[1]}"
     d, out = _model_dir(tmp_path_factory, False), tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TETHER_WORKER_KEY": "vllm-loopback"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TETHER_WORKER_KEY": "vllm-loopback-secret-0123456789abcdef"}
     with open(tmp_path / "t.log", "w") as tl, open(tmp_path / "w.log", "w") as wl:
         trainer = subprocess.Popen(_async_cmd(d, tmp_path, out, "train.steps=3", f"train.worker_address={addr}"),
                                    stdout=tl, stderr=subprocess.STDOUT, env=env)

@@ -49,6 +49,7 @@ from .passes import Passes, StepBatch, exact_kl_sample, forwarded_positions, hea
 from .rollout import RolloutBatch, SamplingParams, make_engine
 from .rollout.partial import token_metrics
 from .rollout.weights import WeightSyncError
+from .rollout.channel import worker_key
 from .rollout.feed import RolloutFeed, rank_groups
 from .rollout.workers import WorkerError, checkpointed
 from .report import HeldOut, Progress, RewardErrorLog, rollout_metrics, sample_rows
@@ -78,6 +79,8 @@ class Trainer:
         self.guard = run_guard
         t = cfg.train
         dist.check_supported(cfg.rollout.prompts_per_step, cfg.rollout.dynamic_sampling)
+        if t.max_staleness > 0 and t.worker_address:  # remote workers: a missing or weak key, before anything loads
+            worker_key()
         random.seed(t.seed)
         torch.manual_seed(t.seed)
         self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row before the (slow) model load

@@ -69,7 +69,8 @@ def _check_async(cfg: Config) -> list[str]:
     if t.worker_address:
         host, _, port = t.worker_address.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            errs.append(f"train.worker_address must be HOST:PORT (e.g. 0.0.0.0:29600), got {t.worker_address!r}")
+            errs.append(f"train.worker_address must be HOST:PORT (e.g. 10.0.0.5:29600, the cluster's private "
+                        f"interface, not 0.0.0.0), got {t.worker_address!r}")
     if t.worker_restarts < 0:
         errs.append("train.worker_restarts must be >= 0 (0 = a worker that dies stops the run)")
     if t.rollout_workers < 1:

@@ -1,8 +1,8 @@
 """Remote rollout workers over TCP (``train.worker_address``; docs/async.md): the network transport of
 `tether.rollout.workers`.
 
-    node A: tether train ... train.max_staleness=1 train.worker_address=0.0.0.0:29600   (listens)
-    node B: tether worker nodeA:29600                                                   (connects)
+    node A: tether train ... train.max_staleness=1 train.worker_address=10.0.0.5:29600  (listens)
+    node B: tether worker 10.0.0.5:29600                                                (connects)
 
 The trainer (`RemoteWorkers`, the `WorkerPool` interface the trainer uses for local workers too) listens
 on ``train.worker_address`` and waits up to ``train.worker_timeout_s`` for ``train.rollout_workers``
@@ -18,14 +18,16 @@ environment's files must exist on its node under the same names. Then, over one 
                        ("error", rank, text)                   its exception, named
                        ("heartbeat",)                          every few seconds, also while generating
 
-Messages are pickled (standard pickle, tensors on the CPU) over `multiprocessing.connection`
-connections authenticated both ways with the secret in ``$TETHER_WORKER_KEY`` (HMAC challenge; the
-traffic itself is not encrypted: a trusted network, or a tunnel). Each connection has a sender thread
-(so a push never blocks the trainer on the network; a version not yet sent when a newer one is pushed is
-skipped) and a receiver thread. A weights message precedes, on the same connection, every job submitted
-after that push, and a worker loads the newest version it has received before each job, so the
-staleness argument of the local workers holds unchanged. Jobs go to the worker with the fewest jobs in
-flight. A closed connection (the worker died) is an error at once, a worker silent for
+Messages are pickled (standard pickle, tensors on the CPU) over a `tether.rollout.channel.Channel`: a
+handshake on the secret in ``$TETHER_WORKER_KEY`` proves the key both ways (unfinished handshakes time
+out), and each message carries an HMAC-SHA256 under a per-session key, checked before it is unpickled
+(the traffic is not encrypted: bind the cluster's private interface, e.g. ``10.0.0.5:29600``, not
+``0.0.0.0``, or use a tunnel; docs/reliability.md, "Threat model of remote workers"). Each connection has
+a sender thread (so a push never blocks the trainer on the network; a version not yet sent when a newer
+one is pushed is skipped) and a receiver thread. A weights message precedes, on the same connection,
+every job submitted after that push, and a worker loads the newest version it has received before each
+job, so the staleness argument of the local workers holds unchanged. Jobs go to the worker with the
+fewest jobs in flight. A closed connection (the worker died) is an error at once, a worker silent for
 ``train.worker_timeout_s`` (hung, or its node gone) one after that time: both `WorkerError`, which the
 CLI prints as ``tether: error: trainer step N: remote rollout worker i (host, pid P) ...``.
 """
@@ -38,23 +40,15 @@ import queue
 import socket
 import threading
 import time
-from multiprocessing.connection import AuthenticationError, Client, Connection, answer_challenge, deliver_challenge
 from typing import Callable, Optional
 
+from . import channel
+from .channel import KEY_ENV, Channel, HandshakeError, IntegrityError, worker_key
 from .weights import copy_weights, unique_weights
 from .workers import Job, Sampler, WorkerError, WorkerPool, error_text
 
-KEY_ENV = "TETHER_WORKER_KEY"
-
-
-def _key() -> bytes:
-    key = os.environ.get(KEY_ENV, "")
-    if not key:
-        from ..algo.recipes import ConfigError
-
-        raise ConfigError(f"remote rollout workers need a shared secret: set ${KEY_ENV} to the same value for the "
-                          f"trainer and every `tether worker` (e.g. export {KEY_ENV}=$(openssl rand -hex 16))")
-    return key.encode()
+GONE = "(it died, or its node went away)"
+PRIVATE = "bind the cluster's private interface (e.g. 10.0.0.5:29600), not 0.0.0.0"
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -75,7 +69,7 @@ def _dumps(msg) -> bytes:
 class _Link:
     """One connected worker: its connection, sender thread (jobs, the newest weights, stop) and receiver thread."""
 
-    def __init__(self, pool: "RemoteWorkers", rank: int, conn: Connection, info: dict):
+    def __init__(self, pool: "RemoteWorkers", rank: int, conn: Channel, info: dict):
         self.pool, self.rank, self.conn, self.info = pool, rank, conn, info
         self.outbox: queue.Queue = queue.Queue()
         self.sent_version = -1
@@ -102,7 +96,7 @@ class _Link:
         except (OSError, EOFError, ValueError) as e:
             if not self.pool.closing:
                 self.pool.inbox.put(("lost", self.rank, f"closed the connection (while the trainer was sending: "
-                                                        f"{type(e).__name__}: {e})", self))
+                                                        f"{type(e).__name__}: {e}) {GONE}", self))
 
     def _recv_loop(self) -> None:
         try:
@@ -116,8 +110,12 @@ class _Link:
                     self.pool.inbox.put(msg)
         except (OSError, EOFError, ValueError) as e:
             if not self.pool.closing:
-                closed = isinstance(e, (EOFError, ConnectionResetError, BrokenPipeError))
-                what = "closed the connection" if closed else f"lost the connection ({type(e).__name__}: {e})"
+                if isinstance(e, IntegrityError):  # nothing of it was unpickled; the channel closed itself
+                    what = f"sent a message that failed its integrity check: {e}"
+                elif isinstance(e, (EOFError, ConnectionResetError, BrokenPipeError)):
+                    what = f"closed the connection {GONE}"
+                else:
+                    what = f"lost the connection ({type(e).__name__}: {e}) {GONE}"
                 self.pool.inbox.put(("lost", self.rank, what, self))
 
 
@@ -132,7 +130,7 @@ class RemoteWorkers(WorkerPool):
     def __init__(self, cfg, model, n: int, lookahead: int, verify: bool, version: int = 0,
                  log: Callable = print, tokenizer=None):
         super().__init__(cfg, n, lookahead, verify, tokenizer, log)
-        self.key, self.address = _key(), cfg.train.worker_address
+        self.key, self.address = worker_key(), cfg.train.worker_address
         self.timeout = cfg.train.worker_timeout_s
         self.heartbeat_s = max(0.2, min(5.0, self.timeout / 5))
         self.inbox: queue.Queue = queue.Queue()
@@ -144,6 +142,9 @@ class RemoteWorkers(WorkerPool):
             self.server = socket.create_server((host, port))
         except OSError as e:
             raise WorkerError(f"cannot listen for rollout workers on {self.address} (train.worker_address): {e}") from e
+        if host in ("0.0.0.0", "::", ""):
+            log(f"[tether] warning: train.worker_address={self.address} listens on every interface: any host that "
+                f"reaches the port can try the handshake; {PRIVATE}")
         try:
             self.setup = dict(cfg=cfg, verify=verify, probe=self.probe, heartbeat_s=self.heartbeat_s)
             for rank, (conn, info) in enumerate(self._accept(n, self.key, log)):
@@ -155,47 +156,60 @@ class RemoteWorkers(WorkerPool):
             raise
 
     def _accept(self, n: int, key: bytes, log: Callable) -> list:
-        """``n`` authenticated connections and their hello; the handshakes run in threads so that a peer that
-        connects and says nothing cannot hold the trainer."""
-        log(f"[tether] waiting for {n} rollout worker(s) on {self.address}: run `tether worker HOST:PORT` on the "
-            f"rollout nodes with ${KEY_ENV} set (train.worker_timeout_s={self.timeout:g})")
+        """``n`` authenticated connections and their hello. Each handshake runs in a thread of its own, bounded
+        by `channel.HANDSHAKE_S`, so that a peer that connects and says nothing holds neither the trainer nor,
+        for longer than that, a thread and a socket; one that finishes after ``n`` others did is closed."""
+        log(f"[tether] waiting for {n} rollout worker(s) on {self.address}: run `tether worker {self.address}` on "
+            f"the rollout nodes with ${KEY_ENV} set (train.worker_timeout_s={self.timeout:g})")
         deadline = time.monotonic() + self.timeout
         done: queue.Queue = queue.Queue()
-        got = []
+        got, over = [], threading.Event()
 
-        def handshake(sock, peer):
+        def handshake(sock: socket.socket, peer: str) -> None:
             try:
-                conn = Connection(sock.detach())
-                deliver_challenge(conn, key)
-                answer_challenge(conn, key)
-                kind, info = pickle.loads(conn.recv_bytes())
-                done.put((conn, dict(info, peer=peer[0])) if kind == "hello" else (None, f"{peer[0]}: no hello"))
-            except (AuthenticationError, OSError, EOFError, ValueError, pickle.UnpicklingError) as e:
-                done.put((None, f"{peer[0]}: {type(e).__name__}: {e}"))
+                conn, hello = channel.accept(sock, key)
+                kind, info = pickle.loads(hello)  # authenticated: sent by a holder of the key
+                if kind != "hello":
+                    raise HandshakeError(f"its first message is {kind!r}, not a hello")
+            except (OSError, EOFError, ValueError, pickle.UnpicklingError) as e:
+                sock.close()
+                done.put((None, f"{peer}: {e}" if isinstance(e, HandshakeError) else f"{peer}: {type(e).__name__}: "
+                                                                                     f"{e}"))
+                return
+            done.put((conn, dict(info, peer=peer.rpartition(":")[0])))
+            if over.is_set():  # _accept returned meanwhile: nobody takes it
+                conn.close()
 
         self.server.settimeout(0.2)
-        while len(got) < n:
-            if time.monotonic() > deadline:
-                for conn, _ in got:
-                    conn.close()
-                raise WorkerError(f"{len(got)} of {n} rollout worker(s) connected to {self.address} within "
-                                  f"train.worker_timeout_s={self.timeout:g} s (start `tether worker {self.address}` "
-                                  f"with ${KEY_ENV} on each rollout node)")
-            try:
-                sock, peer = self.server.accept()
-                sock.setblocking(True)
-                threading.Thread(target=handshake, args=(sock, peer), daemon=True).start()
-            except socket.timeout:
-                pass
-            while not done.empty():
-                conn, info = done.get()
-                if conn is None:
-                    log(f"[tether] rejected a rollout worker connection from {info}")
-                else:
-                    got.append((conn, info))
+        try:
+            while len(got) < n:
+                if time.monotonic() > deadline:
+                    for conn, _ in got:
+                        conn.close()
+                    raise WorkerError(f"{len(got)} of {n} rollout worker(s) connected to {self.address} within "
+                                      f"train.worker_timeout_s={self.timeout:g} s (start `tether worker "
+                                      f"{self.address}` with ${KEY_ENV} on each rollout node)")
+                try:
+                    sock, (host, port, *_) = self.server.accept()
+                    threading.Thread(target=handshake, args=(sock, f"{host}:{port}"), daemon=True,
+                                     name="tether-handshake").start()
+                except socket.timeout:
+                    pass
+                while not done.empty():
+                    conn, info = done.get()
+                    if conn is None:
+                        log(f"[tether] rejected a rollout worker connection from {info}")
+                    else:
+                        got.append((conn, info))
+        finally:
+            over.set()
+        while not done.empty():  # finished between the last look and `over`
+            conn, _ = done.get()
+            if conn is not None:
+                conn.close()
         return got
 
-    def _connect(self, rank: int, conn: Connection, info: dict) -> None:
+    def _connect(self, rank: int, conn: Channel, info: dict) -> None:
         conn.send_bytes(_dumps(("setup", dict(self.setup, rank=rank))))
         self.links[rank] = _Link(self, rank, conn, info)
         self.log(f"[tether] rollout worker {rank} connected: {self.describe(rank)}")
@@ -224,7 +238,7 @@ class RemoteWorkers(WorkerPool):
             return None
         if msg[0] == "lost":
             if msg[3] is self.links[msg[1]]:  # not a replaced worker's connection
-                self._lost(msg[1], f"{msg[2]} (it died, or its node went away)")
+                self._lost(msg[1], msg[2])
             return None
         return msg
 
@@ -263,15 +277,15 @@ class RemoteWorkers(WorkerPool):
 # ------------------------------------------------------------------ the worker's side (`tether worker`)
 
 
-def _connect(address: str, key: bytes, wait_s: float, log: Callable) -> Connection:
+def _connect(address: str, key: bytes, wait_s: float, log: Callable) -> Channel:
+    """The authenticated channel to the trainer at ``address``: connection attempts retried for ``wait_s``
+    seconds while nothing listens there, then the handshake (`tether.rollout.channel.connect`)."""
     host, port = parse_address(address)
     deadline, said = time.monotonic() + wait_s, False
     while True:
         try:
-            return Client((host, port), authkey=key)
-        except AuthenticationError as e:
-            raise WorkerError(f"the trainer at {address} refused this worker's ${KEY_ENV} ({e})") from e
-        except (ConnectionRefusedError, socket.gaierror, OSError) as e:
+            sock = socket.create_connection((host, port), timeout=channel.HANDSHAKE_S)
+        except OSError as e:  # refused, unreachable, an unknown host: retried until the deadline
             if time.monotonic() > deadline:
                 raise WorkerError(f"no trainer answered at {address} within {wait_s:g} s ({e}); is "
                                   f"train.worker_address={address} set there, and the port reachable?") from e
@@ -279,6 +293,28 @@ def _connect(address: str, key: bytes, wait_s: float, log: Callable) -> Connecti
                 log(f"[tether] waiting for the trainer at {address} ...")
                 said = True
             time.sleep(1.0)
+            continue
+        try:
+            return channel.connect(sock, key, first_s=deadline - time.monotonic(), name=address)
+        except (OSError, EOFError) as e:
+            sock.close()
+            if isinstance(e, HandshakeError):
+                raise WorkerError(str(e)) from None
+            raise WorkerError(f"the trainer at {address} broke the connection during the handshake "
+                              f"({type(e).__name__}: {e})") from e
+
+
+def _hello(conn: Channel, address: str) -> dict:
+    """Say hello (host, pid) to the trainer; its answer: the run's setup (config, rank, verify, probe)."""
+    conn.send_bytes(_dumps(("hello", dict(host=socket.gethostname(), pid=os.getpid()))))
+    try:
+        kind, setup = pickle.loads(conn.recv_bytes())
+    except EOFError:
+        raise WorkerError(f"the trainer at {address} closed the connection before sending the run's config "
+                          f"(it already has its train.rollout_workers workers?)") from None
+    except OSError as e:
+        raise WorkerError(f"lost the trainer at {address} before the run's config: {type(e).__name__}: {e}") from None
+    return setup
 
 
 def _check_arguments(address: str, wait_s: float) -> None:
@@ -293,14 +329,9 @@ def serve(address: str, wait_s: float = 600.0, log: Callable = print) -> int:
     seconds while it starts), build the model, engine and agent from the run's config it sends, and answer
     its jobs with rollouts until it says stop (returns 0). A lost trainer ends the process (exit 2)."""
     _check_arguments(address, wait_s)
-    key = _key()
+    key = worker_key()  # a missing or weak key: refused before anything connects or loads
     conn = _connect(address, key, wait_s, log)
-    conn.send_bytes(_dumps(("hello", dict(host=socket.gethostname(), pid=os.getpid()))))
-    try:
-        kind, setup = pickle.loads(conn.recv_bytes())
-    except EOFError:
-        raise WorkerError(f"the trainer at {address} closed the connection before sending the run's config "
-                          f"(it already has its train.rollout_workers workers?)") from None
+    setup = _hello(conn, address)
     rank = setup["rank"]
     log(f"[tether] rollout worker {rank} connected to the trainer at {address}")
     send_lock, stop = threading.Lock(), threading.Event()
@@ -330,7 +361,8 @@ def serve(address: str, wait_s: float = 600.0, log: Callable = print) -> int:
                     break
             end, code = "[tether] the trainer ended the run: rollout worker exits", 0
         except (OSError, EOFError, ValueError) as e:
-            end, code = f"tether: error: rollout worker {rank} lost the trainer at {address} ({type(e).__name__})", 2
+            why = str(e) if isinstance(e, IntegrityError) else type(e).__name__
+            end, code = f"tether: error: rollout worker {rank} lost the trainer at {address} ({why})", 2
         stop.set()
         if state["busy"] or code:  # nothing worth finishing: the trainer no longer waits for this batch
             log(end)
