@@ -112,6 +112,7 @@ class Channel:
         self._keys = (send_key, recv_key)
         self._seq = [0, 0]  # frames sent, frames received
         self._send_lock, self._recv_lock = threading.Lock(), threading.Lock()
+        self.failed: Optional[IntegrityError] = None  # set before the channel closes itself on a bad frame
 
     def frame(self, payload: bytes) -> bytes:
         """The next frame's head (n and both tags) for ``payload``; counts it as sent."""
@@ -141,10 +142,12 @@ class Channel:
             return payload
 
     def _reject(self, seq: int, what: str) -> None:
+        self.failed = IntegrityError(f"message {seq} from {self.peer} failed its HMAC-SHA256 check ({what}): "
+                                     f"altered, injected, replayed or reordered on the network, or not sent by the "
+                                     f"peer that authenticated; the connection is closed and the message was not "
+                                     f"unpickled")
         self.close()
-        raise IntegrityError(f"message {seq} from {self.peer} failed its HMAC-SHA256 check ({what}): altered, "
-                             f"injected, replayed or reordered on the network, or not sent by the peer that "
-                             f"authenticated; the connection is closed and the message was not unpickled")
+        raise self.failed
 
     def close(self) -> None:
         """Close the socket, waking a thread blocked reading or writing it."""

@@ -94,7 +94,7 @@ class _Link:
                 else:
                     self.conn.send_bytes(item)
         except (OSError, EOFError, ValueError) as e:
-            if not self.pool.closing:
+            if not self.pool.closing and self.conn.failed is None:  # else the receiver reports the bad frame
                 self.pool.inbox.put(("lost", self.rank, f"closed the connection (while the trainer was sending: "
                                                         f"{type(e).__name__}: {e}) {GONE}", self))
 
