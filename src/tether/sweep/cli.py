@@ -34,7 +34,7 @@ def _lanes(text: str) -> int:
 
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether sweep", description=RUN_DESCRIPTION, epilog=RUN_EPILOG)
-    p.add_argument("spec", metavar="SPEC.yaml", help="the sweep's spec (docs/sweeps.md; configs/sweep_example.yaml)")
+    p.add_argument("spec", metavar="SPEC.yaml", help="the sweep's spec (docs/sweeps.md; configs/sweeps/example.yaml)")
     p.add_argument("--out", metavar="DIR", help="the sweep directory (required unless --dry-run)")
     p.add_argument("--lanes", type=_lanes, default=None,
                    help=f"runs at once (default: os.cpu_count(), here {os.cpu_count()})")

@@ -222,7 +222,8 @@ def write_report(dirs: list, out: Optional[str] = None, *, metric: Optional[str]
     main = metric or col.metric or default_metric(col)
     kw = dict(last_n=last_n, reps=reps, seed=seed, collapse_drop=collapse_drop, baseline=baseline)
     results = [compute(col, m, **kw) for m in dict.fromkeys([main, *extra_metrics])]
-    if not any(b["steps"] for b in results[0]["bands"].values()):
+    has_done = any(r.state == layout.DONE for r in col.runs.values())
+    if has_done and not any(b["steps"] for b in results[0]["bands"].values()):
         raise ConfigError(f"no done run logged {main!r}; name a metric its metrics.jsonl has (--metric)")
     # the curves: the main metric's (held-out evaluations when it is one) and the training reward's
     panels = [(main, results[0]["bands"])]
@@ -230,9 +231,10 @@ def write_report(dirs: list, out: Optional[str] = None, *, metric: Optional[str]
         reward = {a: stats.band([curve(r, TRAIN_REWARD) for r in col.of(a)]) for a in col.arms}
         if any(b["steps"] for b in reward.values()):
             panels.append((TRAIN_REWARD, reward))
-    plot(panels, png, col.name or ", ".join(str(s) for s in col.sources))
+    if has_done:
+        plot(panels, png, col.name or ", ".join(str(s) for s in col.sources))
     settings = {"reps": reps, "seed": seed, "json": js.name}
-    md.write_text(markdown(col, results, png, settings))
+    md.write_text(markdown(col, results, png if has_done else None, settings))
     js.write_text(json.dumps({"sources": [str(s) for s in col.sources], "settings": settings,
                               "results": results}, indent=1, default=str) + "\n")
     return md

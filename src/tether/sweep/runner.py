@@ -40,8 +40,10 @@ def action(out: Path, arm: str, seed: int, retry_failed: bool) -> str:
     rec = layout.read_record(out, arm, seed)
     if rec is not None and (rec["state"] == layout.DONE or not retry_failed):
         return rec["state"]
+    from ..checkpoint import checkpoints
+
     rd = layout.run_dir(out, arm, seed)
-    if any((p / "state.json").is_file() for p in (rd / "checkpoints").glob("step-*")):
+    if any((p / "state.json").is_file() for p in checkpoints(rd)):  # complete checkpoints (not step-N.tmp-PID)
         return "resume"
     return "overwrite" if rd.exists() and any(rd.iterdir()) else "fresh"
 
@@ -257,7 +259,8 @@ def _run_share(spec, configs, out, runs, lanes, threads, retry_failed, echo) -> 
 def _line(job: Job, rec: Optional[dict]) -> str:
     name = f"{job.arm} seed {job.seed}"
     if rec is None:
-        return f"[stopped] {name}: stopped by a signal after a checkpoint; the next tether sweep resumes it"
+        return (f"[stopped] {name}: stopped by a signal; the next tether sweep continues it (from its checkpoint, "
+                f"if it wrote one)")
     if rec["state"] == layout.DONE:
         evals = {k: v for k, v in rec["final"].items() if k.startswith("eval/") and "/avg@" in k}
         shown = ", ".join(f"{k} {v:.3f}" for k, v in evals.items() if isinstance(v, float))

@@ -1,6 +1,6 @@
 """A sweep's spec: the YAML grid of ``tether sweep SPEC.yaml``, read, checked, and laid out as runs.
 
-A spec (docs/sweeps.md; configs/sweep_example.yaml) has these top-level keys and no others:
+A spec (docs/sweeps.md; configs/sweeps/example.yaml) has these top-level keys and no others:
 
 ``base`` (mapping, optional)
     What every run starts from, as ``tether train`` takes it: ``config`` (a YAML config file, =
@@ -12,8 +12,8 @@ A spec (docs/sweeps.md; configs/sweep_example.yaml) has these top-level keys and
     variant of each). A variant is a mapping of overrides (``recipe`` may be one of its keys).
     Two shorthands: an axis named ``recipe`` may list recipe names (``recipe: [grpo, ema_pg]``),
     and an axis named by a dotted config key may list its values (``train.lr: [1e-6, 1e-5]``: the
-    variants are named ``lr=1e-06`` and ``lr=1e-05``). An arm's name joins its variants' names with
-    ``+`` in the axes' order (``grpo+lr=1e-06``). Two axes may not set the same key.
+    variants are named ``lr=1.0e-06`` and ``lr=1.0e-05``). An arm's name joins its variants' names with
+    ``+`` in the axes order (``grpo+lr=1.0e-06``). Two axes may not set the same key.
 ``arms`` (mapping, optional)
     Extra arms, each a name and its overrides on top of ``base`` (not crossed with the axes).
     Without axes and arms there is one arm, ``base``.
@@ -27,10 +27,11 @@ A spec (docs/sweeps.md; configs/sweep_example.yaml) has these top-level keys and
 ``name`` (string, optional)
     A title for the report.
 
-The sweep sets ``train.seed``, ``run.output_dir``, ``run.overwrite`` and ``run.progress`` itself; a
-spec that sets one is refused. Every arm's config is resolved with `tether.config.load_config` (the
-function ``tether train`` and ``tether config`` use) before any run starts, and every problem of
-every arm is reported at once, naming the spec key it came from.
+The sweep sets ``train.seed``, ``run.output_dir`` and ``run.overwrite`` itself, and a spec that sets one is
+refused; it also sets ``run.progress=false`` last (the sweep shows its own progress). Every arm's config
+is resolved with `tether.config.load_config` (the function ``tether train`` and ``tether config`` use)
+before any run starts, and every problem of every arm is reported at once, naming the spec key it came
+from.
 """
 
 from __future__ import annotations
@@ -46,10 +47,11 @@ import yaml
 
 from ..algo.recipes import ConfigError
 
+#: the spec's top-level keys and ``base``'s keys: each is described in this module's docstring (docs/sweeps.md)
 TOP_KEYS = ("base", "axes", "arms", "seeds", "metric", "name")
 BASE_KEYS = ("config", "recipe", "task", "overrides")
 #: keys the sweep sets for every run (seed and run directory); a spec may not set them
-OWNED_KEYS = ("train.seed", "run.output_dir", "run.overwrite", "run.progress")
+OWNED_KEYS = ("train.seed", "run.output_dir", "run.overwrite")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=@-]*$")
 
 

@@ -24,7 +24,10 @@ which is what a rerun with new seeds would see. Notation: an arm's final values 
 * curve band at each step: mean ± 1.96 · s.e. across the seeds that have a value at that step (no band
   where fewer than 2 do).
 
-Bootstraps are reproducible: each call draws from its own ``numpy.random.RandomState(seed)``.
+Bootstraps are reproducible: each call draws from its own ``numpy.random.RandomState(seed)`` and, for the
+two-sample bootstrap of the probability of improvement (rliable's ``StratifiedIndependentBootstrap`` draws
+from numpy's global generator, ignoring ``random_state``), from the global generator seeded with ``seed``
+for the call (its previous state restored after).
 """
 
 from __future__ import annotations
@@ -50,10 +53,15 @@ def _interval(scores, func, reps: int, seed: int) -> tuple[float, float, float]:
     """(point, low, high): ``func`` on ``scores`` and rliable's 95 % percentile bootstrap interval."""
     from rliable import library as rly
 
-    with warnings.catch_warnings():  # arch: "random_state is deprecated" (rliable passes a RandomState)
-        warnings.simplefilter("ignore", FutureWarning)
-        point, ci = rly.get_interval_estimates({"x": scores}, func, reps=reps,
-                                               random_state=np.random.RandomState(seed))
+    state = np.random.get_state()
+    np.random.seed(seed)  # rliable's two-sample bootstrap draws from numpy's global generator (not random_state)
+    try:
+        with warnings.catch_warnings():  # arch: "random_state is deprecated" (rliable passes a RandomState)
+            warnings.simplefilter("ignore", FutureWarning)
+            point, ci = rly.get_interval_estimates({"x": scores}, func, reps=reps,
+                                                   random_state=np.random.RandomState(seed))
+    finally:
+        np.random.set_state(state)
     return float(np.ravel(point["x"])[0]), float(ci["x"][0][0]), float(ci["x"][1][0])
 
 
