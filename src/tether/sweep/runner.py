@@ -146,13 +146,19 @@ def _finish(job: Job, rc: int, out: Path, cfg) -> Optional[dict]:
            "command": "tether " + " ".join(job.argv), "started": time.strftime(
                "%Y-%m-%d %H:%M:%S", time.localtime(job.started)), "wall_s": round(time.time() - job.started, 3),
            "run_dir": str(layout.run_dir(Path("."), job.arm, job.seed))}
-    row = final_row(layout.run_dir(out, job.arm, job.seed), cfg) if rc == 0 else None
+    from ..errors import RunError
+
+    row, damage = None, None
+    try:
+        row = final_row(layout.run_dir(out, job.arm, job.seed), cfg) if rc == 0 else None
+    except RunError as e:  # a damaged metrics.jsonl
+        damage = str(e)
     if row is not None:
         rec.update(state=layout.DONE, final=row)
     else:
         tail = _tail(layout.log_paths(out, job.arm, job.seed)[1], job.err_offset)
-        why = (f"exited 0 without the row of its last step (step {cfg.train.steps}) and its final evaluation in "
-               f"metrics.jsonl" if rc == 0 else f"exited with status {rc}")
+        why = (f"exited with status {rc}" if rc != 0 else damage or f"exited 0 without the row of its last step "
+               f"(step {cfg.train.steps}) and its final evaluation in metrics.jsonl")
         rec.update(state=layout.FAILED, error=why, stderr_tail=tail)
     layout.write_record(out, job.arm, job.seed, rec)
     return rec
