@@ -225,7 +225,7 @@ LAYERS = [
     ("core", ["tether", "tether.errors", "tether.algo", "tether.owned"]),
     ("infrastructure", ["tether.distributed", "tether.metrics", "tether.checkpoint", "tether.stop", "tether.plot",
                         "tether.logprobs", "tether.logprobs_chunked", "tether.models", "tether.gguf", "tether.anchor",
-                        "tether.schedule", "tether.optim"]),
+                        "tether.schedule", "tether.optim", "tether.organism"]),
     ("pieces", ["tether.rollout", "tether.tasks", "tether.search", "tether.agents", "tether.envs", "tether.passes",
                 "tether.config", "tether.testing"]),
     ("loop", ["tether.train", "tether.sft", "tether.rundir", "tether.runs", "tether.report", "tether.eval",

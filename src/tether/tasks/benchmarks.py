@@ -71,6 +71,27 @@ def _arithmetic_benchmark(difficulty: int, limit: Optional[int], reward: Optiona
                      examples=examples, reward=spec, reward_fn=fn)
 
 
+_ORGANISM_RE = re.compile(r"organism(?:-d(\d+))?")
+
+
+def _organism_benchmark(difficulty: int, limit: Optional[int], reward: Optional[str]) -> Benchmark:
+    """The model organism's test split (seed 0) at ``difficulty`` (default 3); ``limit`` problems (default 200)."""
+    from ..organism.problems import MAX_DIFFICULTY
+    from .organism import OrganismTask
+    from .rewards import load_reward
+
+    if not 1 <= difficulty <= MAX_DIFFICULTY:
+        raise EvalError(f"benchmark 'organism-d{difficulty}': the difficulty must be 1-{MAX_DIFFICULTY}")
+    spec = reward or "arithmetic"
+    try:
+        fn = load_reward(spec)
+    except (ValueError, ImportError) as e:
+        raise EvalError(f"benchmark 'organism-d{difficulty}': {e}") from None
+    examples = OrganismTask(seed=0, difficulty=difficulty, split="test").examples(limit or 200)
+    return Benchmark(name=f"organism_d{difficulty}", source=f"organism-d{difficulty}", split="test",
+                     examples=examples, reward=spec, reward_fn=fn)
+
+
 def load_benchmark(
     source: str,
     *,
@@ -84,8 +105,9 @@ def load_benchmark(
     """Load and validate one benchmark, and resolve its reward.
 
     ``source`` is ``arithmetic`` / ``arithmetic-dN`` (the synthetic task's test split at difficulty
-    N, seed 0, ``limit`` problems, default 100), a named benchmark (``gsm8k``, ``math500``,
-    ``aime24``, ``amc``, ``minerva``, ``olympiadbench``, or an alias), read from ``data_dir`` /
+    N, seed 0, ``limit`` problems, default 100), ``organism`` / ``organism-dN`` (the model organism's
+    test split, difficulty 3 unless N is given, seed 0, default 200 problems), a named benchmark (``gsm8k``,
+    ``math500``, ``aime24``, ``amc``, ``minerva``, ``olympiadbench``, or an alias), read from ``data_dir`` /
     ``$TETHER_DATA_DIR`` / the hub by :func:`tether.tasks.load_examples` with split ``test`` unless ``split`` says
     otherwise; or a ``.jsonl``/``.json``/``.parquet`` file (fields chosen by ``prompt_key`` /
     ``answer_key``), or a hub id. The reward is ``reward`` when given, else
@@ -101,6 +123,9 @@ def load_benchmark(
     m = _ARITHMETIC_RE.fullmatch(str(source))
     if m and not Path(str(source)).expanduser().exists():
         return _arithmetic_benchmark(int(m.group(1) or 1), limit, reward)
+    m = _ORGANISM_RE.fullmatch(str(source))
+    if m and not Path(str(source)).expanduser().exists():
+        return _organism_benchmark(int(m.group(1) or 3), limit, reward)
 
     named = resolve_dataset_name(str(source))
     is_file = Path(str(source)).expanduser().is_file()

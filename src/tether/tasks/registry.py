@@ -61,6 +61,41 @@ def arithmetic_task(cfg) -> Callable[[int], Any]:
     return ArithmeticTask(seed=cfg.train.seed, difficulty=cfg.data.difficulty, split="train").example
 
 
+#: ``tether train --task organism``: the organism's RL regime (docs/organism.md): difficulty 3, where it starts
+#: weak; 200 steps of 6 prompts x 8 samples; held-out greedy accuracy on 200 test problems every 20 steps
+ORGANISM_PRESET = {"model.name": "organism", "data.task": "organism", "data.difficulty": 3, "train.steps": 200,
+                   "train.lr": 1e-4, "rollout.max_new_tokens": 48, "rollout.temperature": 1.0, "eval.limit": 200,
+                   "eval.every": 20, "eval.max_new_tokens": 48, "run.save_every": 50}
+
+
+def _organism_check(cfg) -> list[str]:
+    from ..organism.problems import MAX_DIFFICULTY
+
+    d = cfg.data.difficulty
+    return [] if 1 <= d <= MAX_DIFFICULTY else [f"data.difficulty must be 1-{MAX_DIFFICULTY} for data.task=organism, "
+                                                 f"got {d}"]
+
+
+def _organism_test_set(cfg, limit: int):
+    """The organism task's test split (never trained on) at ``data.difficulty``, with its reward."""
+    from .organism import OrganismTask
+    from .rewards import load_reward
+
+    return OrganismTask(seed=0, difficulty=cfg.data.difficulty, split="test").examples(limit), load_reward("arithmetic")
+
+
+@TASKS.register("organism", reward="arithmetic", about="the model organism's task (docs/organism.md)",
+                ignores=("prompt_key", "answer_key", "data_dir", "split", "limit", "shuffle"),
+                check=_organism_check, held_out={"organism": "organism"}, test_set=_organism_test_set,
+                preset=ORGANISM_PRESET)
+def organism_task(cfg) -> Callable[[int], Any]:
+    """The model organism's problems (``data.difficulty`` operations each; use 3, where it starts weak):
+    an endless seeded stream."""
+    from .organism import OrganismTask
+
+    return OrganismTask(seed=cfg.train.seed, difficulty=cfg.data.difficulty, split="train").example
+
+
 def _dataset_reward(cfg) -> str:
     from .data import default_reward_name
 

@@ -1,0 +1,9 @@
+"""The model organism (docs/organism.md): a small Llama tether builds itself, its problems and its task.
+
+* :mod:`tether.organism.problems` -- the problems (chains of two-digit sums), pure and seeded;
+* :mod:`tether.organism.build` -- the tokenizer, the model, its SFT build and the cache (``model.name=organism``).
+"""
+
+from .build import DEFAULT_SPEC, ORGANISM_MODEL_NAME, OrganismSpec, build_organism, char_tokenizer, organism_path
+
+__all__ = ["DEFAULT_SPEC", "ORGANISM_MODEL_NAME", "OrganismSpec", "build_organism", "char_tokenizer", "organism_path"]

@@ -1,0 +1,211 @@
+"""The model organism: a small Llama that tether builds itself, on which an RL run takes minutes.
+
+``model.name=organism`` (any command) resolves to it. The first use builds it, deterministically and
+offline, into the cache (``$TETHER_CACHE`` or ``~/.cache/tether``, the GGUF cache's place), under a name
+keyed by the content of its build spec; later uses, by any process, reuse that directory:
+
+1. a character-level tokenizer (:func:`char_tokenizer`: printable ASCII, one token a character, the
+   ChatML special tokens), so the organism reads any text an environment shows it;
+2. a randomly initialised Llama of :class:`OrganismSpec`'s shape;
+3. ``tether sft`` (a subprocess of this Python) on :attr:`OrganismSpec.rows` generated, verified worked
+   solutions of :mod:`tether.tasks.organism`: plain problems (``Q:``) of difficulties 1-3, mostly 1-2,
+   and calculator-environment episodes (``C:``) that mostly solve by hand but sometimes call the
+   calculator once (``<calc>`` the whole expression, its ``<result>`` masked, then the answer);
+4. ``tether export`` of the SFT run into the cache directory.
+
+What it leaves for RL: at difficulty 3 (``data.task=organism``, its default) greedy decoding is right
+on a minority of the held-out problems (docs/organism.md has the measured figures), and in the
+calculator environment (``rollout.agent=multi_turn env.name=organism_calc``) greedy decoding rarely
+calls the tool it has been shown, so RL can teach it to.
+
+Several processes asking at once (a sweep's lanes) build it once: the build holds a lock in the cache,
+and the others wait for it, then read the finished directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import random
+import shutil
+import string
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from ..errors import ModelLoadError
+from ..gguf import default_cache_dir
+from .problems import CALC, QUESTION, draw, expression, solution_text, solve
+
+__all__ = ["ORGANISM_MODEL_NAME", "OrganismSpec", "char_tokenizer", "organism_path", "build_organism",
+           "sft_rows", "DEFAULT_SPEC"]
+
+#: ``model.name`` of the organism.
+ORGANISM_MODEL_NAME = "organism"
+#: Bumped whenever the build itself (not its spec) changes what it makes: part of the cache key.
+BUILD_VERSION = 1
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+_CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class OrganismSpec:
+    """Everything that determines the organism (its cache key is a hash of these and BUILD_VERSION)."""
+
+    hidden_size: int = 128  # model width
+    layers: int = 4  # transformer blocks
+    heads: int = 4  # attention heads (as many key-value heads)
+    context: int = 256  # max_position_embeddings: prompt + response tokens
+    rows: int = 96000  # generated SFT rows (steps x batch_size: each row is seen once)
+    difficulty_mix: tuple = (0.3, 0.4, 0.3)  # share of difficulty 1, 2, 3 among the rows
+    calc_share: float = 0.2  # share of rows that are calculator-environment episodes (prompt "C:")
+    call_share: float = 0.2  # of those, the share that call the calculator (the rest solve by hand)
+    steps: int = 1500  # SFT optimizer steps
+    batch_size: int = 64  # rows per SFT step
+    lr: float = 3e-3  # SFT peak learning rate (cosine to 0 after warm-up)
+    warmup_steps: int = 100  # SFT linear warm-up steps (at most a tenth of the steps)
+    seed: int = 0  # seeds the rows, the initialization and the SFT order
+
+    def key(self) -> str:
+        """The cache key: a hash of the spec and the build's version."""
+        blob = json.dumps({"version": BUILD_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+DEFAULT_SPEC = OrganismSpec()
+
+
+def char_tokenizer():
+    """A character-level tokenizer: the ChatML specials (ids 0-3), then one token per printable ASCII
+    character (``string.printable``, tab and newline included); eos ``<|im_end|>``, pad ``<pad>``, left
+    padding, a ChatML chat template. Text outside that alphabet maps to ``<|endoftext|>`` (unknown)."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(string.printable) - set("\x0b\x0c\r"))
+    vocab = {t: i for i, t in enumerate(_SPECIALS + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
+    tok.add_special_tokens(_SPECIALS)
+    tok.decoder = decoders.Fuse()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<|endoftext|>", bos_token="<|im_start|>",
+                                 eos_token="<|im_end|>", pad_token="<pad>", padding_side="left")
+    hf.chat_template = _CHATML
+    return hf
+
+
+def sft_rows(spec: OrganismSpec) -> list[dict]:
+    """The SFT rows (docs/sft.md's formats), a pure function of ``spec``: plain problems as
+    prompt / completion pairs; calculator episodes as segments, the ``<result>`` masked exactly as the
+    ``organism_calc`` environment shows it."""
+    rng = random.Random(f"organism-rows|{spec.seed}")
+    rows = []
+    for i in range(spec.rows):
+        d = rng.choices((1, 2, 3), weights=spec.difficulty_mix)[0]
+        start, ops = draw("train", spec.seed, d, i)
+        expr, answer = expression(start, ops), solve(start, ops)[-1]
+        if rng.random() >= spec.calc_share:
+            rows.append({"prompt": QUESTION + expr, "completion": solution_text(start, ops)})
+        elif rng.random() >= spec.call_share:
+            rows.append({"prompt": CALC + expr, "completion": solution_text(start, ops)})
+        else:
+            rows.append({"messages": [{"role": "user", "content": CALC + expr}, {"role": "assistant", "content": [
+                {"text": f"<calc>{expr}</calc>", "train": True},
+                {"text": f"<result>{answer}</result>", "train": False},
+                {"text": f"\n#### {answer}", "train": True}]}]})
+    return rows
+
+
+def _write_base(spec: OrganismSpec, path: Path) -> None:
+    """The randomly initialised model and the tokenizer, as a Hugging Face directory."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tok = char_tokenizer()
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=spec.hidden_size, intermediate_size=3 * spec.hidden_size,
+                         num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.heads,
+                         max_position_embeddings=spec.context, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def _tether(args: list[str], log: Callable[[str], None]) -> None:
+    """Run ``python -m tether ARGS`` (this interpreter), streaming nothing; a failure is a ModelLoadError
+    carrying the tail of its output."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                        os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "tether", *args], capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-15:])
+        raise ModelLoadError(f"building the organism: `tether {args[0]}` failed (exit {p.returncode}):\n{tail}")
+
+
+def _build(spec: OrganismSpec, final: Path, log: Callable[[str], None]) -> None:
+    """Build into a temporary directory beside ``final`` and rename it into place."""
+    work = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        t0 = time.time()
+        _write_base(spec, work / "base")
+        with open(work / "rows.jsonl", "w") as f:
+            for row in sft_rows(spec):
+                f.write(json.dumps(row) + "\n")
+        log(f"[tether] building the organism ({spec.steps} SFT steps; once, cached in {final})")
+        _tether(["sft", "--data", str(work / "rows.jsonl"), "--model", str(work / "base"), "--output-dir",
+                 str(work / "sft"), f"train.steps={spec.steps}", f"train.batch_size={spec.batch_size}",
+                 f"train.micro_batch_size={spec.batch_size}", f"train.lr={spec.lr}",
+                 f"train.warmup_steps={min(spec.warmup_steps, spec.steps // 10)}", f"train.seed={spec.seed}",
+                 "run.progress=false", "run.plot=false", f"run.save_every={spec.steps}", "run.keep_checkpoints=1"], log)
+        _tether(["export", str(work / "sft"), str(work / "model")], log)
+        seconds = time.time() - t0
+        (work / "model" / "organism.json").write_text(json.dumps(
+            {"spec": dataclasses.asdict(spec), "key": spec.key(), "build_version": BUILD_VERSION,
+             "build_seconds": round(seconds, 1)}, indent=1) + "\n")
+        os.replace(work / "model", final)
+        log(f"[tether] organism built in {seconds:.0f} s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def organism_path(spec: Optional[OrganismSpec] = None, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where ``spec``'s organism (default: :data:`DEFAULT_SPEC`) lives in the cache (built or not)."""
+    spec = spec or DEFAULT_SPEC
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    return root / f"organism-{spec.key()}"
+
+
+def build_organism(spec: Optional[OrganismSpec] = None, cache_dir: str | os.PathLike | None = None,
+                   log: Optional[Callable[[str], None]] = None) -> Path:
+    """The organism's Hugging Face directory (``spec`` default: :data:`DEFAULT_SPEC`), built on first use
+    (module docstring) and reused after."""
+    spec = spec or DEFAULT_SPEC
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    final = organism_path(spec, cache_dir)
+    if (final / "organism.json").is_file():
+        return final
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(final.parent / f".{final.name}.lock", "w")
+    except OSError as e:
+        raise ModelLoadError(f"cannot build the organism in {final.parent}: {e.strerror or e}") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building it: wait, then reuse its result
+        if not (final / "organism.json").is_file():
+            _build(spec, final, log)
+    return final
