@@ -11,6 +11,7 @@ import pytest
 
 from tether.algo.recipes import ConfigError
 from tether.envs import ENVS, Env, FinalTurn, Start, StepResult, TextEnv, make_env
+from tether.errors import EnvError
 from tether.tasks import Example
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "environments.md"
@@ -145,10 +146,10 @@ def test_step_checks_its_actions_and_results():
 
 
 def test_a_subclass_that_writes_nothing_says_so():
-    env = TextEnv()
-    with pytest.raises(NotImplementedError, match="start"):
+    env = TextEnv()  # the NotImplementedError comes back as an EnvError naming the method and the example
+    with pytest.raises(EnvError, match=r"TextEnv.start on example .*NotImplementedError: TextEnv must define start"):
         env.reset(EXAMPLES[0])
     env.start = lambda ex: Start(prompt=ex.prompt)
     env.reset(EXAMPLES[0])
-    with pytest.raises(NotImplementedError, match="act"):
+    with pytest.raises(EnvError, match=r"TextEnv.act on example .*must define act"):
         env.step(["x"])

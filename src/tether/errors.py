@@ -36,6 +36,13 @@ class RewardError(ValueError):
     """A reward spec cannot be loaded (an unknown name, a module that fails to import, no such function)."""
 
 
+class EnvError(ValueError):
+    """A user's environment broke its contract (``tether.envs.base``): one of its methods raised, or returned
+    what an agent cannot use (not a ``StepResult``, an observation that is not text, a non-finite reward, fewer
+    results than actions, an episode kept going past its turn budget). The message names the environment's
+    class, the method and the example."""
+
+
 class GenerationError(RuntimeError):
     """Generation cannot go on: non-finite logits, or a prompt longer than the model's context."""
 
@@ -75,7 +82,7 @@ def json_error(e: json.JSONDecodeError) -> str:
     return e.msg if isinstance(e, JSONTooDeep) else f"{e.msg} at column {e.colno}"
 
 
-USER_ERRORS = (EvalError, RunError, OutputError, ModelLoadError, RewardError, GenerationError)
+USER_ERRORS = (EvalError, RunError, OutputError, ModelLoadError, RewardError, GenerationError, EnvError)
 
-__all__ = ["EvalError", "GenerationError", "JSONTooDeep", "ModelLoadError", "OutputError", "RewardError", "RunError",
-           "USER_ERRORS", "json_error", "loads_json", "read_utf8"]
+__all__ = ["EnvError", "EvalError", "GenerationError", "JSONTooDeep", "ModelLoadError", "OutputError", "RewardError",
+           "RunError", "USER_ERRORS", "json_error", "loads_json", "read_utf8"]

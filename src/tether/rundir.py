@@ -25,6 +25,11 @@ What ``tether.train.train`` / ``resume`` do with a run directory ``RUN`` (throug
 * **Write errors** while training (disk full, quota, read-only, permissions) become a `RunError`
   naming the path (:meth:`RunDirectory.write_errors`); the checkpoint and log writers leave no
   partial checkpoint and no torn row, so ``--resume`` continues once space is freed.
+* **An environment that fails at once.** A user's environment is first run at the first step (its
+  ``step`` needs the policy's turns). If it breaks its contract there (an `EnvError`) before that
+  step is logged, a fresh run removes what it wrote (:meth:`RunDirectory.discard_unstarted`): there
+  is nothing to resume, and a half-made directory would only block the rerun. A later failure keeps
+  the run, as any other error does.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from typing import Any, Callable, Optional
 
 from . import distributed as dist
 from .checkpoint import checkpoints, pid_alive
-from .errors import OutputError, RunError, loads_json
+from .errors import EnvError, OutputError, RunError, loads_json
 from .metrics import warn
 from .owned import MARKER, RUN_KINDS, check_replaceable, run_kind, write_marker
 from .stop import resume_hint
@@ -287,11 +292,39 @@ class RunDirectory:
     def release(self) -> None:
         self.lock.release()
 
+    def discard_unstarted(self) -> bool:
+        """A fresh run that stopped before its first step was logged (no metrics row, no checkpoint): remove what
+        it wrote, and the directory if this run created it (rank 0; then the lock is released). True if removed.
+        Nothing is removed unless every entry is one a run writes (`tether.owned`)."""
+        p = self.path
+        if not (self.fresh and self.lock.held and dist.is_main()) or checkpoints(p):
+            return False
+        try:
+            if (p / "metrics.jsonl").is_file() and (p / "metrics.jsonl").stat().st_size:
+                return False
+            names = check_replaceable(p, self.kind, ignore=(LOCK_NAME,))
+            for name in names:
+                (shutil.rmtree if (p / name).is_dir() and not (p / name).is_symlink() else os.unlink)(p / name)
+        except (OSError, OutputError):
+            return False
+        self.release()
+        if self._created:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        what = "removed the run directory" if self._created else "removed what the run wrote in"
+        self.log(f"[tether] {what} {p}: the run stopped before its first step")
+        return True
+
     @contextlib.contextmanager
     def write_errors(self):
-        """Disk full, quota, read-only or permission errors on a path of the run: a `RunError` naming it."""
+        """Disk full, quota, read-only or permission errors on a path of the run: a `RunError` naming it. And an
+        environment that breaks its contract before the first step is logged: the fresh run is discarded
+        (:meth:`discard_unstarted`) and the `EnvError` goes on."""
         try:
             yield
+        except EnvError:
+            self.discard_unstarted()
+            raise
         except OSError as e:
             if e.errno not in WRITE_ERRNOS or not self._inside(e.filename):
                 raise

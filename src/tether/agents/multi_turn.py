@@ -14,6 +14,13 @@ Observations take one of two forms (``observation_format``): ``raw``, text insid
 assistant turn (Search-R1's format), or ``chat``, a turn of the chat template
 (:mod:`tether.agents.chat_turns`, token-exact as well).
 
+The environment is a user's code: what its ``reset``, ``step`` and ``finish`` return is checked
+(``tether.envs.base``: a ``Start`` with a text or chat prompt, one ``StepResult`` per action with a text
+observation and a finite reward part), and anything it raises or returns amiss is an ``EnvError`` naming
+its class, the method and the example. No loop waits on it behaving: an episode still active after the
+environment's ``max_turns`` turns is an ``EnvError``, and one whose context is full ends even if the
+environment ignores ``cut``.
+
 Budgets: ``params.max_new_tokens`` new tokens per policy turn; ``max_obs_tokens`` per observation
 (raw format: cut keeping the environment's ``observation_tail`` and the final-turn note; chat format:
 the observation's text is cut and the template closes its turn); ``max_context`` tokens of prompt +
@@ -49,6 +56,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..envs.base import call_env, check_count, check_result, check_start, env_error
 from ..rollout.base import RolloutBatch, SamplingParams
 from ..tasks.base import Example
 from ..tasks.prompts import agent_prompt_encoder, chat_messages
@@ -65,6 +73,7 @@ class _Episode:
 
     index: int
     prompt: list[int]
+    example: Optional[Example] = None  # what it runs on (errors of the environment name its id)
     messages: Optional[list] = None  # the conversation so far (chat observation format)
     start_info: dict = field(default_factory=dict)  # what the environment's reset said of the episode
     pending: tuple = ("", ())  # chat format: the text and ids of turns not yet closed by an observation
@@ -99,8 +108,10 @@ class _EnvPrompts:
         self.agent, self.context = agent, agent.encoder.context
 
     def _prompt(self, ex: Example):
-        start = getattr(self.agent.env, "start", None)
-        return start(ex).prompt if callable(start) else ex.prompt
+        env = self.agent.env
+        start = getattr(env, "start", None)
+        return check_start(env, "start", ex, call_env(env, "start", ex, start, ex)).prompt if callable(start) \
+            else ex.prompt
 
     def encode(self, examples: Sequence[Example], max_new_tokens: int) -> list[list[int]]:
         return [self.agent._encode(self._prompt(ex), ex, max_new_tokens)[0] for ex in examples]
@@ -167,11 +178,16 @@ class MultiTurnAgent:
         eps, first = self._start(examples, params)
         key, t_gen, t_env = next(_SESSIONS), 0.0, 0.0
         self._got_logp = True
+        budget = self._turn_budget()
         try:
-            for turn in itertools.count():
+            for turn in range(budget + 1):  # bounded whatever the environment does
                 active = [e for e in eps if not e.done]
                 if not active:
                     break
+                if turn == budget:
+                    raise env_error(self.env, "step", [e.example for e in active], f"kept {len(active)} episode(s) "
+                                    f"going after {budget} turns, its max_turns: an environment ends each episode "
+                                    f"within its turn budget (a done StepResult)")
                 t0 = time.perf_counter()
                 outs = self._decode(active, params, turn, first if turn == 0 else None, key)
                 t_gen += time.perf_counter() - t0
@@ -181,10 +197,13 @@ class MultiTurnAgent:
                     if e.length >= self.max_context:
                         self.env.cut(e.index)  # the context is full: this turn is its last
                 t0 = time.perf_counter()
-                results = self.env.step([text for _, _, text, _ in outs])
+                results = self._step(active, [text for _, _, text, _ in outs])
                 t_env += time.perf_counter() - t0
                 for e, r, (ids, _, text, reason) in zip(active, results, outs):
                     self._after(e, r, ids, text, reason)
+                    if not e.done and e.length >= self.max_context:  # full, and the environment ignored cut
+                        e.done, e.finish = True, "length"
+                        self.env.end(e.index)
                 if self.sessions:
                     self.engine.release([(key, e.index) for e in active if e.done])
         finally:
@@ -192,7 +211,10 @@ class MultiTurnAgent:
                 self.engine.release([(key, e.index) for e in eps])
         rb = self._batch(eps, params.n, t_gen)
         for e, text in zip(eps, rb.texts):
-            rb.info[e.index].update(self.env.finish(e.index, text), start=e.start_info)
+            record = call_env(self.env, "finish", e.example, self.env.finish, e.index, text)
+            if not isinstance(record, dict):
+                raise env_error(self.env, "finish", e.example, f"returned a {type(record).__name__}, not a dict")
+            rb.info[e.index].update(record, start=e.start_info)
         self._count(eps, t_env)
         return rb
 
@@ -200,18 +222,31 @@ class MultiTurnAgent:
         """Open ``n`` episodes per example; returns them and, when each example's ``n`` prompts are the
         same, one prompt per example (turn 0 then samples ``n`` per prompt, sharing the prompt)."""
         eps, shared = [], []
+        env = self.env
         for ex in examples:
-            starts = [self.env.reset(ex) for _ in range(params.n)]
+            starts = [check_start(env, "reset", ex, call_env(env, "reset", ex, env.reset, ex)) for _ in range(params.n)]
             keys, seen = [_prompt_key(s.prompt) for s in starts], {}
             for s, key in zip(starts, keys):  # each distinct opening prompt tokenized once (usually all n are one)
                 if key not in seen:
                     seen[key] = self._encode(s.prompt, ex, params.max_new_tokens)
             encoded = [seen[key] for key in keys]
             for (ids, messages), s in zip(encoded, starts):
-                eps.append(_Episode(index=len(eps), prompt=list(ids), start_info=dict(s.info),
+                eps.append(_Episode(index=len(eps), prompt=list(ids), example=ex, start_info=dict(s.info),
                                     messages=None if messages is None else list(messages)))  # grows per episode
             shared.append(encoded[0][0] if all(ids == encoded[0][0] for ids, _ in encoded) else None)
         return eps, (shared if all(p is not None for p in shared) else None)
+
+    def _turn_budget(self) -> int:
+        """The most turns an episode may take: the environment's ``max_turns`` (the context's tokens if it has none)."""
+        m = getattr(self.env, "max_turns", None)
+        return m if isinstance(m, int) and not isinstance(m, bool) and m >= 1 else self.max_context
+
+    def _step(self, active: list[_Episode], texts: list[str]) -> list:
+        """The environment's step on the turn's ``texts``: one checked StepResult per active episode."""
+        env, examples = self.env, [e.example for e in active]
+        results = call_env(env, "step", examples, env.step, texts)
+        check_count(env, "step", examples, results)
+        return [check_result(env, "step", e.example, r) for e, r in zip(active, results)]
 
     def _encode(self, prompt, ex: Example, max_new_tokens: int) -> tuple[list[int], Optional[list]]:
         """The opening prompt's ids (fitted in the context) and, in the chat format, its messages."""

@@ -20,18 +20,29 @@ An episode leaves the batch when a step returns ``done`` for it, or when the age
 :class:`TextEnv` keeps that bookkeeping, the turn budget and the final-turn rule; an environment
 subclasses it and writes :meth:`TextEnv.start` and :meth:`TextEnv.act` (or :meth:`TextEnv.act_batch`
 to serve a turn's actions together). docs/environments.md shows one in about 30 lines.
+
+What an environment's code returns is checked where it comes back (:func:`check_start`,
+:func:`check_result`, :func:`call_env`; :class:`TextEnv` for ``start`` / ``act``, the agent for any
+environment's ``reset`` / ``step``): a method that raises, or returns what an agent cannot use, is an
+:class:`~tether.errors.EnvError` naming the environment's class, the method, the example and what was
+wrong (and the line of the environment's file that raised), one ``tether: error:`` line on the command line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import traceback
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence, Union, runtime_checkable
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
+from ..errors import EnvError
 from ..tasks.base import Example
 
-__all__ = ["Prompt", "Start", "StepResult", "FinalTurn", "Episode", "Env", "TextEnv"]
+__all__ = ["Prompt", "Start", "StepResult", "FinalTurn", "Episode", "Env", "TextEnv", "call_env", "check_count",
+           "check_result", "check_start", "env_error"]
 
 #: The first prompt of an episode: plain text (the agent puts it through the chat template as the
 #: user message) or a list of chat messages (``{"role": ..., "content": ...}``, system message included).
@@ -152,6 +163,109 @@ class Env(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
+# ------------------------------------------------------------ checking what an environment's code returns
+
+
+def _examples(examples) -> str:
+    ids = list(dict.fromkeys(getattr(ex, "id", ex) for ex in (examples if isinstance(examples, (list, tuple))
+                                                              else [examples])))  # an example's n episodes: once
+    if len(ids) == 1:
+        return f"example {ids[0]!r}"
+    return f"examples {', '.join(map(repr, ids[:3]))}" + (f" (+{len(ids) - 3} more)" if len(ids) > 3 else "")
+
+
+def env_error(env, method: str, examples, what: str) -> EnvError:
+    """The error for environment ``env``'s ``method`` on ``examples`` (an Example or id, or a list): ``what``
+    was wrong."""
+    return EnvError(f"environment {type(env).__name__}.{method} on {_examples(examples)}: {what}")
+
+
+def _where(env, e: BaseException) -> str:
+    """Where ``e`` was raised, as `` (at FILE:LINE)``: the deepest frame in the environment's own source file,
+    else the deepest frame of all."""
+    frames = traceback.extract_tb(e.__traceback__)
+    try:
+        own = str(Path(inspect.getsourcefile(type(env)) or "").resolve())
+    except TypeError:  # a class without a source file
+        own = ""
+    mine = [f for f in frames if own and str(Path(f.filename).resolve()) == own] or frames
+    return f" (at {Path(mine[-1].filename).name}:{mine[-1].lineno})" if mine else ""
+
+
+def call_env(env, method: str, examples, fn: Callable[..., Any], *args):
+    """``fn(*args)``: a call into environment ``env``'s code (its ``method``, on ``examples``); an exception it
+    raises becomes an `EnvError` naming them, the exception and its line (chained: ``__cause__`` holds it)."""
+    try:
+        return fn(*args)
+    except EnvError:
+        raise
+    except Exception as e:
+        raise env_error(env, method, examples, f"raised {type(e).__name__}: {e}{_where(env, e)}") from e
+
+
+def _a(v) -> str:
+    """The type of ``v`` with its article: "an int", "a str"."""
+    name = type(v).__name__
+    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def check_count(env, method: str, examples: list, results) -> None:
+    """A turn's results as environment ``env``'s ``method`` returned them: a list of one per action (one per
+    example of ``examples``, the active episodes'); else an `EnvError`."""
+    if isinstance(results, (list, tuple)) and len(results) == len(examples):
+        return
+    n = len(results) if isinstance(results, (list, tuple)) else None
+    got = _a(results) if n is None else f"{n} result" + ("" if n == 1 else "s")
+    raise env_error(env, method, examples, f"returned {got} for {len(examples)} actions (one StepResult per action, "
+                                           f"in order)")
+
+
+def check_start(env, method: str, example, start) -> Start:
+    """``start`` as environment ``env``'s ``method`` (``reset`` / ``start``) returned it for ``example``: a
+    :class:`Start` whose prompt is text or a list of chat messages (``{"role", "content"}``); else an `EnvError`."""
+    if not isinstance(start, Start):
+        raise env_error(env, method, example, f"returned {_a(start)} ({_short(start)}), not a Start")
+    p = start.prompt
+    if isinstance(p, list):
+        bad = next((m for m in p if not (isinstance(m, dict) and "role" in m and "content" in m)), None)
+        if not p or bad is not None:
+            what = "an empty list" if not p else f"a list holding {_short(bad)}"
+            raise env_error(env, method, example, f"Start.prompt is {what}; a prompt is text or a non-empty list "
+                                                  f"of chat messages {{\"role\": ..., \"content\": ...}}")
+    elif not isinstance(p, str):
+        raise env_error(env, method, example, f"Start.prompt is {_a(p)} ({_short(p)}), not text or a list of "
+                                              f"chat messages")
+    if not isinstance(start.info, dict):
+        raise env_error(env, method, example, f"Start.info is {_a(start.info)}, not a dict")
+    return start
+
+
+def check_result(env, method: str, example, r) -> StepResult:
+    """One result of environment ``env``'s ``method`` (``act`` / ``act_batch`` / ``step``) for ``example``: a
+    :class:`StepResult` with an observation that is text or None, a finite reward part and an info dict, returned
+    as a copy with its reward a float and its own info dict; anything else is an `EnvError`."""
+    if not isinstance(r, StepResult):
+        raise env_error(env, method, example, f"returned {_a(r)} ({_short(r)}), not a StepResult")
+    if r.observation is not None and not isinstance(r.observation, str):
+        raise env_error(env, method, example, f"the observation is {_a(r.observation)} ({_short(r.observation)}), "
+                                              f"not text or None")
+    try:
+        reward = float(r.reward)
+    except (TypeError, ValueError, OverflowError):
+        raise env_error(env, method, example, f"the reward part is {_a(r.reward)} ({_short(r.reward)}), not a "
+                                              f"number") from None
+    if not math.isfinite(reward):
+        raise env_error(env, method, example, f"a non-finite reward part {reward}")
+    if not isinstance(r.info, dict):
+        raise env_error(env, method, example, f"StepResult.info is {_a(r.info)}, not a dict")
+    return dataclasses.replace(r, reward=reward, info=dict(r.info))
+
+
 class TextEnv:
     """Base class of a text environment: a batch of episodes, a turn budget, a final-turn rule.
 
@@ -204,7 +318,7 @@ class TextEnv:
     def act_batch(self, episodes: Sequence[Episode], actions: Sequence[str]) -> list[StepResult]:
         """The answers to a turn's actions of every active episode, in order (default: :meth:`act`
         on each). Override it to serve them together (one batched tool call)."""
-        return [self.act(e, a) for e, a in zip(episodes, actions)]
+        return [call_env(self, "act", e.example, self.act, e, a) for e, a in zip(episodes, actions)]
 
     def finish(self, index: int, text: str) -> dict:
         """What the environment records of finished episode ``index`` whose whole response text is
@@ -230,7 +344,7 @@ class TextEnv:
         if not self.active():
             self.episodes = []
         ep = Episode(index=len(self.episodes), example=example, max_turns=self.max_turns)
-        start = self.start(example)
+        start = check_start(self, "start", example, call_env(self, "start", example, self.start, example))
         self.episodes.append(ep)
         return start
 
@@ -257,13 +371,12 @@ class TextEnv:
                              f"({len(live)}), got {n}")
         for e in live:
             e.turns += 1
-        results = [dataclasses.replace(r, info=dict(r.info)) for r in self.act_batch(live, [str(a) for a in actions])]
-        if len(results) != len(live):
-            raise ValueError(f"{self.name} environment returned {len(results)} results for {len(live)} actions")
+        own = getattr(self.act_batch, "__func__", None) is not TextEnv.act_batch  # a subclass's act_batch
+        method = "act_batch" if own else "act"
+        results = call_env(self, method, [e.example for e in live], self.act_batch, live, [str(a) for a in actions])
+        check_count(self, method, [e.example for e in live], results)
+        results = [check_result(self, method, e.example, r) for e, r in zip(live, results)]  # copies
         for e, r in zip(live, results):
-            r.reward = float(r.reward)
-            if not math.isfinite(r.reward):
-                raise ValueError(f"{self.name} environment: a non-finite reward part {r.reward} (episode {e.index})")
             r.truncated = not r.done and e.final
             r.done = bool(r.done) or e.final
             if r.done:
