@@ -43,6 +43,7 @@ import math
 import os
 import queue
 import signal
+import threading
 import time
 import traceback
 import weakref
@@ -163,6 +164,7 @@ def _worker_main(rank: int, cfg, shared: "SharedWeights", jobs, results, verify:
     """A local worker: load the model and agent as the trainer does, then answer jobs until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer stops gracefully and then kills its workers
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _thread_lock_for_progress_bars()
     try:
         s = Sampler(cfg, rank, verify, probe)
 
@@ -175,6 +177,17 @@ def _worker_main(rank: int, cfg, shared: "SharedWeights", jobs, results, verify:
     except BaseException as e:  # noqa: BLE001  every failure goes to the trainer, named
         results.put(("error", rank, error_text(e)))
         _linger(jobs, parent)
+
+
+def _thread_lock_for_progress_bars() -> None:
+    """A worker's progress bars (tqdm: the model load's) lock with a thread lock. tqdm's default one is also a
+    multiprocessing RLock, a named semaphore that a worker killed with ``kill -9`` never unlinks, so the resource
+    tracker warned of a "leaked semaphore" when the trainer exited; a worker has no child processes to share it with."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
 
 
 def _next_job(jobs, parent: int, until: float = math.inf) -> Optional[Job]:

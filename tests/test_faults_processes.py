@@ -1,0 +1,66 @@
+"""Faults of a probe (issue #37) around tether's other processes: a rollout worker killed with ``kill -9`` when no
+restart is left (the clean error was followed by the resource tracker's "leaked semaphore" warning), and the
+retrieval server with more half-open connections than workers (a real client waited 9.1 s).
+
+Each test bounds its own waits (a deadline, a thread join with a timeout), so a hang fails it rather than CI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from helpers import DIGITS, cli_args, subprocess_env
+
+pytestmark = pytest.mark.faults
+
+
+@pytest.fixture(scope="module")
+def work(make_workdir):
+    return make_workdir("faults_processes", DIGITS)
+
+
+def _reader(p: subprocess.Popen, lines: list) -> threading.Thread:
+    """A thread that appends ``p``'s output lines to ``lines`` until every writer of the pipe closed it (the
+    trainer, and the resource tracker process that outlives it and prints its warnings last)."""
+    def read():
+        for line in p.stdout:
+            lines.append(line)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_killed_worker_without_restarts_leaks_no_semaphore(work, tiny_model_dir, tmp_path):
+    """`train.worker_restarts=0` and its rollout worker killed (kill -9) after the first step: the one error line,
+    and no `resource_tracker: ... leaked semaphore` warning after it (the worker's model-load progress bar made a
+    multiprocessing lock, a named semaphore a killed process never unlinks)."""
+    run = tmp_path / "run"
+    args = cli_args(work, tiny_model_dir, run, 10_000, "grpo", **{
+        "train.max_staleness": 1, "train.worker_restarts": 0, "eval.before": False, "eval.after": False})
+    p = subprocess.Popen([sys.executable, "-m", "tether", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=subprocess_env(OMP_NUM_THREADS="1"))
+    lines: list[str] = []
+    reader = _reader(p, lines)
+    try:
+        deadline = time.monotonic() + 240
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip()):
+            assert p.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.2)
+        pid = next(int(ln.split("pid ")[1].rstrip(")\n")) for ln in lines if "rollout worker 0 started (pid" in ln)
+        os.kill(pid, signal.SIGKILL)
+        assert p.wait(120) == 2, "".join(lines)[-3000:]
+        reader.join(30)  # the resource tracker exits (and closes the pipe) once it has cleaned up
+        assert not reader.is_alive(), "the trainer's output pipe stayed open"
+    finally:
+        if p.poll() is None:
+            p.kill()
+    out = "".join(lines)
+    assert f"rollout worker 0 (pid {pid}) died with exit code -9" in out, out[-3000:]
+    assert "leaked semaphore" not in out, out[-3000:]
