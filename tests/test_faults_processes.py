@@ -6,8 +6,11 @@ Each test bounds its own waits (a deadline, a thread join with a timeout), so a 
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -64,3 +67,63 @@ def test_a_killed_worker_without_restarts_leaks_no_semaphore(work, tiny_model_di
     out = "".join(lines)
     assert f"rollout worker 0 (pid {pid}) died with exit code -9" in out, out[-3000:]
     assert "leaked semaphore" not in out, out[-3000:]
+
+
+# ---------------------------------------------------------------- the retrieval server and half-open connections
+
+
+def _server(tmp_path, **kw):
+    from search_helpers import synthetic_corpus
+    from tether.search.retrievers import BM25Retriever
+    from tether.search.server import RetrievalServer
+
+    r = BM25Retriever(synthetic_corpus(tmp_path / "c.jsonl", 5), cache_dir=tmp_path / "cache")
+    srv = RetrievalServer(r, port=0, **kw).start()
+    host, port = srv.url[len("http://"):].rsplit(":", 1)
+    return srv, host, int(port)
+
+
+def _half_open(host: str, port: int, n_silent: int, n_partial: int) -> list[socket.socket]:
+    """``n_silent`` connections that send nothing and ``n_partial`` that send half a request head, held open."""
+    socks = [socket.create_connection((host, port), timeout=10) for _ in range(n_silent + n_partial)]
+    for s in socks[n_silent:]:
+        s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 40\r\n")  # no blank line
+    return socks
+
+
+def _retrieve(host: str, port: int, timeout: float) -> dict:
+    c = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        c.request("POST", "/retrieve", body=json.dumps({"queries": ["item2"], "topk": 1}),
+                  headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        assert r.status == 200
+        return json.loads(r.read())
+    finally:
+        c.close()
+
+
+def test_half_open_connections_do_not_starve_a_real_client(tmp_path):
+    """70 connections that sent nothing (more than the 64 workers) plus 10 with half a request head each held a
+    worker for its 10 s read timeout: a real client waited 9.1 s. Now a connection gets a worker only once its head
+    has arrived, and the real client is answered while all 80 are still held (its own 5 s timeout fails the test
+    otherwise)."""
+    srv, host, port = _server(tmp_path)  # 64 workers, a 10 s client timeout: the defaults
+    socks = []
+    try:
+        socks = _half_open(host, port, 70, 10)
+        time.sleep(0.3)  # the server has accepted them all
+        t0 = time.monotonic()
+        body = _retrieve(host, port, timeout=5)
+        took = time.monotonic() - t0
+        assert body["result"][0][0]["id"] == "p2"
+        assert took < 3.0, f"answered after {took:.1f} s"
+        for s in socks:  # still open: none was answered or closed meanwhile
+            s.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                s.recv(1)
+    finally:
+        for s in socks:
+            s.close()
+        srv.shutdown()
+

@@ -266,3 +266,25 @@ def test_in_process_server_bind_problems_raise_retrieval_error(tmp_path):
             RetrievalServer(r, port=port)
     with pytest.raises(RetrievalError, match="does not resolve"):
         RetrievalServer(r, host="no.such.host.invalid", port=0)
+
+
+def test_connections_without_a_whole_request_head_are_closed_after_the_client_timeout(tmp_path):
+    """A connection that sends nothing, or half a request head, waits in the server's gate (tether.search.gate)
+    without a worker and is closed `client_timeout` after it connected; the server answers on (one worker)."""
+    r = BM25Retriever(synthetic_corpus(tmp_path / "c.jsonl", 5), cache_dir=tmp_path / "cache")
+    srv = RetrievalServer(r, port=0, workers=1, client_timeout=1.0).start()
+    host, port = srv.url[len("http://"):].rsplit(":", 1)
+    socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(5)]
+    try:
+        for s in socks[3:]:
+            s.sendall(b"POST /retrieve HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # no blank line: half a head
+        deadline = time.monotonic() + 10
+        for s in socks:
+            s.settimeout(max(0.1, deadline - time.monotonic()))
+            assert s.recv(1) == b"", "the server sent something to a connection without a request"
+        status, body = _post(srv.url, json.dumps({"queries": ["item2"], "topk": 1}).encode())
+        assert status == 200 and body["result"][0][0]["id"] == "p2"
+    finally:
+        for s in socks:
+            s.close()
+        srv.shutdown()

@@ -3,8 +3,11 @@
 Built on the standard library's ``http.server`` (no extra dependency). Connections wait in a
 listen backlog of 1024 (the kernel may cap it at ``net.core.somaxconn``; the standard library's
 default of 5 made bursts of clients get reset) and are served by a bounded pool of ``workers``
-daemon threads (64 by default, ``--workers``), in arrival order: a burst beyond the pool waits
-its turn instead of being refused or starting one thread per connection. Reading and parsing
+daemon threads (64 by default, ``--workers``), in the order their requests arrive: a burst beyond
+the pool waits its turn instead of being refused or starting one thread per connection. A
+connection gets a worker only once its request head has arrived (`tether.search.gate`): clients
+that connect and send nothing, or half a head, never hold one, however many there are, and are
+closed ``client_timeout`` after they connected. Reading and parsing
 requests and writing answers run in parallel; the searches themselves run one at a time under
 a lock, because neither built-in index is thread-safe (BM25 shares one PyStemmer stemmer, which
 is not; dense shares one Hugging Face fast tokenizer, which can raise "Already borrowed" when
@@ -47,6 +50,7 @@ from contextlib import nullcontext
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
+from .gate import HeadGate
 from .retrievers import Retriever, RetrievalError, make_retriever
 
 __all__ = ["RetrievalServer", "validate_request", "RequestError", "add_retrieve_parser", "check_listen_address"]
@@ -269,18 +273,20 @@ class _HTTPServer(HTTPServer):
     request_queue_size = LISTEN_BACKLOG
     owner: "RetrievalServer"
 
-    def __init__(self, address: tuple[str, int], family: socket.AddressFamily, workers: int):
+    def __init__(self, address: tuple[str, int], family: socket.AddressFamily, workers: int, head_timeout: float):
         self.address_family = family
-        self._pending: queue.SimpleQueue = queue.SimpleQueue()  # accepted connections waiting for a worker
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()  # connections with a whole request head, for a worker
         self._workers: list[threading.Thread] = []  # a failed bind calls server_close before any starts
+        self._gate = None
         super().__init__(address, _Handler)
+        self._gate = HeadGate(lambda sock, addr: self._pending.put((sock, addr)), self.shutdown_request, head_timeout)
         self._workers = [threading.Thread(target=self._work, name=f"tether-retrieve-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._workers:
             t.start()
 
     def process_request(self, request, client_address) -> None:
-        self._pending.put((request, client_address))
+        self._gate.add(request, client_address)  # a worker takes it once its request head has arrived
 
     def waiting(self) -> bool:
         """Whether accepted connections wait for a worker."""
@@ -315,6 +321,8 @@ class _HTTPServer(HTTPServer):
     def server_close(self) -> None:
         """Close the listening socket; the workers finish the connections already accepted, then stop."""
         super().server_close()
+        if self._gate is not None:
+            self._gate.close()  # connections that never sent a whole head are closed
         for _ in self._workers:
             self._pending.put(None)
         deadline = time.monotonic() + 2.0  # daemon threads: a worker stuck on a slow client is left behind
@@ -358,7 +366,7 @@ class RetrievalServer:
         port = _check_port(port)
         family = _address_family(host, port)
         try:
-            self._httpd = _HTTPServer((host, port), family, int(workers))
+            self._httpd = _HTTPServer((host, port), family, int(workers), self.client_timeout)
         except OSError as e:
             raise _bind_error(host, port, e) from e
         self._httpd.owner = self
