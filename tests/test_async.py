@@ -121,11 +121,13 @@ def test_rollout_correction_needs_a_logp_engine_only_when_synchronous(workdir, t
 # ---------------------------------------------------------------- K >= 1 trains, staleness <= K
 
 
-@pytest.mark.parametrize("k,over", [(1, {"algo.tis_cap": 2.0}), (2, {}), (1, {"train.rollout_workers": 3})])
+@pytest.mark.parametrize("k,over", [(1, {"algo.tis_cap": 2.0}), (2, {}), (1, {"train.rollout_workers": 3}),
+                                    (2, {"train.lr_scale": "ess"})])
 def test_async_trains_with_staleness_at_most_k(k, over, workdir, tiny_model_dir, tmp_path):
     """Every consumed batch is at most K versions old (or dropped, with more than K + 1 workers), tagged with
     the version that sampled it; the loss is finite and the weights move; with algo.tis_cap the correction
-    runs on the workers' log-probs (ratio exactly 1 on a batch of the current version)."""
+    runs on the workers' log-probs (ratio exactly 1 on a batch of the current version). The mismatch metrics
+    and their ESS are logged with or without a correction; train.lr_scale=ess scales each step by it."""
     steps = 5
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", steps, **asynchronous(k, **over))
     t = Trainer(cfg, tmp_path / "run", **QUIET)
@@ -139,10 +141,12 @@ def test_async_trains_with_staleness_at_most_k(k, over, workdir, tiny_model_dir,
         assert m["async/version"] == step - m["async/staleness"]  # the trainer was at version `step`
         assert math.isfinite(m["pg_loss"]) and m["skipped_updates"] == 0
         assert m["async/worker_gen_s"] > 0 and m["async/wait_s"] >= 0
-        if "algo.tis_cap" in over:
-            assert math.isfinite(m["rollout_corr/ratio_mean"])
-            if m["async/staleness"] == 0:
-                assert m["rollout_corr/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+        assert math.isfinite(m["rollout_corr/ratio_mean"]) and 0 < m["rollout_corr/ess_frac"] <= 1
+        if m["async/staleness"] == 0:
+            assert m["rollout_corr/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+            assert m["rollout_corr/ess_frac"] == pytest.approx(1.0, abs=1e-8)
+        if "train.lr_scale" in over:  # one mini-batch: the step's ESS
+            assert m["lr_scale"] == pytest.approx(m["rollout_corr/ess_frac"], rel=1e-12)
     last = ms[-1]
     hist = [last[f"async/staleness_{s}"] for s in range(max(k + 1, cfg.train.rollout_workers))]
     assert sum(hist) == steps and hist == [sum(m["async/staleness"] == s for m in ms) for s in range(len(hist))]
@@ -169,7 +173,10 @@ def test_async_at_staleness_0_is_the_synchronous_loop_bit_for_bit(workdir, tiny_
     finally:
         t.close()
     assert all(m["async/staleness"] == 0 for m in ma)
-    assert [{k: v for k, v in m.items() if not k.startswith("async/")} for m in ma] == ms
+    # the rollout_corr/* metrics are the workers' log-probs against the trainer's (which the synchronous loop has
+    # none of): at the current version, the same numbers up to the engine's numerics
+    assert all(m["rollout_corr/ess_frac"] == pytest.approx(1.0, abs=1e-8) for m in ma)
+    assert [{k: v for k, v in m.items() if not k.startswith(("async/", "rollout_corr/"))} for m in ma] == ms
     assert all(torch.equal(a, b) for a, b in zip(sync.model.parameters(), t.model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(sync.anchor.master, t.anchor.master))
 

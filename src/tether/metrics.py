@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .algo.correction import ess_frac
 from .errors import RunError
 
 
@@ -233,19 +234,26 @@ class UpdateStats:
       denominator, so the step's value is the step's numerator over the step's denominator
       (``rollout_corr/masked_seq_frac``: the step's fully masked responses / its responses with a
       loss token); the denominators are weights, not logged;
-    - `FROM_MEAN`: a non-linear function of a token mean, computed once from the step's mean rather
-      than averaged over micro-batches (``rollout_corr/ppl_ratio`` = exp(the step's
-      ``rollout_corr/kl_k1``)).
+    - `FROM_MEAN`: a non-linear function of means, computed once from the step's means rather than
+      averaged over micro-batches (``rollout_corr/ppl_ratio`` = exp(the step's ``rollout_corr/kl_k1``);
+      ``rollout_corr/ess_frac`` = m1^2 / m2 of the step's means of r and r^2, ``seq_ess_frac`` of the
+      responses' weights); the means it reads (`MOMENTS`) are not logged.
 
     The step is every micro-batch of every mini-batch and epoch of the update, and with ``reduce``
     every data-parallel rank's: numerators and denominators are summed before they are divided.
     ``pad_frac``: the fraction of the positions the micro-batches' forwards laid out that were padding.
-    The ``rollout_corr/*`` definitions: `tether.algo.correction.mismatch_metrics`.
+    The ``rollout_corr/*`` definitions: `tether.algo.correction.mismatch_metrics`. Per optimizer step,
+    `mini_batch_ess` is the same ESS over that step's mini-batch alone (``train.lr_scale``), and
+    ``lr_scale`` (logged when `record_lr_scale` was called) the mean of the multipliers applied.
     """
 
     PARTIAL_SUMS = ("pg_loss", "kl_loss")
-    WEIGHTED_BY = {"rollout_corr/masked_seq_frac": "rollout_corr/n_seqs"}  # metric -> its denominator's
-    FROM_MEAN = {"rollout_corr/ppl_ratio": ("rollout_corr/kl_k1", torch.exp)}  # metric -> (token mean, f)
+    WEIGHTED_BY = {k: "rollout_corr/n_seqs" for k in  # metric -> its denominator's
+                   ("rollout_corr/masked_seq_frac", "rollout_corr/seq_ess_m1", "rollout_corr/seq_ess_m2")}
+    FROM_MEAN = {"rollout_corr/ppl_ratio": (("rollout_corr/kl_k1",), torch.exp),  # metric -> (its means, f)
+                 "rollout_corr/ess_frac": (("rollout_corr/ess_m1", "rollout_corr/ess_m2"), ess_frac),
+                 "rollout_corr/seq_ess_frac": (("rollout_corr/seq_ess_m1", "rollout_corr/seq_ess_m2"), ess_frac)}
+    MOMENTS = ("rollout_corr/ess_m1", "rollout_corr/ess_m2", "rollout_corr/seq_ess_m1", "rollout_corr/seq_ess_m2")
 
     def __init__(self):
         self.weighted: dict[str, torch.Tensor] = {}
@@ -254,7 +262,8 @@ class UpdateStats:
         self.extreme: dict[str, torch.Tensor] = {}
         self.derived: list[str] = []  # FROM_MEAN metrics reported
         self.weight = self.entropy = self.entropy_tokens = self.train_tokens = self.positions = 0
-        self.mini_batches, self.grad_norms = 0, []
+        self.mini_batches, self.grad_norms, self.lr_scales = 0, [], []
+        self._ess_sums = self._last_ess_sums = None  # [sum w, sum w^2, N] of tokens, then of responses
 
     def add(self, metrics: dict, entropy_sum: torch.Tensor, entropy_tokens: torch.Tensor,
             train_tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> None:
@@ -279,6 +288,11 @@ class UpdateStats:
                 self.extreme[k] = v if k not in self.extreme else pick(self.extreme[k], v)
             else:
                 self.weighted[k] = self.weighted.get(k, 0) + v * w
+        if "rollout_corr/ess_m1" in metrics:  # this mini-batch's sums of the ESS weights (mini_batch_ess)
+            n, ns = torch.as_tensor(w).double(), metrics["rollout_corr/n_seqs"].double()
+            sums = torch.stack([metrics["rollout_corr/ess_m1"] * n, metrics["rollout_corr/ess_m2"] * n, n,
+                                metrics["rollout_corr/seq_ess_m1"] * ns, metrics["rollout_corr/seq_ess_m2"] * ns, ns])
+            self._ess_sums = sums if self._ess_sums is None else self._ess_sums + sums
         self.weight = self.weight + w
         self.entropy = self.entropy + entropy_sum
         self.entropy_tokens = self.entropy_tokens + entropy_tokens
@@ -291,6 +305,20 @@ class UpdateStats:
 
     def end_mini_batch(self) -> None:
         self.mini_batches += 1
+        self._last_ess_sums, self._ess_sums = self._ess_sums, None
+
+    def mini_batch_ess(self, level: str = "token", reduce=None) -> torch.Tensor:
+        """ESS / N (`tether.algo.correction.ess_frac`) of the mini-batch just ended: its tokens' weights r_t
+        (``level`` token) or its responses' prod_t r_t (``sequence``), over every micro-batch and, with
+        ``reduce`` (the all-reduce; every rank must call it), every rank. 1 without a weight."""
+        sums = self._last_ess_sums if self._last_ess_sums is not None else torch.zeros(6, dtype=torch.float64)
+        sums = (reduce or (lambda x, op="sum": x))(sums)
+        s1, s2, n = sums[:3] if level == "token" else sums[3:]
+        return ess_frac(s1 / n.clamp_min(1), s2 / n.clamp_min(1))
+
+    def record_lr_scale(self, scale: torch.Tensor) -> None:
+        """The LR multiplier of an optimizer step (``train.lr_scale``); ``lr_scale`` is their mean."""
+        self.lr_scales.append(scale)
 
     def result(self, reduce=None) -> dict[str, float]:
         """The metrics row: every tensor read here, once.
@@ -309,11 +337,16 @@ class UpdateStats:
         w = torch.as_tensor(weight).clamp_min(1.0)
         means = {k: v / (torch.as_tensor(denominators[k]).clamp_min(1.0) if k in denominators else w)
                  for k, v in weighted.items()}
-        derived = {k: self.FROM_MEAN[k][1](torch.as_tensor(means[self.FROM_MEAN[k][0]], dtype=torch.float64))
-                   for k in self.derived if self.FROM_MEAN[k][0] in means}
-        names = (list(means) + list(derived) + list(partial) + list(extreme)
+        derived = {k: self.FROM_MEAN[k][1](*(torch.as_tensor(means[m], dtype=torch.float64)
+                                             for m in self.FROM_MEAN[k][0]))
+                   for k in self.derived if all(m in means for m in self.FROM_MEAN[k][0])}
+        for k in self.MOMENTS:
+            means.pop(k, None)
+        scales = ({"lr_scale": torch.stack([x.to(self.lr_scales[0].device) for x in self.lr_scales]).mean()}
+                  if self.lr_scales else {})
+        names = (list(means) + list(derived) + list(scales) + list(partial) + list(extreme)
                  + ["_entropy", "_tokens", "_pad_frac"])
-        vals = (list(means.values()) + list(derived.values())
+        vals = (list(means.values()) + list(derived.values()) + list(scales.values())
                 + [v / max(self.mini_batches, 1) for v in partial.values()]
                 + list(extreme.values())
                 + [torch.as_tensor(entropy) / torch.as_tensor(entropy_tokens).clamp_min(1),

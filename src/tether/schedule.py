@@ -4,6 +4,12 @@ Per optimizer step the LR is ``train.lr`` times a multiplier (`multiplier`): a l
 ``train.warmup_steps``, then constant, or a cosine / linear decay to 0 at the last optimizer step
 (``train.steps x train.epochs x train.mini_batches``; skipped updates do not count).
 
+With ``train.lr_scale`` (``ess`` / ``seq_ess``) each optimizer step applies that LR times the ESS
+multiplier of its mini-batch, ``clip((ESS/N)^p, floor, 1)`` (`tether.algo.correction.lr_scale`):
+`tether.optim.optimizer_step` sets it on the optimizer for that one ``optimizer.step()``, and the
+scheduler's next step lays the LR from its base LR and multiplier again. The multiplier is no part of
+the schedule's state (``last_epoch``, base LRs, ``plan``), so checkpoints and resumes are unchanged.
+
 `LRSchedule` owns the optimizer's ``LambdaLR`` (``.scheduler``, checkpointed beside the optimizer)
 and the ``plan`` that lays out its multiplier (a dict, saved in the trainer state). On resume,
 ``continue_from(saved_plan, ...)`` goes on exactly when the plan is unchanged, and re-lays the decay

@@ -37,6 +37,8 @@ import torch
 from . import distributed as dist
 from .agents import agent_from_config, agent_tools, env_reward, reward_parts
 from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, overlong_penalty, zero_variance_groups
+from .algo.correction import lr_scale
+from .algo.recipes import ConfigError
 from .anchor import make_anchor
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, to_dict
@@ -233,9 +235,9 @@ class Trainer:
                             packed=self.cfg.train.packing, **self._fwd)
         mask = b.loss_mask[idx, :T]
         kw = head_inputs(n, st, head_ids, sl(b.head_ref_logp), mb.response_ids, mask)  # as loss_needs says
-        samp = mb.sampler_logp if n.sampler_logp else None  # the engine's log-probs (rollout correction)
+        # the engine's log-probs, whenever the batch has them: the correction, and the rollout_corr/* metrics (ESS)
         inputs = LossInputs(logp=st.logp, mask=mask, adv=b.adv[idx], old_logp=sl(b.old_logp), ref_logp=sl(b.ref_logp),
-                            sampler_logp=samp, num_tokens=num_tokens, num_seqs=num_seqs,
+                            sampler_logp=mb.sampler_logp, num_tokens=num_tokens, num_seqs=num_seqs,
                             max_len=self.cfg.rollout.max_new_tokens, **kw)
         return inputs, st.entropy.detach()
 
@@ -249,6 +251,10 @@ class Trainer:
         busiest (``dist.lockstep``: each backward reduce-scatters the gradients under FSDP).
         """
         t, B, stats = self.cfg.train, b.global_rows or len(b.rb), UpdateStats()
+        if t.lr_scale != "none" and b.rb.sampler_logp is None:
+            raise ConfigError(f"train.lr_scale={t.lr_scale} needs the engine's log-probs of the sampled tokens, and "
+                              f"step {self.step + 1}'s batch has none (rollout.agent={self.cfg.rollout.agent} did not "
+                              f"pass them on)")
         g = torch.Generator().manual_seed(t.seed * 31337 + self.step)
         for _ in range(t.epochs):
             perm = torch.randperm(B, generator=g).tolist() if t.mini_batches > 1 else list(range(B))
@@ -272,8 +278,15 @@ class Trainer:
                 "skipped_updates": self.skipped_updates}
 
     def _optimizer_step(self, loss: torch.Tensor, stats: UpdateStats) -> None:
-        """Clip, then step (skipped, weights unchanged, if the loss or gradient is not finite on any rank)."""
-        gn = optimizer_step(self.params, self.optimizer, self.scheduler, loss, self.cfg.train.grad_clip)
+        """Clip, then step (skipped, weights unchanged, if the loss or gradient is not finite on any rank); with
+        ``train.lr_scale`` at the scheduled LR times the ESS multiplier of the mini-batch just ended
+        (`tether.algo.correction.lr_scale`; its sums all-reduced, so every rank applies the same)."""
+        t, scale = self.cfg.train, None
+        if t.lr_scale != "none":
+            ess = stats.mini_batch_ess("token" if t.lr_scale == "ess" else "sequence", reduce=dist.all_reduce)
+            scale = lr_scale(ess, t.lr_scale_floor, t.lr_scale_power)
+            stats.record_lr_scale(scale)
+        gn = optimizer_step(self.params, self.optimizer, self.scheduler, loss, t.grad_clip, lr_scale=scale)
         if gn is None:
             self.skipped_updates += 1
             self.log(skipped_update_line(self.step + 1, self.skipped_updates))

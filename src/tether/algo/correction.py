@@ -55,6 +55,29 @@ enumeration: ``tests/test_correction.py``, ``tests/test_correction_masks.py``):
   practice, whose bias vanishes as mu -> pi_old.
 * ``mask`` is ``token`` that, in addition, drops sequences whose mismatch is large on
   average; with C = inf it equals ``token``.
+
+**Effective sample size** (`ess_frac`: the metrics ``rollout_corr/ess_frac``, ``seq_ess_frac``, and
+``train.lr_scale``). Kish's effective sample size of N weights w_i >= 0, as a fraction of N:
+
+    ESS / N = (sum_i w_i)^2 / (N sum_i w_i^2) = m1^2 / m2,        m_k = (1/N) sum_i w_i^k
+
+It lies in [1/N, 1] (Cauchy-Schwarz; (sum w)^2 >= sum w^2 for w >= 0): exactly 1 when the weights are
+all equal (mu = pi_old: every w = 1), 1/N when one weight carries all the mass; over draws from mu it
+estimates E_mu[w]^2 / E_mu[w^2] = 1 / (1 + chi^2(pi_old || mu)). The weights are the raw ratios
+r = pi_old / mu, before the cap and the masks (how far apart mu and pi_old are, not what the
+correction left of it), at two levels:
+
+    token     w_t = r_t over the loss tokens                         (N = their count)
+    sequence  w_y = prod_t r_t over each response's loss tokens      (N = responses with a loss token)
+
+The sequence weight is the product, not the geometric mean exp(mean_t log r_t): the product is the
+importance weight of the whole response (E_mu[prod_t r_t] = 1; ``tis_mode: sequence`` exactly), so
+its ESS is what a sequence-level IS estimate is worth (VCPO's rho_ess); the geometric mean is a
+length-normalized statistic (``mask_geo``), not a weight of any estimator (E_mu[g] != 1). The price
+is that the sequence ESS falls with the length (log prod_t r_t has about T times a token's variance):
+that is the variance of sequence-level IS. log w is clamped at `ESS_LOG_MAX` before exp (float64), so
+the sums stay finite; a weight that large dominates any batch either way. A step's value is m1^2 / m2
+of the step's means (`mismatch_metrics`), never an average of its micro-batches' ESS.
 """
 
 from __future__ import annotations
@@ -67,6 +90,8 @@ import torch
 from torch import Tensor
 
 TIS_MODES = ("token", "sequence", "mask")
+ESS_LOG_MAX = 300.0  # log w is clamped here before exp in the ESS moments: N e^600 stays a finite float64
+LR_SCALES = ("none", "ess", "seq_ess")  # train.lr_scale: off, or the token / sequence ESS fraction (lr_scale)
 
 # Per-token estimates of KL(mu || pi_old) from log r = log pi_old/mu on tokens drawn from mu
 # (Schulman's k1 / k2 / k3): E_mu[k1] = E_mu[k3] = KL(mu || pi_old); k2 is biased, >= 0.
@@ -168,8 +193,10 @@ def correction_weights(old_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap
         under mu = exp(mean_t(log mu - log pi_old)) over the batch's tokens),
         ``masked_token_frac`` (tokens with w = 0: the masks, and ``mode='mask'``'s veto) and
         ``masked_seq_frac`` (responses with tokens, every one of them masked), with ``n_seqs``
-        (the responses with tokens: ``masked_seq_frac``'s denominator). See `mismatch_metrics` for
-        how a training step combines its micro-batches' values.
+        (the responses with tokens: ``masked_seq_frac``'s denominator), ``ess_frac`` and
+        ``seq_ess_frac`` (ESS / N of the token and response weights r_t, prod_t r_t: module doc), with
+        their moments ``ess_m1``, ``ess_m2``, ``seq_ess_m1``, ``seq_ess_m2``. See `mismatch_metrics`
+        for how a training step combines its micro-batches' values.
     """
     if mode not in TIS_MODES:
         raise ValueError(f"unknown rollout-correction mode {mode!r}. Valid choices: {', '.join(TIS_MODES)}")
@@ -205,8 +232,13 @@ def mismatch_metrics(log_r: Tensor, mask: Tensor, cut: Tensor, dropped: Tensor) 
                           (not a mean of the micro-batches' ratios: exp is not linear)
         masked_seq_frac   the step's fully masked responses / its responses with a loss token (each
                           micro-batch weighted by its ``n_seqs``, not by its tokens)
+        ess_frac          token ESS / N (module doc) = m1^2 / m2 of the step's token means ``ess_m1``,
+                          ``ess_m2`` of r_t and r_t^2 (each micro-batch weighted by its tokens): the
+                          step's (sum w)^2 / (N sum w^2), whatever the split
+        seq_ess_frac      the same of the responses' weights prod_t r_t, from the step's response means
+                          ``seq_ess_m1``, ``seq_ess_m2`` (each micro-batch weighted by its ``n_seqs``)
         n_seqs            responses with a loss token: ``masked_seq_frac``'s denominator (a weight,
-                          not logged)
+                          not logged); the four moments are not logged either
     """
     zero = torch.zeros((), dtype=log_r.dtype, device=log_r.device)
     r = log_r.exp()
@@ -214,6 +246,8 @@ def mismatch_metrics(log_r: Tensor, mask: Tensor, cut: Tensor, dropped: Tensor) 
     tok_mean = lambda x: torch.where(mask, x, zero).sum() / count  # noqa: E731
     rows = mask.any(-1)  # [B] responses with a loss token
     k1 = tok_mean(-log_r)
+    m1, m2 = ess_moments(log_r, mask)
+    s1, s2 = ess_moments(torch.where(mask, log_r, zero).sum(-1), rows)  # w_y = prod_t r_t of each response
     return {
         "rollout_corr/ratio_mean": tok_mean(r),
         "rollout_corr/ratio_max": torch.where(mask.any(), torch.where(mask, r, zero - math.inf).max(), zero + 1),
@@ -225,7 +259,42 @@ def mismatch_metrics(log_r: Tensor, mask: Tensor, cut: Tensor, dropped: Tensor) 
         "rollout_corr/masked_seq_frac": (rows & ~(mask & ~dropped).any(-1)).sum().to(r.dtype)
         / rows.sum().clamp_min(1).to(r.dtype),
         "rollout_corr/n_seqs": rows.sum().to(r.dtype),
+        "rollout_corr/ess_frac": ess_frac(m1, m2),
+        "rollout_corr/seq_ess_frac": ess_frac(s1, s2),
+        "rollout_corr/ess_m1": m1, "rollout_corr/ess_m2": m2,
+        "rollout_corr/seq_ess_m1": s1, "rollout_corr/seq_ess_m2": s2,
     }
+
+
+def ess_moments(log_w: Tensor, keep: Tensor) -> tuple[Tensor, Tensor]:
+    """``(m1, m2)``: the means of w and w^2 over the entries ``keep`` marks (float64; 0, 0 without any),
+    with w = exp(min(log_w, ESS_LOG_MAX)) (module doc)."""
+    zero = torch.zeros((), dtype=torch.float64, device=log_w.device)
+    w = torch.where(keep, log_w.detach().double().clamp(max=ESS_LOG_MAX).exp(), zero)
+    n = keep.sum().clamp_min(1).double()
+    return w.sum() / n, (w * w).sum() / n
+
+
+def ess_frac(m1, m2) -> Tensor:
+    """ESS / N = m1^2 / m2 = (sum w)^2 / (N sum w^2) from the weights' moments (module doc), float64;
+    1 where there is no weight (m2 = 0: no token, or every weight 0), so that an empty batch scales nothing."""
+    m1, m2 = torch.as_tensor(m1, dtype=torch.float64), torch.as_tensor(m2, dtype=torch.float64)
+    return torch.where(m2 > 0, m1 * m1 / torch.where(m2 > 0, m2, torch.ones_like(m2)), torch.ones_like(m2))
+
+
+def lr_scale(ess: Tensor, floor: float = 0.0, power: float = 1.0) -> Tensor:
+    """The learning-rate multiplier of ``train.lr_scale`` for one optimizer step (VCPO's ESS-guided step
+    size, Huang et al. 2026, arXiv 2602.17616):
+
+        lr_step = lr_sched * clip((ESS/N)^p, floor, 1)
+
+    ``ess`` is ESS/N (`ess_frac`) of the tokens (``lr_scale: ess``) or responses (``seq_ess``) of the
+    optimizer step's own mini-batch, all its micro-batches and data-parallel ranks; lr_sched is the
+    schedule's LR (``tether.schedule``). p = 1 (``train.lr_scale_power``) scales the step like the
+    effective batch (the linear rule); p = 1/2 is VCPO's square-root rule for Adam-type optimizers.
+    With mu = pi_old every weight is 1, ESS/N = 1 exactly and the step is unchanged, bit for bit.
+    """
+    return torch.as_tensor(ess, dtype=torch.float64).pow(power).clamp(min=floor, max=1.0)
 
 
 def check_correction(cap: float, mode: str) -> Optional[str]:

@@ -17,7 +17,8 @@ Three policies (``tether.algo.correction``): mu, the behaviour policy that drew 
 (the engine's ``sampler_logp``), pi_old, the proximal policy the trainer recomputes, and pi.
 Rollout correction (``AlgoConfig.tis_cap`` / ``mask_*``) multiplies pg_t by the constant weight
 w_t = W_t M_t (an IS weight of r_t = pi_old / mu, truncated, times masks); the KL term is not
-re-weighted by w. With ``tis_mode: token`` and ``tis_cap: inf`` this is **decoupled PPO**
+re-weighted by w. Given mu's log-probs, the ``rollout_corr/*`` metrics (the mismatch, its ESS) are
+reported with the correction off too. With ``tis_mode: token`` and ``tis_cap: inf`` this is **decoupled PPO**
 (AReaL, Hilton et al.'s proximal-policy form), with no code of its own:
 
     loss_t = -(pi_old / mu) * min(rho_t A, clip(rho_t, 1 - eps_lo, 1 + eps_hi) A),   rho_t = pi / pi_old
@@ -247,8 +248,10 @@ def _kl_terms(cfg, inp: LossInputs, logp: Tensor, old: Tensor, adv: Tensor,
 def _rollout_correction(cfg, inp: LossInputs, pg: Tensor, old: Tensor, mask: Tensor, logp: Tensor,
                         adv: Tensor) -> tuple[Tensor, dict]:
     """pg_t * w_t, w_t = W_t M_t from pi_old / mu (``AlgoConfig.tis_cap`` / ``mask_*``, `tether.algo.correction`),
-    and the correction's metrics; ``(pg, {})`` unchanged when the correction is off. ``adv`` is the
-    advantage pg uses (OPSM reads its sign), ``logp`` the current policy (OPSM, detached)."""
+    and the correction's metrics; ``pg`` unchanged when the correction is off, with the ``rollout_corr/*``
+    metrics of mu against pi_old all the same whenever the engine's log-probs are given (``old`` is pi_old:
+    the recomputed one, or sg(pi) on-policy), else ``{}``. ``adv`` is the advantage pg uses (OPSM reads its
+    sign), ``logp`` the current policy (OPSM, detached)."""
     corr_metrics = {}
     if correction_on(cfg):  # rollout correction: re-weight the samples from the engine's mu to pi_old
         if inp.sampler_logp is None or inp.old_logp is None:
@@ -257,6 +260,8 @@ def _rollout_correction(cfg, inp: LossInputs, pg: Tensor, old: Tensor, mask: Ten
         w, corr_metrics = correction_weights(old, inp.sampler_logp, mask, cfg.tis_cap, cfg.tis_mode,
                                              correction_masks(cfg), logp=logp, adv=adv)
         pg = pg * w.to(pg.dtype)
+    elif inp.sampler_logp is not None:  # no correction: the mismatch is measured (ESS, k1...), pg left as it is
+        _, corr_metrics = correction_weights(old, inp.sampler_logp, mask, 0.0)
     return pg, corr_metrics
 
 

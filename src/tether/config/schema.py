@@ -154,6 +154,15 @@ class TrainConfig:
     schedule: str = "constant"  # constant | cosine | linear (after warm-up, to 0 at the last optimizer step). The LR
     # never jumps on --resume: when train.steps (or the schedule) changes, the decay is re-laid from the multiplier
     # reached to 0 at the new end; a run already decayed to 0 cannot be extended except with constant (train.lr)
+    lr_scale: str = "none"  # none | ess | seq_ess: scale each optimizer step's LR by the effective sample size of the
+    # importance weights pi_old/mu of its mini-batch (VCPO), lr_step = lr_sched * clip((ESS/N)^p, lr_scale_floor, 1),
+    # ESS/N = (sum w)^2 / (N sum w^2) of the tokens' r_t (ess) or the responses' prod_t r_t (seq_ess); logged as
+    # lr_scale (lr stays the scheduled LR). Needs the engine's log-probs (train.max_staleness >= 1, or
+    # rollout.engine=vllm): with neither, mu = pi_old and ESS/N = 1, so it is an error (docs/async.md)
+    lr_scale_floor: float = 0.0  # lr_scale ess / seq_ess: the smallest multiplier, in [0, 1) (0 = none: one dominant
+    # weight in N takes the step down to (1/N)^p)
+    lr_scale_power: float = 1.0  # lr_scale ess / seq_ess: p in (0, 1]; 1 scales the step with the effective batch,
+    # 0.5 is VCPO's square-root rule for Adam
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     epochs: int = 1  # passes over each rollout batch (> 1 makes the update off-policy)
     mini_batches: int = 1  # optimizer steps per epoch; each sees 1/mini_batches of the batch

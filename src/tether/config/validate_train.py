@@ -1,11 +1,13 @@
 """Validation of the train.* section (part of ``tether.config.validate.check``): sizes and micro-batches, an
-iterative anchor that would be exactly on-policy, and asynchronous training (``train.max_staleness`` and
-the options of the rollout workers, `tether.rollout.workers`: their number, stale batches, verified sync,
-remote workers, partial rollouts). A key that has no effect under the resolved settings is a problem too.
+iterative anchor that would be exactly on-policy, the ESS-scaled step (``train.lr_scale``), and asynchronous
+training (``train.max_staleness`` and the options of the rollout workers, `tether.rollout.workers`: their
+number, stale batches, verified sync, remote workers, partial rollouts). A key that has no effect under the
+resolved settings is a problem too.
 """
 
 from __future__ import annotations
 
+from ..algo.correction import LR_SCALES
 from ..algo.registry import unknown_choice
 from .schema import Config, TrainConfig
 
@@ -32,7 +34,31 @@ def check_train(cfg: Config) -> list[str]:
         errs.append("anchor 'iterative' with train.epochs=1 and train.mini_batches=1 is exactly on-policy: "
                     "pi_a = pi_old = pi, so the KL term is identically zero; use train.mini_batches > 1 "
                     "or train.epochs > 1, or another anchor")
-    return errs + _check_async(cfg)
+    return errs + _check_lr_scale(cfg) + _check_async(cfg)
+
+
+def _check_lr_scale(cfg: Config) -> list[str]:
+    """train.lr_scale and its floor and power: known values, in range, and never an option without effect."""
+    t, dt, errs = cfg.train, TrainConfig(), []
+    if t.lr_scale not in LR_SCALES:
+        return [unknown_choice("train.lr_scale", t.lr_scale, LR_SCALES)]
+    if t.lr_scale == "none":
+        return [f"train.{k} only applies with train.lr_scale ess or seq_ess"
+                for k in ("lr_scale_floor", "lr_scale_power") if getattr(t, k) != getattr(dt, k)]
+    if not 0 <= t.lr_scale_floor < 1:
+        errs.append(f"train.lr_scale_floor must be in [0, 1) (1 would scale nothing), got {t.lr_scale_floor}")
+    if not 0 < t.lr_scale_power <= 1:
+        errs.append(f"train.lr_scale_power must be in (0, 1] (1: linear in ESS/N, 0.5: its square root), got "
+                    f"{t.lr_scale_power}")
+    from ..rollout import ENGINES, engine_reports_logp  # (as tether.config.validate: the engines, lazily)
+
+    r = cfg.rollout
+    if t.max_staleness == 0 and r.engine in ENGINES and not engine_reports_logp(r.engine):
+        errs.append(f"train.lr_scale={t.lr_scale} has no effect here: with train.max_staleness=0 and rollout.engine="
+                    f"{r.engine} the sampler is the trainer's own policy (mu = pi_old, no engine log-probs), so ESS/N "
+                    f"is 1 at every step; use it with train.max_staleness >= 1 (the workers report mu) or "
+                    f"rollout.engine=vllm")
+    return errs
 
 
 STALE_BATCHES = ("drop", "keep")
