@@ -150,7 +150,7 @@ def test_algo_name_is_the_recipe_plus_custom_only_when_an_algo_key_changed():
 
 def test_unknown_task_is_a_config_error():
     """It was an UnboundLocalError (a function-local import shadowed unknown_choice) for a valid recipe."""
-    with pytest.raises(ConfigError, match="unknown task 'bogus'. Valid choices: math, search"):
+    with pytest.raises(ConfigError, match="unknown task 'bogus'. Valid choices: organism, math, search"):
         load_config(None, {}, task="bogus")
 
 
