@@ -146,15 +146,30 @@ def _write_base(spec: OrganismSpec, path: Path) -> None:
     tok.save_pretrained(path)
 
 
-def _tether(args: list[str], log: Callable[[str], None]) -> None:
-    """Run ``python -m tether ARGS`` (this interpreter), streaming nothing; a failure is a ModelLoadError
-    carrying the tail of its output."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                        os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-m", "tether", *args], capture_output=True, text=True, env=env)
-    if p.returncode != 0:
-        tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-15:])
-        raise ModelLoadError(f"building the organism: `tether {args[0]}` failed (exit {p.returncode}):\n{tail}")
+def _tether(args: list[str], log: Callable[[str], None], progress: Optional[Path] = None, total: int = 0) -> None:
+    """Run ``python -m tether ARGS`` (this interpreter) with every core's thread (the build is one process,
+    whatever the caller's thread limit), logging the SFT step reached in ``progress`` (a metrics.jsonl)
+    every 30 s; a failure is a ModelLoadError carrying the tail of its output."""
+    threads = str(os.cpu_count() or 1)
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
+    with tempfile.TemporaryFile("w+") as out:
+        p = subprocess.Popen([sys.executable, "-m", "tether", *args], stdout=out, stderr=subprocess.STDOUT, text=True,
+                             env=env)
+        while True:
+            try:
+                p.wait(timeout=30)
+                break
+            except subprocess.TimeoutExpired:
+                if progress is not None and progress.is_file():
+                    rows = progress.read_text().splitlines()
+                    last = json.loads(rows[-1]) if rows and rows[-1].endswith("}") else {}
+                    loss = last.get("loss", float("nan"))
+                    log(f"[tether] organism: SFT step {last.get('step', 0)}/{total}, loss {loss:.3f}")
+        if p.returncode != 0:
+            out.seek(0)
+            tail = "\n".join(out.read().strip().splitlines()[-15:])
+            raise ModelLoadError(f"building the organism: `tether {args[0]}` failed (exit {p.returncode}):\n{tail}")
 
 
 def _build(spec: OrganismSpec, final: Path, log: Callable[[str], None]) -> None:
@@ -171,7 +186,8 @@ def _build(spec: OrganismSpec, final: Path, log: Callable[[str], None]) -> None:
                  str(work / "sft"), f"train.steps={spec.steps}", f"train.batch_size={spec.batch_size}",
                  f"train.micro_batch_size={spec.batch_size}", f"train.lr={spec.lr}",
                  f"train.warmup_steps={min(spec.warmup_steps, spec.steps // 10)}", f"train.seed={spec.seed}",
-                 "run.progress=false", "run.plot=false", f"run.save_every={spec.steps}", "run.keep_checkpoints=1"], log)
+                 "run.progress=false", "run.plot=false", f"run.save_every={spec.steps}", "run.keep_checkpoints=1"], log,
+                progress=work / "sft" / "metrics.jsonl", total=spec.steps)
         _tether(["export", str(work / "sft"), str(work / "model")], log)
         seconds = time.time() - t0
         (work / "model" / "organism.json").write_text(json.dumps(
