@@ -120,6 +120,6 @@ def test_train_and_eval_run_on_the_organism_task(mini_organism, tmp_path, agent)
         assert "<result>" in (tmp_path / "run" / "samples.jsonl").read_text()  # the environment answered
     ev = subprocess.run([sys.executable, "-m", "tether", "eval", "--model", str(mini_organism), "--benchmarks",
                          "organism-d2", "--limit", "3", "--max-new-tokens", "8"],
-                        capture_output=True, text=True, env=subprocess_env(), timeout=600)
+                        capture_output=True, text=True, env=subprocess_env(), timeout=600, cwd=tmp_path)
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert "organism_d2" in ev.stdout + ev.stderr
