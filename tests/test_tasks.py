@@ -631,7 +631,7 @@ def test_the_task_is_looked_up_in_the_registry():
     assert held_out_benchmark(load_config(None, {"rollout.agent": "search", "data.task": "gsm8k"})) is None
     assert is_spec("my_ext:countdown") and is_spec("dir/my_ext.py:countdown")
     assert not is_spec("openai/gsm8k:main") and not is_spec("data.jsonl")
-    assert list(task_presets()) == ["math", "search"] and TASKS.meta("search")["reward"] == "search"
+    assert list(task_presets()) == ["organism", "math", "search"] and TASKS.meta("search")["reward"] == "search"
 
 
 def test_a_user_task_and_its_reward_by_spec(tmp_path, monkeypatch):
