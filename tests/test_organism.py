@@ -123,3 +123,15 @@ def test_train_and_eval_run_on_the_organism_task(mini_organism, tmp_path, agent)
                         capture_output=True, text=True, env=subprocess_env(), timeout=600, cwd=tmp_path)
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert "organism_d2" in ev.stdout + ev.stderr
+
+
+@pytest.mark.parametrize("spec,runs", [("organism_default.yaml", "1 arm(s) x 10 seed(s) = 10 run(s)"),
+                                       ("evidence_anchors.yaml", "9 arm(s) x 10 seed(s) = 90 run(s)")])
+def test_the_organism_sweep_specs_resolve(spec, runs, capsys):
+    """Every arm of the committed organism sweeps resolves (tether sweep --dry-run checks each with load_config)."""
+    from pathlib import Path
+
+    from tether.cli import main
+
+    assert main(["sweep", str(Path(__file__).resolve().parents[1] / "configs" / "sweeps" / spec), "--dry-run"]) == 0
+    assert runs in capsys.readouterr().out

@@ -13,10 +13,11 @@ keyed by the content of its build spec; later uses, by any process, reuse that d
    calculator once (``<calc>`` the whole expression, its ``<result>`` masked, then the answer);
 4. ``tether export`` of the SFT run into the cache directory.
 
-What it leaves for RL: at difficulty 3 (``data.task=organism``, its default) greedy decoding is right
-on a minority of the held-out problems (docs/organism.md has the measured figures), and in the
-calculator environment (``rollout.agent=multi_turn env.name=organism_calc``) greedy decoding rarely
-calls the tool it has been shown, so RL can teach it to.
+What it leaves for RL: a choice it makes badly. It has learnt to work a problem line by line, and to
+answer it directly; greedy decoding mostly answers directly, which at difficulty 3 (``data.task=organism``)
+is rarely right, while sampling works it out often enough for RL to find it. In the calculator
+environment (``rollout.agent=multi_turn env.name=organism_calc``) the same holds for calling the tool.
+docs/organism.md has the measured figures.
 
 Several processes asking at once (a sweep's lanes) build it once: the build holds a lock in the cache,
 and the others wait for it, then read the finished directory.
@@ -70,8 +71,12 @@ class OrganismSpec:
     context: int = 256  # max_position_embeddings: prompt + response tokens
     rows: int = 96000  # generated SFT rows (steps x batch_size: each row is seen once)
     difficulty_mix: tuple = (0.3, 0.4, 0.3)  # share of difficulty 1, 2, 3 among the rows
+    direct_share: float = 0.5  # share of the difficulty-3 rows answered directly ("#### 73"), the rest (and every
+    # row of difficulty 1-2) worked line by line: the organism learns both at difficulty 3, and greedy decoding
+    # mostly takes the direct answer, which it gets right far less often than the worked one (what RL can change)
     calc_share: float = 0.2  # share of rows that are calculator-environment episodes (prompt "C:")
-    call_share: float = 0.2  # of those, the share that call the calculator (the rest solve by hand)
+    call_share: float = 0.3  # of those, the share that call the calculator with the whole expression (the rest are
+    # answered as plain rows are)
     steps: int = 1500  # SFT optimizer steps
     batch_size: int = 64  # rows per SFT step
     lr: float = 3e-3  # SFT peak learning rate (cosine to 0 after warm-up)
@@ -106,19 +111,20 @@ def char_tokenizer():
 
 
 def sft_rows(spec: OrganismSpec) -> list[dict]:
-    """The SFT rows (docs/sft.md's formats), a pure function of ``spec``: plain problems as
-    prompt / completion pairs; calculator episodes as segments, the ``<result>`` masked exactly as the
-    ``organism_calc`` environment shows it."""
+    """The SFT rows (docs/sft.md's formats), a pure function of ``spec``: plain problems as prompt / completion
+    pairs, answered directly or worked line by line; calculator episodes answered directly or by one call, the
+    call's ``<result>`` a masked segment exactly as the ``organism_calc`` environment shows it."""
     rng = random.Random(f"organism-rows|{spec.seed}")
     rows = []
     for i in range(spec.rows):
         d = rng.choices((1, 2, 3), weights=spec.difficulty_mix)[0]
         start, ops = draw("train", spec.seed, d, i)
         expr, answer = expression(start, ops), solve(start, ops)[-1]
-        if rng.random() >= spec.calc_share:
-            rows.append({"prompt": QUESTION + expr, "completion": solution_text(start, ops)})
-        elif rng.random() >= spec.call_share:
-            rows.append({"prompt": CALC + expr, "completion": solution_text(start, ops)})
+        calc = rng.random() < spec.calc_share
+        if not calc or rng.random() >= spec.call_share:
+            worked = d < 3 or rng.random() >= spec.direct_share
+            completion = solution_text(start, ops) if worked else f"#### {answer}"
+            rows.append({"prompt": (CALC if calc else QUESTION) + expr, "completion": completion})
         else:
             rows.append({"messages": [{"role": "user", "content": CALC + expr}, {"role": "assistant", "content": [
                 {"text": f"<calc>{expr}</calc>", "train": True},

@@ -61,11 +61,13 @@ def arithmetic_task(cfg) -> Callable[[int], Any]:
     return ArithmeticTask(seed=cfg.train.seed, difficulty=cfg.data.difficulty, split="train").example
 
 
-#: ``tether train --task organism``: the organism's RL regime (docs/organism.md): difficulty 3, where it starts
-#: weak; 200 steps of 6 prompts x 8 samples; held-out greedy accuracy on 200 test problems every 20 steps
+#: ``tether train --task organism``: the organism's RL regime (docs/organism.md): difficulty 3, 200 steps of 6 prompts
+#: x 8 samples at lr 3e-5 (1e-4 made it worse on seed 0: 10 -> 1.5 % in 100 steps); held-out greedy accuracy on 200
+#: test problems every 25 steps
 ORGANISM_PRESET = {"model.name": "organism", "data.task": "organism", "data.difficulty": 3, "train.steps": 200,
-                   "train.lr": 1e-4, "rollout.max_new_tokens": 48, "rollout.temperature": 1.0, "eval.limit": 200,
-                   "eval.every": 20, "eval.max_new_tokens": 48, "run.save_every": 50}
+                   "train.lr": 3e-5, "rollout.max_new_tokens": 48,
+                   "rollout.temperature": 1.0, "eval.limit": 200, "eval.every": 25, "eval.max_new_tokens": 48,
+                   "run.save_every": 50}
 
 
 def _organism_check(cfg) -> list[str]:
