@@ -16,7 +16,7 @@ from tether.organism import build as organism_build
 from tether.organism.build import OrganismSpec, build_organism, char_tokenizer, organism_path, sft_rows
 from tether.organism.problems import CALC, MAX_VALUE, QUESTION, content_split, draw, solution_text, solve
 
-MINI = OrganismSpec(hidden_size=16, layers=1, heads=2, rows=96, steps=3, batch_size=32, context=96)
+MINI = OrganismSpec(hidden_size=16, layers=1, heads=2, steps=3, choice_steps=2, batch_size=32, context=96)
 
 
 def test_the_calculator_environment_poses_the_organism_prompt():
@@ -52,9 +52,9 @@ def test_char_tokenizer_round_trips_and_is_one_token_a_character():
 
 
 def test_sft_rows_are_deterministic_verified_and_mix_both_prompts():
-    spec = OrganismSpec(rows=2000)
+    spec = OrganismSpec(steps=40, batch_size=50)
     rows = sft_rows(spec)
-    assert rows == sft_rows(spec)
+    assert rows == sft_rows(spec) and len(rows) == 2000
     plain = [r for r in rows if "prompt" in r]
     calls = [r for r in rows if "messages" in r]
     assert {r["prompt"][:2] for r in plain} == {QUESTION, CALC}
@@ -64,6 +64,12 @@ def test_sft_rows_are_deterministic_verified_and_mix_both_prompts():
         assert str(eval(expr)) == lines[-1].removeprefix("#### ")  # noqa: S307 (digits and +- only)
     seg = calls[0]["messages"][1]["content"]
     assert [s["train"] for s in seg] == [True, False, True] and seg[1]["text"].startswith("<result>")
+    direct = [r for r in plain if r["completion"].startswith("####")]
+    assert not direct  # phase 1 teaches the skills: every plain row is worked
+    choice = [r for r in sft_rows(OrganismSpec(choice_steps=20, batch_size=100), phase=2) if "prompt" in r]
+    direct = [r for r in choice if r["completion"].startswith("####")]
+    assert direct and all(r["prompt"].count("+") + r["prompt"].count("-") == 3 for r in direct)  # difficulty 3 only
+    assert 0.5 < len(direct) / sum(r["prompt"].count("+") + r["prompt"].count("-") == 3 for r in choice) < 0.7
 
 
 def test_build_is_deterministic_and_cached(tmp_path, monkeypatch):
@@ -91,7 +97,7 @@ def test_model_name_organism_resolves_to_the_build(tmp_path, monkeypatch):
 
 
 def test_a_failed_build_says_which_step_and_leaves_nothing(tmp_path):
-    bad = OrganismSpec(hidden_size=16, layers=1, heads=2, rows=8, steps=3, batch_size=4, lr=-1.0)
+    bad = OrganismSpec(hidden_size=16, layers=1, heads=2, steps=3, choice_steps=0, batch_size=4, lr=-1.0)
     with pytest.raises(Exception, match="building the organism: `tether sft` failed"):
         build_organism(bad, cache_dir=tmp_path, log=lambda m: None)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []

@@ -69,18 +69,21 @@ class OrganismSpec:
     layers: int = 4  # transformer blocks
     heads: int = 4  # attention heads (as many key-value heads)
     context: int = 256  # max_position_embeddings: prompt + response tokens
-    rows: int = 96000  # generated SFT rows (steps x batch_size: each row is seen once)
     difficulty_mix: tuple = (0.3, 0.4, 0.3)  # share of difficulty 1, 2, 3 among the rows
-    direct_share: float = 0.5  # share of the difficulty-3 rows answered directly ("#### 73"), the rest (and every
-    # row of difficulty 1-2) worked line by line: the organism learns both at difficulty 3, and greedy decoding
-    # mostly takes the direct answer, which it gets right far less often than the worked one (what RL can change)
     calc_share: float = 0.2  # share of rows that are calculator-environment episodes (prompt "C:")
     call_share: float = 0.3  # of those, the share that call the calculator with the whole expression (the rest are
     # answered as plain rows are)
-    steps: int = 1500  # SFT optimizer steps
+    steps: int = 1500  # phase 1 (the skills): SFT steps on rows all worked line by line (or calling the calculator),
+    # each row seen once
     batch_size: int = 64  # rows per SFT step
-    lr: float = 3e-3  # SFT peak learning rate (cosine to 0 after warm-up)
-    warmup_steps: int = 100  # SFT linear warm-up steps (at most a tenth of the steps)
+    lr: float = 3e-3  # phase 1's peak learning rate (cosine to 0 after warm-up)
+    warmup_steps: int = 100  # phase 1's linear warm-up steps (at most a tenth of the steps)
+    choice_steps: int = 150  # phase 2 (the choice): SFT steps from phase 1's weights on new rows in which a share
+    # of the difficulty-3 problems is answered directly (0 = no phase 2)
+    choice_lr: float = 1e-3  # phase 2's peak learning rate (cosine to 0 after a tenth of its steps)
+    direct_share: float = 0.6  # phase 2: share of the difficulty-3 rows (not calling) answered directly ("#### 73"):
+    # the organism keeps both ways, greedy decoding mostly answers directly, which it gets right far less often
+    # than the worked way (the choice RL can change, docs/organism.md)
     seed: int = 0  # seeds the rows, the initialization and the SFT order
 
     def key(self) -> str:
@@ -110,19 +113,21 @@ def char_tokenizer():
     return hf
 
 
-def sft_rows(spec: OrganismSpec) -> list[dict]:
-    """The SFT rows (docs/sft.md's formats), a pure function of ``spec``: plain problems as prompt / completion
-    pairs, answered directly or worked line by line; calculator episodes answered directly or by one call, the
-    call's ``<result>`` a masked segment exactly as the ``organism_calc`` environment shows it."""
-    rng = random.Random(f"organism-rows|{spec.seed}")
+def sft_rows(spec: OrganismSpec, phase: int = 1) -> list[dict]:
+    """The SFT rows of a phase (docs/sft.md's formats), a pure function of ``spec`` and ``phase``: plain problems
+    as prompt / completion pairs worked line by line (phase 2: difficulty 3 also answered directly); calculator
+    episodes solved the same ways or by one call, the call's ``<result>`` a masked segment exactly as the
+    ``organism_calc`` environment shows it. Phase 2 draws problems after phase 1's."""
+    rng = random.Random(f"organism-rows|{spec.seed}|{phase}")
+    n1 = spec.steps * spec.batch_size
     rows = []
-    for i in range(spec.rows):
+    for i in range(n1) if phase == 1 else range(n1, n1 + spec.choice_steps * spec.batch_size):
         d = rng.choices((1, 2, 3), weights=spec.difficulty_mix)[0]
         start, ops = draw("train", spec.seed, d, i)
         expr, answer = expression(start, ops), solve(start, ops)[-1]
         calc = rng.random() < spec.calc_share
         if not calc or rng.random() >= spec.call_share:
-            worked = d < 3 or rng.random() >= spec.direct_share
+            worked = phase == 1 or d < 3 or rng.random() >= spec.direct_share
             completion = solution_text(start, ops) if worked else f"#### {answer}"
             rows.append({"prompt": (CALC if calc else QUESTION) + expr, "completion": completion})
         else:
@@ -184,17 +189,23 @@ def _build(spec: OrganismSpec, final: Path, log: Callable[[str], None]) -> None:
     try:
         t0 = time.time()
         _write_base(spec, work / "base")
-        with open(work / "rows.jsonl", "w") as f:
-            for row in sft_rows(spec):
-                f.write(json.dumps(row) + "\n")
-        log(f"[tether] building the organism ({spec.steps} SFT steps; once, cached in {final})")
-        _tether(["sft", "--data", str(work / "rows.jsonl"), "--model", str(work / "base"), "--output-dir",
-                 str(work / "sft"), f"train.steps={spec.steps}", f"train.batch_size={spec.batch_size}",
-                 f"train.micro_batch_size={spec.batch_size}", f"train.lr={spec.lr}",
-                 f"train.warmup_steps={min(spec.warmup_steps, spec.steps // 10)}", f"train.seed={spec.seed}",
-                 "run.progress=false", "run.plot=false", f"run.save_every={spec.steps}", "run.keep_checkpoints=1"], log,
-                progress=work / "sft" / "metrics.jsonl", total=spec.steps)
-        _tether(["export", str(work / "sft"), str(work / "model")], log)
+        log(f"[tether] building the organism ({spec.steps} + {spec.choice_steps} SFT steps; once, cached in {final})")
+        model = work / "base"
+        for phase, steps, lr, warmup in ((1, spec.steps, spec.lr, min(spec.warmup_steps, spec.steps // 10)),
+                                         (2, spec.choice_steps, spec.choice_lr, spec.choice_steps // 10)):
+            if steps == 0:
+                continue
+            with open(work / f"rows{phase}.jsonl", "w") as f:
+                for row in sft_rows(spec, phase):
+                    f.write(json.dumps(row) + "\n")
+            run = work / f"sft{phase}"
+            _tether(["sft", "--data", str(work / f"rows{phase}.jsonl"), "--model", str(model), "--output-dir", str(run),
+                     f"train.steps={steps}", f"train.batch_size={spec.batch_size}",
+                     f"train.micro_batch_size={spec.batch_size}", f"train.lr={lr}", f"train.warmup_steps={warmup}",
+                     f"train.seed={spec.seed}", "run.progress=false", "run.plot=false", f"run.save_every={steps}",
+                     "run.keep_checkpoints=1"], log, progress=run / "metrics.jsonl", total=steps)
+            model = run
+        _tether(["export", str(model), str(work / "model")], log)
         seconds = time.time() - t0
         (work / "model" / "organism.json").write_text(json.dumps(
             {"spec": dataclasses.asdict(spec), "key": spec.key(), "build_version": BUILD_VERSION,

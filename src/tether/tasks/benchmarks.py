@@ -52,43 +52,29 @@ def slug(s: str) -> str:
 
 
 _ARITHMETIC_RE = re.compile(r"arithmetic(?:-d(\d+))?")
-
-
-def _arithmetic_benchmark(difficulty: int, limit: Optional[int], reward: Optional[str]) -> Benchmark:
-    """The synthetic arithmetic task's test split (seed 0) at ``difficulty``; ``limit`` problems (default 100)."""
-    from .arithmetic import LEVELS, ArithmeticTask
-    from .rewards import load_reward
-
-    if difficulty not in LEVELS:
-        raise EvalError(f"benchmark 'arithmetic-d{difficulty}': the difficulty must be one of {sorted(LEVELS)}")
-    spec = reward or "arithmetic"
-    try:
-        fn = load_reward(spec)
-    except (ValueError, ImportError) as e:
-        raise EvalError(f"benchmark 'arithmetic-d{difficulty}': {e}") from None
-    examples = ArithmeticTask(seed=0, difficulty=difficulty, split="test").examples(limit or 100)
-    return Benchmark(name=f"arithmetic_d{difficulty}", source=f"arithmetic-d{difficulty}", split="test",
-                     examples=examples, reward=spec, reward_fn=fn)
-
-
 _ORGANISM_RE = re.compile(r"organism(?:-d(\d+))?")
 
 
-def _organism_benchmark(difficulty: int, limit: Optional[int], reward: Optional[str]) -> Benchmark:
-    """The model organism's test split (seed 0) at ``difficulty`` (default 3); ``limit`` problems (default 200)."""
+def _synthetic_benchmark(kind: str, difficulty: int, limit: Optional[int], reward: Optional[str]) -> Benchmark:
+    """A generated task's test split at ``difficulty`` (seed 0; never trained on): ``arithmetic`` (``limit``
+    problems, default 100) or ``organism`` (the model organism's, default 200), scored by ``reward`` (default
+    the ``arithmetic`` reward)."""
     from ..organism.problems import MAX_DIFFICULTY
+    from .arithmetic import LEVELS, ArithmeticTask
     from .organism import OrganismTask
     from .rewards import load_reward
 
-    if not 1 <= difficulty <= MAX_DIFFICULTY:
-        raise EvalError(f"benchmark 'organism-d{difficulty}': the difficulty must be 1-{MAX_DIFFICULTY}")
+    task, valid, default_limit = {"arithmetic": (ArithmeticTask, sorted(LEVELS), 100),
+                                  "organism": (OrganismTask, list(range(1, MAX_DIFFICULTY + 1)), 200)}[kind]
+    if difficulty not in valid:
+        raise EvalError(f"benchmark '{kind}-d{difficulty}': the difficulty must be one of {valid}")
     spec = reward or "arithmetic"
     try:
         fn = load_reward(spec)
     except (ValueError, ImportError) as e:
-        raise EvalError(f"benchmark 'organism-d{difficulty}': {e}") from None
-    examples = OrganismTask(seed=0, difficulty=difficulty, split="test").examples(limit or 200)
-    return Benchmark(name=f"organism_d{difficulty}", source=f"organism-d{difficulty}", split="test",
+        raise EvalError(f"benchmark '{kind}-d{difficulty}': {e}") from None
+    examples = task(seed=0, difficulty=difficulty, split="test").examples(limit or default_limit)
+    return Benchmark(name=f"{kind}_d{difficulty}", source=f"{kind}-d{difficulty}", split="test",
                      examples=examples, reward=spec, reward_fn=fn)
 
 
@@ -122,10 +108,10 @@ def load_benchmark(
 
     m = _ARITHMETIC_RE.fullmatch(str(source))
     if m and not Path(str(source)).expanduser().exists():
-        return _arithmetic_benchmark(int(m.group(1) or 1), limit, reward)
+        return _synthetic_benchmark("arithmetic", int(m.group(1) or 1), limit, reward)
     m = _ORGANISM_RE.fullmatch(str(source))
     if m and not Path(str(source)).expanduser().exists():
-        return _organism_benchmark(int(m.group(1) or 3), limit, reward)
+        return _synthetic_benchmark("organism", int(m.group(1) or 3), limit, reward)
 
     named = resolve_dataset_name(str(source))
     is_file = Path(str(source)).expanduser().is_file()
