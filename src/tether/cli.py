@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from .sweep.cli import positive_int  # the integer >= 1 argparse type (tether sweep's options use it too)
+
 
 def _train(args) -> int:
     from .config import load_config
@@ -106,17 +108,6 @@ def _worker(args) -> int:
     return serve(args.address, wait_s=args.wait)
 
 
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (else argparse's own one-line error naming the option, exit 2)."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
-
-
 def _plot(args) -> int:
     """Write the plot and print the path of the file written: ``--out`` as `tether.plot.plot_path`
     resolves it (an existing directory gets curves.png inside it, a name without an image suffix
@@ -194,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("runs", nargs="+", help="run directories")
     pl.add_argument("--out", help="image path (default RUN/curves.png); an existing directory or a trailing / gets "
                     "curves.png inside it, a name without an image suffix gets .png; the path written is printed")
-    pl.add_argument("--smooth", type=_positive_int, default=1, help="moving-average window in steps (default 1: raw)")
+    pl.add_argument("--smooth", type=positive_int, default=1, help="moving-average window in steps (default 1: raw)")
     pl.set_defaults(fn=_plot)
 
     c = sub.add_parser("config", help="print the resolved config (recipe -> YAML -> overrides), or the key reference")

@@ -4,9 +4,10 @@ The same protocol and evaluator as :class:`~tether.envs.calculator.CalculatorEnv
 answered by ``<result>`` observations, a ``####`` final answer), but the opening prompt is the
 organism's (:data:`tether.organism.problems.CALC` and the expression, ``C:47+38-12``) instead of the
 calculator's prose instruction, which a character-level model of a million parameters could not
-read. The organism was shown both ways of solving such a prompt in its supervised build (by hand,
-mostly, and with one call now and then), so RL on this environment measures whether an algorithm
-teaches an agent to use its tool (docs/organism.md).
+read. The organism was shown three ways of answering such a prompt in its supervised build (worked by
+hand, directly, and with one call), and greedy decoding mostly answers directly, so RL on this
+environment measures whether an algorithm teaches an agent to work it out or use its tool
+(docs/organism.md).
 """
 
 from __future__ import annotations

@@ -7,11 +7,12 @@ keyed by the content of its build spec; later uses, by any process, reuse that d
 1. a character-level tokenizer (:func:`char_tokenizer`: printable ASCII, one token a character, the
    ChatML special tokens), so the organism reads any text an environment shows it;
 2. a randomly initialised Llama of :class:`OrganismSpec`'s shape;
-3. ``tether sft`` (a subprocess of this Python) on :attr:`OrganismSpec.rows` generated, verified worked
-   solutions of :mod:`tether.tasks.organism`: plain problems (``Q:``) of difficulties 1-3, mostly 1-2,
-   and calculator-environment episodes (``C:``) that mostly solve by hand but sometimes call the
-   calculator once (``<calc>`` the whole expression, its ``<result>`` masked, then the answer);
-4. ``tether export`` of the SFT run into the cache directory.
+3. ``tether sft`` (a subprocess of this Python) in two phases on generated, verified solutions of
+   :mod:`tether.organism.problems` (difficulties 1-3; :func:`sft_rows`): first the skills (plain problems
+   ``Q:`` worked one operation a line; calculator episodes ``C:`` worked by hand or by one call of the
+   calculator, ``<calc>`` the whole expression, its ``<result>`` masked), then the choice (the same mixture,
+   but a share of the difficulty-3 rows answered directly, ``#### 73``);
+4. ``tether export`` of the last SFT run into the cache directory.
 
 What it leaves for RL: a choice it makes badly. It has learnt to work a problem line by line, and to
 answer it directly; greedy decoding mostly answers directly, which at difficulty 3 (``data.task=organism``)

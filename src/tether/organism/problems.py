@@ -10,17 +10,16 @@ prefixed by a mode letter, and a worked solution does one operation a line::
 
 Values: the start value is 10..99, each operand 1..99, and every intermediate value stays in
 0..199 (a draw that leaves that range is redrawn), so each line is one two- or three-digit sum a
-few-million-parameter model can learn. The answer is the last value; the ``arithmetic`` reward
+model of under a million parameters can learn. The answer is the last value; the ``arithmetic`` reward
 reads it after ``####``.
 
 ``draw(split, seed, difficulty, i)`` is a pure function of its arguments (``tether.tasks.organism`` makes
-examples of it). The
-held-out split is by content, as in :mod:`tether.tasks.arithmetic`: the (start, operations) of a
+examples of it). The held-out split is by content, as in :mod:`tether.tasks.arithmetic`: the (start, operations) of a
 problem hashed into 100 buckets, buckets below :data:`TEST_BUCKETS` being ``test``, so no test
 problem is ever trained on, whatever the seed or difficulty.
 
-The organism model (:mod:`tether.organism.build`) is supervised on difficulties 1-3 (mostly 1-2), and
-reinforced on difficulty :data:`RL_DIFFICULTY`, where its greedy accuracy starts low.
+The organism model (:mod:`tether.organism.build`) is supervised on difficulties 1-3, and reinforced on
+difficulty :data:`RL_DIFFICULTY`, where its greedy decoding mostly answers directly and is rarely right.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ RUN_EPILOG = (
     "in the spec or the command; 130 / 143: stopped by SIGINT / SIGTERM (each running run checkpointed first).")
 
 
-def _lanes(text: str) -> int:
-    """argparse type: an integer >= 1."""
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (else argparse's own one-line error naming the option, exit 2); also
+    ``tether plot --smooth``'s."""
     try:
         n = int(text)
     except ValueError:
@@ -36,9 +37,9 @@ def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether sweep", description=RUN_DESCRIPTION, epilog=RUN_EPILOG)
     p.add_argument("spec", metavar="SPEC.yaml", help="the sweep's spec (docs/sweeps.md; configs/sweeps/example.yaml)")
     p.add_argument("--out", metavar="DIR", help="the sweep directory (required unless --dry-run)")
-    p.add_argument("--lanes", type=_lanes, default=None,
+    p.add_argument("--lanes", type=positive_int, default=None,
                    help=f"runs at once (default: os.cpu_count(), here {os.cpu_count()})")
-    p.add_argument("--threads", type=_lanes, default=1, help="threads per run (OMP_NUM_THREADS etc.; default 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="threads per run (OMP_NUM_THREADS etc.; default 1)")
     p.add_argument("--shard", metavar="I/N", help="run only the I-th of N round-robin shares of the sorted "
                    "(arm, seed) list (a cluster array job: one share per task, into one shared DIR or one DIR each; "
                    "tether sweep report merges DIRs)")
@@ -62,10 +63,10 @@ def report_parser() -> argparse.ArgumentParser:
                    "eval/<benchmark>/avg@<n> the runs logged, else reward_mean)")
     p.add_argument("--also", action="append", default=[], metavar="METRIC",
                    help="one more metric to tabulate, e.g. reward_mean (repeatable)")
-    p.add_argument("--last-n", type=_lanes, default=10, help="a training metric's final value: its mean over the "
+    p.add_argument("--last-n", type=positive_int, default=10, help="a training metric's final value: its mean over the "
                    "last N logged steps (default 10); an evaluation metric's is its last evaluation")
     p.add_argument("--baseline", metavar="ARM", help="compare every arm with ARM only (default: every pair)")
-    p.add_argument("--reps", type=_lanes, default=2000, help="bootstrap resamples (default 2000)")
+    p.add_argument("--reps", type=positive_int, default=2000, help="bootstrap resamples (default 2000)")
     p.add_argument("--seed", type=int, default=0, help="the bootstrap's random seed (default 0)")
     p.add_argument("--collapse-drop", type=float, default=0.0, help="a run collapsed if its final value is below "
                    "its first point by more than this (default 0: any drop), or it failed or went non-finite")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import EvalError
+from ..organism.problems import RL_DIFFICULTY
 
 __all__ = ["Benchmark", "load_benchmark", "load_benchmarks", "slug"]
 
@@ -111,7 +112,7 @@ def load_benchmark(
         return _synthetic_benchmark("arithmetic", int(m.group(1) or 1), limit, reward)
     m = _ORGANISM_RE.fullmatch(str(source))
     if m and not Path(str(source)).expanduser().exists():
-        return _synthetic_benchmark("organism", int(m.group(1) or 3), limit, reward)
+        return _synthetic_benchmark("organism", int(m.group(1) or RL_DIFFICULTY), limit, reward)
 
     named = resolve_dataset_name(str(source))
     is_file = Path(str(source)).expanduser().is_file()
