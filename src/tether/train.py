@@ -41,7 +41,7 @@ from .algo.correction import lr_scale
 from .algo.recipes import ConfigError
 from .anchor import make_anchor
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config, to_dict
+from .config import Config, apply_async_correction, to_dict
 from .errors import GenerationError
 from .logprobs import response_stats
 from .memory import malloc_trim
@@ -76,6 +76,7 @@ class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, model=None, tokenizer=None, log=print,
                  run_guard: Optional[RunDirectory] = None):
         dist.init()
+        cfg = apply_async_correction(cfg)  # a Config built in Python gets load_config's asynchronous default
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.log = log if dist.is_main() else (lambda *a, **k: None)
         self.guard = run_guard

@@ -12,8 +12,9 @@ One module per concern; every name is importable from ``tether.config``:
     yaml_io.py     reading a YAML config (trees only: no duplicate key, no recursive alias); save_config
     overrides.py   dotted keys: key=value parsing, type coercion, setting, flattening
     validate.py    check: every problem of a resolved config at once, section by section
-    validate_train.py  its train.* section: sizes, micro-batches, asynchronous training
-    load.py        load_config: recipe -> task preset -> YAML -> overrides -> check
+    validate_train.py  its train.* section: sizes, micro-batches, asynchronous training (and its default
+                   rollout correction, apply_async_correction)
+    load.py        load_config: recipe -> task preset -> YAML -> overrides -> async correction -> check
     reference.py   docs/config.md from the fields' declaration comments
 """
 
@@ -26,11 +27,12 @@ from .reference import reference
 from .schema import (DEFAULT_RECIPE, HELD_OUT, Config, DataConfig, EvalConfig, RolloutConfig, RunConfig,
                      SearchConfig, EnvConfig, TrainConfig, eval_benchmarks, evaluating, to_dict)
 from .validate import VLLM_DTYPES, check, check_device
+from .validate_train import apply_async_correction
 from .yaml_io import read_yaml_mapping, save_config
 
 __all__ = [
     "DEFAULT_RECIPE", "HELD_OUT", "RECIPE_TRAINER_DEFAULTS", "TASK_PRESETS", "VLLM_DTYPES", "AlgoConfig", "Config",
-    "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "RolloutConfig", "RunConfig", "SearchConfig", "EnvConfig",
-    "TrainConfig", "check", "check_device", "eval_benchmarks", "evaluating", "load_config", "parse_overrides",
-    "read_yaml_mapping", "reference", "save_config", "to_dict",
+    "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "RolloutConfig", "RunConfig", "SearchConfig",
+    "EnvConfig", "TrainConfig", "apply_async_correction", "check", "check_device", "eval_benchmarks", "evaluating",
+    "load_config", "parse_overrides", "read_yaml_mapping", "reference", "save_config", "to_dict",
 ]

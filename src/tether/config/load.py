@@ -1,4 +1,5 @@
-"""Resolving a run's config: recipe -> task preset -> YAML file -> dotted overrides -> ``check``."""
+"""Resolving a run's config: recipe -> task preset -> YAML file -> dotted overrides -> the asynchronous default
+correction (``train.async_correction``) -> ``check``."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from .overrides import _flatten, _set
 from .presets import RECIPE_TRAINER_DEFAULTS, TASK_PRESETS
 from .schema import DEFAULT_RECIPE, Config
 from .validate import check
+from .validate_train import apply_async_correction
 from .yaml_io import read_yaml_mapping
 
 
@@ -44,4 +46,5 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
     base = recipe(name)
     customized = dataclasses.replace(cfg.algo, name=base.name) != base
     cfg.algo.name = f"{name}+custom" if customized else name
-    return check(cfg)
+    return check(apply_async_correction(cfg))
+

@@ -8,6 +8,7 @@ resolved settings is a problem too.
 from __future__ import annotations
 
 from ..algo.correction import LR_SCALES
+from ..algo.recipes import AlgoConfig
 from ..algo.registry import unknown_choice
 from .schema import Config, TrainConfig
 
@@ -67,8 +68,8 @@ STALE_BATCHES = ("drop", "keep")
 def _check_async(cfg: Config) -> list[str]:
     """train.max_staleness and the options of asynchronous training (tether.rollout.workers)."""
     r, t, dt, errs = cfg.rollout, cfg.train, TrainConfig(), []
-    keys = ("rollout_workers", "stale_batches", "verify_sync", "worker_address", "partial_rollout_tokens",
-            "worker_restarts")
+    keys = ("async_correction", "rollout_workers", "stale_batches", "verify_sync", "worker_address",
+            "partial_rollout_tokens", "worker_restarts")
     if t.max_staleness < 0:
         errs.append("train.max_staleness must be >= 0 (0 = synchronous)")
     if t.verify_logp_tol != dt.verify_logp_tol and not (t.verify_sync and r.engine == "vllm"):
@@ -83,6 +84,9 @@ def _check_async(cfg: Config) -> list[str]:
     if t.max_staleness <= 0:
         return errs + [f"train.{k} only applies with train.max_staleness >= 1 (asynchronous rollouts)"
                        for k in keys if getattr(t, k) != getattr(dt, k)]
+    if not t.async_correction and correction_set(cfg.algo):
+        errs.append("train.async_correction=false has no effect: a rollout correction is set by hand (algo.tis_cap / "
+                    "algo.mask_* / algo.kl_sampler), and it is used as given")
     if t.partial_rollout_tokens < 0:
         errs.append("train.partial_rollout_tokens must be >= 0 (0 = off)")
     elif t.partial_rollout_tokens:
@@ -110,3 +114,24 @@ def _check_async(cfg: Config) -> list[str]:
         errs.append("train.max_staleness >= 1 does not support rollout.dynamic_sampling (its refills are decided "
                     "after scoring, in the trainer)")
     return errs
+
+
+#: the rollout correction train.async_correction applies (docs/evidence.md, staleness): TIS cap 2 + IcePop [0.5, 5]
+ASYNC_CORRECTION = {"tis_cap": 2.0, "mask_token_low": 0.5, "mask_token_high": 5.0}
+CORRECTION_KEYS = ("tis_cap", "tis_mode", "mask_token_low", "mask_token_high", "mask_seq_high", "mask_geo", "mask_kl",
+                   "mask_kl_max", "mask_opsm", "kl_sampler")
+
+
+def correction_set(algo: AlgoConfig) -> bool:
+    """Whether any rollout-correction key of ``algo`` differs from its default."""
+    return any(getattr(algo, k) != getattr(AlgoConfig, k) for k in CORRECTION_KEYS)
+
+
+def apply_async_correction(cfg: Config) -> Config:
+    """train.async_correction: with max_staleness >= 1 and no correction key set, set ASYNC_CORRECTION in
+    ``cfg.algo`` (in place; idempotent: once set, the keys are no longer at their defaults). `load_config` and the
+    Trainer (for a Config built in Python) call it."""
+    if cfg.train.max_staleness >= 1 and cfg.train.async_correction and not correction_set(cfg.algo):
+        for k, v in ASYNC_CORRECTION.items():
+            setattr(cfg.algo, k, v)
+    return cfg
