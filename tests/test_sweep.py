@@ -24,7 +24,7 @@ from tether.config import parse_overrides
 from tether.sweep import layout
 from tether.sweep.report import compute, write_report
 from tether.sweep.results import collect
-from tether.sweep.spec import check_arms, override_text, parse_shard, parse_spec, shard
+from tether.sweep.spec import check_arms, load_spec, override_text, parse_shard, parse_spec, shard
 
 ROOT = Path(__file__).resolve().parents[1]
 METRIC = "eval/arithmetic/avg@1"
@@ -121,6 +121,20 @@ def test_example_spec_dry_run(capsys):
     assert "4 arm(s) x 3 seed(s) = 12 run(s)" in out
     assert "grpo+lr=1.0e-06 seed 2 [fresh]: tether train " in out and "recipe=grpo train.lr=1.0e-06" in out
     assert "train.seed=2 run.output_dir=DIR/runs/grpo+lr=1.0e-06/seed-2 run.progress=false" in out
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "sweeps").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_specs_resolve(path):
+    """Every spec under configs/sweeps (docs/evidence.md's among them) parses and every arm resolves to a valid
+    config, so a renamed key or recipe fails here rather than in a sweep hours long; each has a metric and the
+    seeds docs/evidence.md's comparisons need."""
+    spec = load_spec(path)
+    configs = check_arms(spec)
+    assert len(configs) == len(spec.arms) >= 1
+    assert spec.metric, f"{path.name}: no metric"
+    if path.name.startswith("evidence_"):  # ten seeds an arm on the organism, five on SmolLM2 (hours a run)
+        assert len(spec.seeds) >= (5 if "smollm2" in path.name else 10)
+        assert all(c.run.save_every == 0 for c in configs.values())
 
 
 def test_runs_get_one_thread():
