@@ -181,6 +181,9 @@ def markdown(col: Collected, results: list[dict], png: Optional[Path], settings:
     return "\n".join(L) + "\n"
 
 
+LINESTYLES = ("-", "--", ":", "-.")
+
+
 def plot(panels: list[tuple[str, dict]], png: Path, title: str) -> None:
     """One panel per (metric, bands): a line per arm (its mean across seeds) and its 95 % band."""
     import matplotlib
@@ -190,16 +193,18 @@ def plot(panels: list[tuple[str, dict]], png: Path, title: str) -> None:
 
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
     for ax, (metric, bands) in zip(axes[0], panels):
-        for arm, b in bands.items():
+        for i, (arm, b) in enumerate(bands.items()):
             if not b["steps"]:
                 continue
+            # ten colours, then the same ten dashed, dotted, ...: no two of up to 40 arms drawn alike
             (line,) = ax.plot(b["steps"], b["mean"], marker="o" if len(b["steps"]) < 30 else None, ms=3,
+                              color=f"C{i % 10}", linestyle=LINESTYLES[(i // 10) % len(LINESTYLES)],
                               label=f"{arm} (n={max(b['n'])})")
             ax.fill_between(b["steps"], b["low"], b["high"], color=line.get_color(), alpha=0.2, lw=0)
         ax.set_xlabel("trainer step")
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8 if len(bands) <= 10 else 6)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
