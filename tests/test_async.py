@@ -119,10 +119,11 @@ def test_rollout_correction_needs_a_logp_engine_only_when_synchronous(workdir, t
 
 
 def test_asynchronous_training_is_corrected_by_default(workdir, tiny_model_dir):
-    """train.async_correction (docs/evidence.md, staleness): with K >= 1 and no correction key set, the resolved
-    config carries TIS cap 2 + IcePop [0.5, 5]; false leaves the lag uncorrected; a correction set by hand is used
-    as given (and then false is refused as having no effect, as it is with K = 0); a Config built in Python gets
-    the same default from the Trainer (apply_async_correction, idempotent)."""
+    """train.async_correction (docs/evidence.md, staleness): with K >= 1, an engine whose workers pass log-probs
+    on and no correction key set, the resolved config carries TIS cap 2 + IcePop [0.5, 5]; false leaves the lag
+    uncorrected; a correction set by hand is used as given (and then false is refused as having no effect, as it is
+    with K = 0); a Config built in Python gets the same default from the Trainer (apply_async_correction,
+    idempotent)."""
     from tether.config import Config, apply_async_correction
 
     def corr(c):
@@ -141,11 +142,52 @@ def test_asynchronous_training_is_corrected_by_default(workdir, tiny_model_dir):
                     **asynchronous(1, **{"train.async_correction": False, "algo.tis_cap": 2.0}))
     with pytest.raises(ConfigError, match="train.async_correction only applies with train.max_staleness >= 1"):
         tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"train.async_correction": False})
+    # an engine whose workers pass no log-probs on (a registered test engine): no default, and a correction set
+    # by hand is refused before the run rather than failing at its first update
+    from tether.testing import register_scripted_engine
+    register_scripted_engine()
+    assert corr(tiny_config(workdir, tiny_model_dir, "grpo", 2, **asynchronous(1, **{"rollout.engine": "scripted"}))) \
+        == (0.0, 0.0, 0.0)
+    with pytest.raises(ConfigError, match="rollout workers' rollout.engine=scripted passes none on"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 2,
+                    **asynchronous(1, **{"rollout.engine": "scripted", "algo.tis_cap": 2.0}))
     py = Config()
     py.train.max_staleness = 1
     assert corr(apply_async_correction(py)) == (2.0, 0.5, 5.0) and corr(apply_async_correction(py)) == (2.0, 0.5, 5.0)
     py.algo.tis_cap = 3.0  # set by hand after resolution: kept
     assert corr(apply_async_correction(py)) == (3.0, 0.5, 5.0)
+
+
+DROP_LOGP_AGENT = '''
+from tether.agents import SingleTurnAgent
+
+
+class DropLogp(SingleTurnAgent):
+    def rollout(self, examples, params):
+        rb = super().rollout(examples, params)
+        rb.sampler_logp = None
+        return rb
+
+
+def drop_logp(engine, tokenizer, **options):
+    return DropLogp(engine, tokenizer, **options)
+'''
+
+
+def test_an_agent_that_drops_the_log_probs_is_a_named_error(workdir, tiny_model_dir, tmp_path):
+    """The default correction with a user agent that does not pass the engine's log-probs on: the first update
+    stops with a ConfigError naming the agent and the way out (train.async_correction=false), not a ValueError
+    from inside the loss."""
+    (tmp_path / "drop.py").write_text(DROP_LOGP_AGENT)
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 2,
+                      **asynchronous(1, **{"rollout.agent": f"{tmp_path / 'drop.py'}:drop_logp"}))
+    t = Trainer(cfg, tmp_path / "run", **QUIET)
+    try:
+        with pytest.raises(ConfigError, match=r"rollout.agent=.*drop.py:drop_logp did not pass them on \(or "
+                                              r"train.async_correction=false"):
+            t.train_step()
+    finally:
+        t.close()
 
 
 # ---------------------------------------------------------------- K >= 1 trains, staleness <= K

@@ -256,6 +256,11 @@ class Trainer:
             raise ConfigError(f"train.lr_scale={t.lr_scale} needs the engine's log-probs of the sampled tokens, and "
                               f"step {self.step + 1}'s batch has none (rollout.agent={self.cfg.rollout.agent} did not "
                               f"pass them on)")
+        if self.needs.sampler_logp and b.rb.sampler_logp is None:
+            off = " (or train.async_correction=false: the lag uncorrected)" if t.max_staleness else ""
+            raise ConfigError(f"the rollout correction (algo.tis_cap / algo.mask_* / algo.kl_sampler=mu) needs the "
+                              f"engine's log-probs of the sampled tokens, and step {self.step + 1}'s batch has none: "
+                              f"rollout.agent={self.cfg.rollout.agent} did not pass them on{off}")
         g = torch.Generator().manual_seed(t.seed * 31337 + self.step)
         for _ in range(t.epochs):
             perm = torch.randperm(B, generator=g).tolist() if t.mini_batches > 1 else list(range(B))

@@ -128,10 +128,13 @@ def correction_set(algo: AlgoConfig) -> bool:
 
 
 def apply_async_correction(cfg: Config) -> Config:
-    """train.async_correction: with max_staleness >= 1 and no correction key set, set ASYNC_CORRECTION in
-    ``cfg.algo`` (in place; idempotent: once set, the keys are no longer at their defaults). `load_config` and the
-    Trainer (for a Config built in Python) call it."""
-    if cfg.train.max_staleness >= 1 and cfg.train.async_correction and not correction_set(cfg.algo):
+    """train.async_correction: with max_staleness >= 1, an engine whose workers pass their log-probs on, and no
+    correction key set, set ASYNC_CORRECTION in ``cfg.algo`` (in place; idempotent: once set, the keys are no
+    longer at their defaults). `load_config` and the Trainer (for a Config built in Python) call it."""
+    from ..rollout import worker_records_logp  # deferred: tether.rollout imports the config package
+
+    if (cfg.train.max_staleness >= 1 and cfg.train.async_correction and not correction_set(cfg.algo)
+            and worker_records_logp(cfg.rollout.engine)):
         for k, v in ASYNC_CORRECTION.items():
             setattr(cfg.algo, k, v)
     return cfg

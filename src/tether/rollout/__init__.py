@@ -55,6 +55,13 @@ def engine_reports_logp(name: str) -> bool:
     return bool(ENGINES.meta(name)["reports_logp"])
 
 
+def worker_records_logp(name: str) -> bool:
+    """Whether a rollout worker (``train.max_staleness`` >= 1) running engine ``name`` passes the sampled tokens'
+    log-probs on: the hf engine records them when asked (the workers ask), an engine that reports them anyway
+    does; another registered engine may not."""
+    return name == "hf" or (name in ENGINES and engine_reports_logp(name))
+
+
 def make_engine(cfg, model, tokenizer, **overrides: Any) -> Engine:
     """The engine ``cfg.engine`` names, for ``model``.
 
