@@ -118,7 +118,7 @@ def test_rollout_correction_needs_a_logp_engine_only_when_synchronous(workdir, t
     tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"algo.tis_cap": 2.0, "train.max_staleness": 1})
 
 
-def test_asynchronous_training_is_corrected_by_default(workdir, tiny_model_dir):
+def test_asynchronous_training_is_corrected_by_default(workdir, tiny_model_dir, monkeypatch):
     """train.async_correction (docs/evidence.md, staleness): with K >= 1, an engine whose workers pass log-probs
     on and no correction key set, the resolved config carries TIS cap 2 + IcePop [0.5, 5]; false leaves the lag
     uncorrected; a correction set by hand is used as given (and then false is refused as having no effect, as it is
@@ -144,8 +144,11 @@ def test_asynchronous_training_is_corrected_by_default(workdir, tiny_model_dir):
         tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"train.async_correction": False})
     # an engine whose workers pass no log-probs on (a registered test engine): no default, and a correction set
     # by hand is refused before the run rather than failing at its first update
-    from tether.testing import register_scripted_engine
-    register_scripted_engine()
+    # (registered for this test only: the registry is global, and docs/config.md lists its engines)
+    from tether.rollout import ENGINES
+    from tether.testing import ScriptedEngine
+    monkeypatch.setitem(ENGINES._items, "scripted", lambda cfg, model, tok, **o: ScriptedEngine(model, tok))
+    monkeypatch.setitem(ENGINES._meta, "scripted", {"reports_logp": False})
     assert corr(tiny_config(workdir, tiny_model_dir, "grpo", 2, **asynchronous(1, **{"rollout.engine": "scripted"}))) \
         == (0.0, 0.0, 0.0)
     with pytest.raises(ConfigError, match="rollout workers' rollout.engine=scripted passes none on"):

@@ -132,7 +132,7 @@ def test_train_and_eval_run_on_the_organism_task(mini_organism, tmp_path, agent)
 
 
 @pytest.mark.parametrize("spec,runs", [("organism_default.yaml", "1 arm(s) x 10 seed(s) = 10 run(s)"),
-                                       ("evidence_anchors.yaml", "9 arm(s) x 10 seed(s) = 90 run(s)")])
+                                       ("evidence_anchors.yaml", "18 arm(s) x 10 seed(s) = 180 run(s)")])
 def test_the_organism_sweep_specs_resolve(spec, runs, capsys):
     """Every arm of the committed organism sweeps resolves (tether sweep --dry-run checks each with load_config)."""
     from pathlib import Path
