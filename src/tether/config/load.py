@@ -47,4 +47,3 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
     customized = dataclasses.replace(cfg.algo, name=base.name) != base
     cfg.algo.name = f"{name}+custom" if customized else name
     return check(apply_async_correction(cfg))
-

@@ -189,10 +189,10 @@ class TrainConfig:
     # (rollout.engine hf or vllm) report the engine's log-probs, so algo.tis_cap can correct the lag
     async_correction: bool = True  # max_staleness >= 1 with every rollout-correction key left off (algo.tis_cap,
     # algo.mask_*, algo.kl_sampler at their defaults) and an engine whose workers pass log-probs on (hf, vllm):
-    # correct the lag as docs/evidence.md recommends, TIS capped at 2
-    # with IcePop's token mask [0.5, 5] (algo.tis_cap=2 algo.mask_token_low=0.5 algo.mask_token_high=5, written into
-    # the resolved config; on the organism at a high learning rate it recovered 13 points of the 23 an uncorrected
-    # K = 1 lost, 10 seeds); false = train stale batches uncorrected. Correction keys set by hand are used as given
+    # correct the lag as docs/evidence.md recommends, TIS capped at 2 with IcePop's token mask [0.5, 5]
+    # (algo.tis_cap=2 algo.mask_token_low=0.5 algo.mask_token_high=5, written into the resolved config; on the
+    # organism at a high learning rate it recovered 13 points of the 23 an uncorrected K = 1 lost, 10 seeds);
+    # false = train stale batches uncorrected. Correction keys set by hand are used as given
     rollout_workers: int = 1  # max_staleness >= 1: rollout worker processes, each with its own copy of the model; up
     # to max(max_staleness + 1, rollout_workers) batches are in flight, so more than max_staleness + 1 workers make
     # batches older than K possible (train.stale_batches)

@@ -451,15 +451,13 @@ def _check_engine(cfg: Config) -> list[str]:
             errs.append("model.trust_remote_code=true with rollout.engine=vllm: vLLM samples from a snapshot of the "
                         "weights with its own implementation of the architecture, not the model's custom code; use "
                         "rollout.engine=hf")
-    # (train.max_staleness >= 1: the rollout workers' hf or vllm engine records its log-probs)
-    if (uses_sampler_logp(cfg.algo) and r.engine in ENGINES and not engine_reports_logp(r.engine)
-            and cfg.train.max_staleness == 0):
-        errs.append(f"algo.tis_cap > 0 / algo.mask_* / algo.kl_sampler=mu (rollout correction) needs an engine "
-                    f"that reports its log-probs; "
-                    f"rollout.engine={r.engine} reports none (use rollout.engine=vllm, or train.max_staleness >= 1: "
-                    f"the rollout workers record them)")
-    elif uses_sampler_logp(cfg.algo) and r.engine in ENGINES and not worker_records_logp(r.engine):
-        errs.append(f"algo.tis_cap > 0 / algo.mask_* / algo.kl_sampler=mu (rollout correction) needs the engine's "
-                    f"log-probs, and the rollout workers' rollout.engine={r.engine} passes none on (the hf and vllm "
-                    f"engines do)")
+    if uses_sampler_logp(cfg.algo) and r.engine in ENGINES:
+        if cfg.train.max_staleness == 0 and not engine_reports_logp(r.engine):
+            errs.append(f"algo.tis_cap > 0 / algo.mask_* / algo.kl_sampler=mu (rollout correction) needs an engine "
+                        f"that reports its log-probs; rollout.engine={r.engine} reports none (use "
+                        f"rollout.engine=vllm, or train.max_staleness >= 1: the rollout workers record them)")
+        elif cfg.train.max_staleness >= 1 and not worker_records_logp(r.engine):  # the workers' hf or vllm do
+            errs.append(f"algo.tis_cap > 0 / algo.mask_* / algo.kl_sampler=mu (rollout correction) needs the "
+                        f"engine's log-probs, and the rollout workers' rollout.engine={r.engine} passes none on (the "
+                        f"hf and vllm engines do)")
     return errs
