@@ -1,11 +1,14 @@
-"""Check that a refactor changed no training number: every recipe x 3 steps on the tiny random model.
+"""Check that a refactor changed no training number: every recipe x 3 steps on the tiny random model,
+a multi-turn calculator run and an asynchronous K = 1 run.
 
     .venv/bin/python scripts/same_metrics.py --save before.json       # on the old code
     .venv/bin/python scripts/same_metrics.py --compare before.json    # on the new code: exit 1 on a difference
 
 Each recipe trains 3 steps (2 prompts x 4 samples, 8 new tokens, seed 0, one thread) on a tiny
 random Llama (`tether.testing.make_tiny_model_dir`) with a synthetic digit reward; the rows of
-``metrics.jsonl`` without their timing keys are kept. ``--compare`` reports every value that
+``metrics.jsonl`` without their timing keys are kept. Two more cases: ``multi_turn_calculator`` (ema_pg,
+rollout.agent=multi_turn with the calculator environment on the arithmetic task) and ``async_k1`` (ema_pg,
+train.max_staleness=1 with a local rollout worker and the default asynchronous correction). ``--compare`` reports every value that
 differs by more than ``--rtol`` (default 1e-6, relative) and every key present on one side only.
 """
 
@@ -24,7 +27,16 @@ TIMING = ("time", "tokens_per_s", "peak_", "_s")
 REWARD = "def digits(completion, example):\n    return sum(c.isdigit() for c in completion) / max(len(completion), 1)\n"
 
 
-def run_all(recipes: list[str]) -> dict:
+# The cases beyond the named recipes: (recipe, overrides on top of the common ones).
+EXTRA = {
+    "multi_turn_calculator": ("ema_pg", {"data.task": "arithmetic", "data.reward": "auto",
+                                         "rollout.agent": "multi_turn", "env.name": "calculator",
+                                         "rollout.max_new_tokens": 12, "env.max_context": 1024}),
+    "async_k1": ("ema_pg", {"train.max_staleness": 1}),
+}
+
+
+def run_all(recipes: list[str], extra: list[str]) -> dict:
     from tether.config import load_config
     from tether.testing import make_tiny_model_dir
     from tether.train import train
@@ -38,13 +50,15 @@ def run_all(recipes: list[str]) -> dict:
         with open(d / "prompts.jsonl", "w") as f:
             for i in range(40):
                 f.write(json.dumps({"question": f"Say some numbers {i}", "answer": str(i)}) + "\n")
-        for name in recipes:
-            cfg = load_config(None, {
-                "model.name": str(model), "data.task": str(d / "prompts.jsonl"),
-                "data.reward": f"{d / 'rew.py'}:digits", "train.steps": 3, "train.lr": 1e-2,
-                "rollout.max_new_tokens": 8, "rollout.prompts_per_step": 2, "rollout.n": 4,
-                "run.progress": False, "run.plot": False, "run.exact_kl_samples": 0, "run.save_every": 0,
-                "eval.before": False, "eval.after": False}, recipe_name=name)
+        common = {
+            "model.name": str(model), "data.task": str(d / "prompts.jsonl"),
+            "data.reward": f"{d / 'rew.py'}:digits", "train.steps": 3, "train.lr": 1e-2,
+            "rollout.max_new_tokens": 8, "rollout.prompts_per_step": 2, "rollout.n": 4,
+            "run.progress": False, "run.plot": False, "run.exact_kl_samples": 0, "run.save_every": 0,
+            "eval.before": False, "eval.after": False}
+        cases = [(n, n, {}) for n in recipes] + [(n, *EXTRA[n]) for n in extra]
+        for name, recipe_name, over in cases:
+            cfg = load_config(None, {**common, **over}, recipe_name=recipe_name)
             run = train(cfg, d / f"run-{name}", log=lambda *a, **k: None)
             rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
             out[name] = [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows]
@@ -84,8 +98,9 @@ def main() -> int:
     ap.add_argument("--compare", help="compare with a file written by --save")
     ap.add_argument("--rtol", type=float, default=1e-6, help="relative tolerance (default 1e-6)")
     ap.add_argument("--recipes", nargs="*", default=list(RECIPES), help="default: every named recipe")
+    ap.add_argument("--extra", nargs="*", default=list(EXTRA), help=f"default: {', '.join(EXTRA)}")
     args = ap.parse_args()
-    got = run_all(args.recipes)
+    got = run_all(args.recipes, args.extra)
     if args.save:
         Path(args.save).write_text(json.dumps(got, indent=1))
         print(f"saved {sum(len(v) for v in got.values())} rows of {len(got)} recipes to {args.save}")
