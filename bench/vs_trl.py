@@ -139,7 +139,7 @@ def child_tether(a, recipe: str, extra: dict | None = None, breakdown: bool = Fa
     memory = None
     if breakdown:
         memory = bu.memory_breakdown(trainer, baseline_rss)  # after the timed steps' peak is read
-    from tether.algo import describe
+    from tether.config.recipes import describe
     return {
         "memory": memory,
         "framework": "tether", "recipe": recipe, "algo": describe(cfg.algo),

@@ -92,7 +92,7 @@ def compare(old: dict, new: dict, rtol: float) -> list[str]:
 
 
 def main() -> int:
-    from tether.algo import RECIPES
+    from tether.config.recipes import RECIPES
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--save", help="write the metrics of every recipe to this JSON file")

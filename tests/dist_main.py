@@ -22,7 +22,7 @@ def check(model_dir: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tether import distributed as dist
-    from tether.algo.recipes import AnchorConfig
+    from tether.config.recipes import AnchorConfig
     from tether.anchor import Anchor
     from tether.logprobs import response_stats
     from tether.rollout import SamplingParams

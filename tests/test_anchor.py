@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from tether.algo.recipes import AnchorConfig
+from tether.config.recipes import AnchorConfig
 from tether.anchor import Anchor, make_anchor
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from helpers import ALWAYS_ENV, DIGITS, cli_args, rows, strip, subprocess_env, tiny_config
-from tether.algo.recipes import ConfigError
+from tether.errors import ConfigError
 from tether.checkpoint import latest_checkpoint
 from tether.rollout import SamplingParams
 from tether.rollout.weights import WeightSyncError, effective_weights

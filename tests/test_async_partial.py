@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import DIGITS, tiny_config
-from tether.algo.recipes import ConfigError
+from tether.errors import ConfigError
 from tether.logprobs import response_stats
 from tether.models import ModelConfig, load_model
 from tether.rollout import HFEngine, SamplingParams

@@ -178,7 +178,7 @@ def test_a_killed_remote_worker_is_replaced_by_the_next_that_connects(workdir, t
 def test_keys_and_addresses(workdir, tiny_model_dir, tmp_path, monkeypatch):
     """No key: a config error before anything starts; a worker with the wrong key is refused (exit 2) and the
     trainer, still waiting, says so and gives up after train.worker_timeout_s; bad addresses are config errors."""
-    from tether.algo.recipes import ConfigError
+    from tether.errors import ConfigError
     from tether.cli import main
 
     with pytest.raises(ConfigError, match="train.worker_address must be HOST:PORT"):

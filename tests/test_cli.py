@@ -1,7 +1,7 @@
 """The command line: ``python -m tether`` runs the same CLI as the ``tether`` script."""
 
 from helpers import run_module
-from tether.algo import RECIPES
+from tether.config.recipes import RECIPES
 
 
 def test_python_m_tether_help_lists_subcommands():

@@ -13,9 +13,10 @@ import math
 import pytest
 import torch
 
-from tether.algo import RECIPES, AlgoConfig, LossInputs, RegionConfig, compute_loss, loss_needs, recipe, validate
+from tether.algo import LossInputs, RegionConfig, compute_loss, loss_needs
+from tether.config.recipes import RECIPES, AlgoConfig, recipe, validate
 from tether.algo.correction import correction_weights
-from tether.algo.recipes import ConfigError
+from tether.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("float64")
 V = 3

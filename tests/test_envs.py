@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tether.algo.recipes import ConfigError
+from tether.errors import ConfigError
 from tether.envs import ENVS, Env, FinalTurn, Start, StepResult, TextEnv, make_env
 from tether.errors import EnvError
 from tether.tasks import Example

@@ -412,7 +412,7 @@ def test_step_and_errors(work, ema_run, tiny_model_dir, tmp_path, capsys):
 
 
 def test_model_card(exports, ema_run):
-    from tether.algo import describe
+    from tether.config.recipes import describe
 
     dirs, _ = exports
     card = (dirs["anchor"] / "README.md").read_text()

@@ -248,7 +248,7 @@ def test_a_worker_with_another_key_is_refused_both_ways(monkeypatch):
                                     (secrets.token_hex(32), True)])
 def test_the_key_rule(key, ok):
     """At least 32 characters, 8 of them different; the message says how to generate one."""
-    from tether.algo.recipes import ConfigError
+    from tether.errors import ConfigError
 
     if ok:
         assert channel.check_key(key) == key.encode()

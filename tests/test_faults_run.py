@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import DIGITS, FAULTS, cli_args, copy_run, rows, strip, subprocess_env, tiny_config
-from tether.algo.recipes import ConfigError
+from tether.errors import ConfigError
 from tether.checkpoint import latest_checkpoint
 from tether.cli import main
 from tether.config import load_config

@@ -11,7 +11,8 @@ import pytest
 import torch
 from helpers import DIGITS, tiny_config
 
-from tether.algo.recipes import AlgoConfig, AnchorConfig, ConfigError, validate
+from tether.config.recipes import AlgoConfig, AnchorConfig, validate
+from tether.errors import ConfigError
 from tether.anchor import Anchor
 from tether.logprobs import response_stats
 from tether.memory import (LiveBytes, SavedActivations, StepMemory, breakdown_rows, grad_bytes, malloc_trim,
@@ -235,7 +236,7 @@ def test_bf16_anchor_config_is_for_a_fixed_anchor_of_an_fp32_policy(tiny_model_d
 
 
 def _k3():
-    from tether.algo.recipes import KLConfig
+    from tether.config.recipes import KLConfig
     return {"kl": KLConfig("k3", beta=0.04)}
 
 

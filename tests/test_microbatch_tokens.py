@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import DIGITS, tiny_config
-from tether.algo.recipes import ConfigError
+from tether.errors import ConfigError
 from tether.logprobs import response_stats
 from tether.metrics import UpdateStats
 from tether.passes import check_packing, forwarded_positions, micro_batches

@@ -15,10 +15,11 @@ import math
 import pytest
 import torch
 
-from tether.algo import AlgoConfig, KLConfig, LossInputs, RegionConfig, compute_loss, loss_needs, recipe
+from tether.algo import LossInputs, RegionConfig, compute_loss, loss_needs
+from tether.config.recipes import AlgoConfig, KLConfig, recipe
 from tether.algo.aggregation import aggregate
 from tether.algo.kl import KL_ESTIMATORS, KLInputs, KLOptions, rpg_score_coef
-from tether.algo.recipes import AnchorConfig
+from tether.config.recipes import AnchorConfig
 
 pytestmark = pytest.mark.usefixtures("float64")
 V, L = 3, 2
@@ -215,7 +216,7 @@ def test_micro_batches_sum_to_the_full_batch_gradient():
 
 
 def test_every_recipe_gives_a_finite_loss_and_gradient():
-    from tether.algo import RECIPES
+    from tether.config.recipes import RECIPES
     b = random_batch(5)
     k = 4
     g = torch.Generator().manual_seed(9)

@@ -2,8 +2,10 @@
 
 import pytest
 
-from tether.algo import RECIPES, AlgoConfig, ConfigError, KLConfig, RegionConfig, recipe, validate
-from tether.algo.recipes import AnchorConfig
+from tether.algo import RegionConfig
+from tether.config.recipes import RECIPES, AlgoConfig, KLConfig, recipe, validate
+from tether.errors import ConfigError
+from tether.config.recipes import AnchorConfig
 
 SPEC = {  # ALGORITHMS.md section 6
     "grpo": ("grpo", "ratio", "k3", "fixed"),
@@ -115,7 +117,7 @@ def test_algo_layer_imports_only_torch():
 def test_anchor_kinds_of_the_config_are_the_registered_ones():
     """The anchor kinds are one registry, tether.algo.anchors.ANCHOR_KINDS (with their rules); the config's
     choices ("none" plus the kinds) and tether.anchor read it."""
-    from tether.algo.recipes import ANCHORS
+    from tether.config.recipes import ANCHORS
     from tether.anchor import ANCHOR_KINDS
 
     assert ANCHORS == ("none", *ANCHOR_KINDS)

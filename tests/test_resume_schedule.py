@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import DIGITS, rows, tiny_config
-from tether.algo.recipes import ConfigError
+from tether.errors import ConfigError
 from tether.checkpoint import latest_checkpoint
 from tether.config import TrainConfig
 from tether.schedule import LRSchedule

@@ -198,7 +198,8 @@ def test_loss_ignores_observation_tokens(tiny_model_dir, tok):
     gradient through their log-probs."""
     from transformers import AutoModelForCausalLM
 
-    from tether.algo import LossInputs, compute_loss, recipe
+    from tether.algo import LossInputs, compute_loss
+    from tether.config.recipes import recipe
     from tether.logprobs import response_stats
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float()
@@ -303,7 +304,7 @@ def test_each_turn_is_capped_by_max_new_tokens(tok):
 
 
 def test_search_options_that_cannot_act_are_errors():
-    from tether.algo.recipes import ConfigError
+    from tether.errors import ConfigError
     from tether.config import load_config
 
     for over, msg in (({"search.dense_model": "m"}, "dense_model only applies"),

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from tether.agents import agent_from_config, agent_tools, make_agent
-from tether.algo.recipes import ConfigError
+from tether.errors import ConfigError
 from tether.config import load_config
 from tether.rollout import SamplingParams
 from tether.search.corpus import load_corpus

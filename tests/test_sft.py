@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import DIGITS, assert_clean_error, cli_args, rows, run_module, strip
-from tether.algo.recipes import ConfigError
+from tether.errors import ConfigError
 from tether.checkpoint import latest_checkpoint
 from tether.config.sft import load_sft_config, sft_reference
 from tether.errors import RunError

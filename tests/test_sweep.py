@@ -18,7 +18,7 @@ import pytest
 import yaml
 from helpers import DIGITS, run_module, subprocess_env, tiny_settings
 
-from tether.algo.recipes import ConfigError
+from tether.errors import ConfigError
 from tether.cli import main
 from tether.config import parse_overrides
 from tether.sweep import layout

@@ -17,7 +17,8 @@ import torch
 
 from test_objectives import divergence  # the exact divergences (one copy)
 
-from tether.algo import LossInputs, RegionConfig, compute_loss, recipe, validate
+from tether.algo import LossInputs, RegionConfig, compute_loss
+from tether.config.recipes import recipe, validate
 
 pytestmark = pytest.mark.usefixtures("float64")
 V = 5

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from helpers import DIGITS, rows, strip, tiny_config
-from tether.algo import RECIPES
-from tether.algo.recipes import ConfigError
+from tether.config.recipes import RECIPES
+from tether.errors import ConfigError
 from tether.checkpoint import latest_checkpoint, load_checkpoint
 from tether.config import load_config
 from tether.tasks.base import DataError
@@ -469,7 +469,7 @@ def test_rollout_correction_with_an_engine_that_reports_logprobs(shift, trunc, w
                                                                  monkeypatch):
     """sampler_logp == the trainer's own log-probs: ratio 1, nothing truncated; pi_vllm = pi_old / e: every
     token's ratio is e > C = 2. The sampler pass runs although grpo is on-policy (pi_old is needed)."""
-    from tether.algo import describe
+    from tether.config.recipes import describe
     from tether.rollout import ENGINES
 
     monkeypatch.setitem(ENGINES, "logp", _logp_engine(shift))

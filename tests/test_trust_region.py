@@ -75,7 +75,8 @@ def test_atr_default_delta_is_closest_to_clip_higher(monkeypatch):
     assert abs(low - 0.8) < 0.03 and abs(up - 1.28) < 0.03
     # The constant the recipe uses is that fit, rounded as documented (docs/algorithms.md:
     # delta = 0.03, kl3_delta_for(0.2, 0.28) = 0.0295) ...
-    from tether.algo import recipe, recipes
+    from tether.config import recipes
+    from tether.config.recipes import recipe
 
     assert recipes.ATR_DELTA == round(d, 2) == 0.03
     # ... and atr_grpo's region is the KL3 region with that constant, read when the recipe is built.

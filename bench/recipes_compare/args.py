@@ -189,7 +189,7 @@ def _resolve(a, p) -> None:
     a.kl_max_new_tokens = _per_task(a.kl_max_new_tokens, a.max_new_tokens, "--kl-max-new-tokens")
     if a.eval_batch_size < 1:
         p.error("--eval-batch-size must be >= 1")
-    from tether.algo.recipes import RECIPES as ALL
+    from tether.config.recipes import RECIPES as ALL
     a.variants = parse_variants(a.variant, p.error)
     bad = [r for r in a.recipes if r not in ALL and r not in a.variants]
     if bad:
@@ -218,7 +218,7 @@ def _resolve(a, p) -> None:
 def parse_variants(items: list[list[str]], error) -> dict:
     """``[["grpo_tm", "grpo", "algo.aggregation=token-mean"]]`` -> ``{"grpo_tm": {"recipe": "grpo",
     "overrides": {"algo.aggregation": "token-mean"}}}``; each variant's config is validated here, before any run."""
-    from tether.algo.recipes import RECIPES as ALL
+    from tether.config.recipes import RECIPES as ALL
     from tether.config import ConfigError, load_config, parse_overrides
     out = {}
     for item in items:

@@ -84,7 +84,7 @@ def token_kl_entropy(policy, initial, rb, *, micro: int = 2, chunk_size: int = 1
     """
     import torch
 
-    from tether.algo.recipes import AnchorConfig
+    from tether.config.recipes import AnchorConfig
     from tether.anchor import Anchor
     from tether.logprobs import response_stats
     from tether.passes import exact_kl_sample

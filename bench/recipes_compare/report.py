@@ -138,7 +138,7 @@ def _budgets(res: dict) -> list[str]:
           + f"; AdamW lr {st['lr']:g} (constant), {st.get('mini_batches', 1)} optimizer step(s) per rollout batch "
             f"(train.mini_batches), gradient clip 1.0, micro-batches of {st['micro_batch_size']}; EMA anchors move "
             f"every {st.get('anchor_every', '-')} steps (algo.anchor.every); otherwise "
-            "each recipe's own algorithm settings (`tether.algo.recipes`)",
+            "each recipe's own algorithm settings (`tether.config.recipes`)",
           *(["- variants (`--variant`): " + "; ".join(_variant_text(k, v) for k, v in st["variants"].items())]
             if st.get("variants") else []),
           "- algorithms (`tether.algo.describe`): " + "; ".join(

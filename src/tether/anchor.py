@@ -35,14 +35,17 @@ in the KL and its gradient.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from torch import nn
 
 from . import distributed as dist
 from .algo.anchors import ANCHOR_KINDS
-from .algo.recipes import AnchorConfig
+
+if TYPE_CHECKING:  # the config section, for annotations only (tether.config sits above this module)
+    from .config.recipes import AnchorConfig
+
 
 def tracked_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The parameters an anchor follows: those that train (all, or only LoRA adapters)."""

@@ -20,7 +20,7 @@ def _train(args) -> int:
 
     if args.resume:
         if args.config or args.recipe or args.task:
-            from .algo.recipes import ConfigError
+            from .errors import ConfigError
             raise ConfigError("tether train --resume RUN_DIR continues with the run's saved config; drop "
                               "--config/--recipe/--task (key=value overrides such as train.steps=60 are allowed)")
         try:
@@ -44,7 +44,7 @@ def _sft(args) -> int:
                                   ("output_dir", "run.output_dir")))
     if args.resume:
         if args.config:
-            from .algo.recipes import ConfigError
+            from .errors import ConfigError
             raise ConfigError("tether sft --resume RUN_DIR continues with the run's saved config; drop --config "
                               "(key=value overrides such as train.epochs=3 are allowed)")
         resume_sft(Path(args.resume), overrides)
@@ -57,7 +57,7 @@ def _overrides(args, flags) -> dict:
     """The command line's key=value overrides, plus the options (``flags``: (attribute, key) pairs) it
     gave and ``--overwrite`` (``run.overwrite``). An option and an override of the same key with different
     values is a ConfigError (which one was meant?)."""
-    from .algo.recipes import ConfigError
+    from .errors import ConfigError
     from .config import parse_overrides
 
     overrides = parse_overrides(args.overrides)
@@ -133,7 +133,7 @@ def _config(args) -> int:
 
 
 def _recipes(args) -> int:
-    from .algo import RECIPES, describe, recipe
+    from .config.recipes import RECIPES, describe, recipe
 
     for name in RECIPES:
         print(describe(recipe(name)))
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
         extra = [e for e in extra if not ("=" in e and not e.startswith("-"))]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from .algo.recipes import ConfigError
+    from .errors import ConfigError
     from .errors import USER_ERRORS
     from .export import ExportError
     from .tasks.base import DataError

@@ -202,7 +202,7 @@ def check_supported(prompts_per_step: int, dynamic_sampling: bool) -> None:
     and no dynamic sampling (not supported across ranks yet). Nothing to check in one process."""
     if not enabled():
         return
-    from .algo.recipes import ConfigError
+    from .errors import ConfigError
     try:
         rank_slice(prompts_per_step)
     except ValueError as e:

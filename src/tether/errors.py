@@ -1,8 +1,8 @@
 """Errors shared across layers (imports nothing from tether).
 
-The CLI turns every error below, and ``ConfigError`` (``tether.algo``), ``DataError``
-(``tether.tasks``) and ``ExportError`` (``tether.export``), into one line on stderr and exit
-code 2: they are the user's to fix (an option, a file, a row, a path), not tether's bugs.
+The CLI turns every error below, and ``DataError`` (``tether.tasks``) and ``ExportError``
+(``tether.export``), into one line on stderr and exit code 2: they are the user's to fix (an
+option, a file, a row, a path), not tether's bugs.
 
 `EvalError` is raised by ``tether.tasks.benchmarks`` (a benchmark whose reward cannot be
 loaded) and by ``tether.eval`` (bad evaluation settings, a run without checkpoint or
@@ -12,6 +12,11 @@ anchor), so it lives below both.
 from __future__ import annotations
 
 import json
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run as written: an unknown key or choice, an invalid combination, or an
+    option that would have no effect under the other settings (``tether.config``)."""
 
 
 class EvalError(ValueError):

@@ -76,7 +76,7 @@ def render_card(rc: RunCheckpoint, *, anchor: bool, fmt: str, dtype: str, base_r
         algo = f"{rc.recipe} (config no longer validates here; see the run's config.yaml)"
         total = (cfg.get("train") or {}).get("steps", "?")
     else:
-        from .algo import describe
+        from .config.recipes import describe
 
         algo = describe(cfg.algo)
         total = cfg.train.steps

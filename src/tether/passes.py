@@ -26,7 +26,7 @@ import torch
 
 from . import distributed as dist
 from .algo import LossNeeds
-from .algo.recipes import ConfigError
+from .errors import ConfigError
 from .logprobs import response_stats
 from .rollout import RolloutBatch
 

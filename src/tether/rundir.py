@@ -354,7 +354,7 @@ def resume_config(run_dir: Path, overrides: Optional[dict] = None):
     override. The directory is read by `tether.runs.RunDir`, as ``tether eval`` and ``tether export``
     read it.
     """
-    from .algo.recipes import ConfigError
+    from .errors import ConfigError
     from .config import DEFAULT_RECIPE, _flatten, load_config
 
     saved, overrides = resumed_values(run_dir, overrides, "run")
@@ -377,7 +377,7 @@ def resumed_values(run_dir: Path, overrides: Optional[dict], kind: str) -> tuple
     command that resumes it), a run without checkpoint; `ConfigError` for ``run.overwrite`` or another
     ``run.output_dir`` among the overrides.
     """
-    from .algo.recipes import ConfigError
+    from .errors import ConfigError
 
     run = _reader(run_dir).open()
     run_dir = run.path

@@ -118,7 +118,7 @@ class RunDir:
 
     def raw_config(self) -> dict:
         """``config.yaml`` as a mapping (unreadable, not UTF-8, not YAML, not a mapping: ``error`` with the line)."""
-        from .algo.recipes import ConfigError
+        from .errors import ConfigError
         from .config import read_yaml_mapping
 
         try:
@@ -129,7 +129,7 @@ class RunDir:
     def config(self) -> tuple[Any, Any]:
         """``(Config or SFTConfig or raw dict, ModelConfig)``: the validated config, or, when the saved
         config no longer validates here, the raw YAML and the ``model`` section's known keys."""
-        from .algo.recipes import ConfigError
+        from .errors import ConfigError
         from .config import load_config
         from .config.sft import load_sft_config
         from .models import ModelConfig

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 from torch.optim.lr_scheduler import LambdaLR
 
-from .algo.recipes import ConfigError
+from .errors import ConfigError
 
 
 def multiplier(kind: str, warmup: int, total: int, start: Optional[int] = None, mult: float = 1.0,

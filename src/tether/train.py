@@ -38,7 +38,7 @@ from . import distributed as dist
 from .agents import agent_from_config, agent_tools, env_reward, reward_parts
 from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, overlong_penalty, zero_variance_groups
 from .algo.correction import lr_scale
-from .algo.recipes import ConfigError
+from .errors import ConfigError
 from .anchor import make_anchor
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config, apply_async_correction, to_dict
@@ -445,7 +445,7 @@ def train(cfg: Config, run_dir: Optional[Path] = None, model=None, tokenizer=Non
         run_dir = Path(dist.all_gather_objects(str(default_run_dir(cfg)))[0])
     run_dir = Path(run_dir or cfg.run.output_dir or default_run_dir(cfg))
     if dist.is_main():
-        from .algo import describe
+        from .config.recipes import describe
         log(f"[tether] {describe(cfg.algo)}")
     guard = RunDirectory(run_dir, fresh=True, overwrite=cfg.run.overwrite, log=log)
     return run_guarded(guard, lambda: Trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard), resume=False)

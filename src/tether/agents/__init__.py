@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
 
-from ..algo.recipes import ConfigError
+from ..errors import ConfigError
 from ..algo.registry import Registry
 from ..rollout.base import RolloutBatch, SamplingParams
 from ..tasks.base import Example

@@ -8,23 +8,18 @@ Imports nothing but torch. Where to look:
 - ``advantages.py``   GRPO, Dr.GRPO, RLOO, REINFORCE++, RPG baselines
 - ``aggregation.py``  token-mean and the sequence-mean modes
 - ``correction.py``   rollout correction for a behaviour policy mu != pi_old: TIS, MIS, IcePop, geometric, k1-k3, OPSM
-- ``recipes.py``      ``AlgoConfig``, validation, and the named recipes
-
-The anchor (fixed / EMA / iterative / reset) lives in ``tether.anchor``.
+The anchor (fixed / EMA / iterative / reset) lives in ``tether.anchor``; the algorithm's configuration
+(``AlgoConfig``), its validation and the named recipes in ``tether.config.recipes``.
 """
 
 from .advantages import ADVANTAGES, compute_advantages, overlong_penalty, zero_variance_groups
 from .aggregation import AGGREGATIONS, aggregate
 from .kl import KL_ESTIMATORS, KLInputs, KLOptions
 from .objectives import SURROGATES, LossInputs, LossNeeds, LossOut, compute_loss, loss_needs, policy_term
-from .recipes import RECIPES, AlgoConfig, AnchorConfig, ConfigError, KLConfig, describe, recipe, validate
 from .trust_region import REGIONS, RegionConfig, kl3_bounds, lambert_w
 
 __all__ = [
-    "ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "REGIONS", "RECIPES",
-    "SURROGATES", "AlgoConfig", "AnchorConfig", "ConfigError", "KLConfig", "KLInputs", "KLOptions", "LossInputs",
-    "LossNeeds", "LossOut", "RegionConfig", "loss_needs",
-    "aggregate", "compute_advantages", "overlong_penalty", "compute_loss", "describe", "kl3_bounds", "lambert_w",
-    "policy_term",
-    "recipe", "validate", "zero_variance_groups",
+    "ADVANTAGES", "AGGREGATIONS", "KL_ESTIMATORS", "REGIONS", "SURROGATES", "KLInputs", "KLOptions", "LossInputs",
+    "LossNeeds", "LossOut", "RegionConfig", "aggregate", "compute_advantages", "compute_loss", "kl3_bounds",
+    "lambert_w", "loss_needs", "overlong_penalty", "policy_term", "zero_variance_groups",
 ]

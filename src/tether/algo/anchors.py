@@ -13,7 +13,7 @@ place and says whether it moved. ``anchor`` is any object with ``cfg`` (the ``An
 | reset | every ``every`` trainer steps: theta_a <- theta |
 | kl_reset | theta_a <- theta when kl_ma > kappa, kl_ma <- m kl_ma + (1 - m) KL (RPG's suggestion) |
 
-This registry is the one list of anchor kinds: `tether.algo.recipes` validates ``algo.anchor.kind``
+This registry is the one list of anchor kinds: `tether.config.recipes` validates ``algo.anchor.kind``
 against it (plus ``none``: no anchor, no KL term), the config reference lists it.
 """
 

@@ -163,7 +163,7 @@ def _masked(x: Optional[Tensor], mask: Tensor, fill: float = 0.0) -> Optional[Te
 
 
 def compute_loss(cfg, inputs: LossInputs) -> LossOut:
-    """The loss of algorithm ``cfg`` (an :class:`~tether.algo.recipes.AlgoConfig`) on one (micro-)batch.
+    """The loss of algorithm ``cfg`` (an :class:`~tether.config.recipes.AlgoConfig`) on one (micro-)batch.
 
     ``inputs.old_logp=None`` means exactly on-policy (pi_old = sg(pi)). ``num_tokens`` /
     ``num_seqs`` are the whole mini-batch's counts when accumulating gradients over

@@ -7,6 +7,7 @@ did-you-mean. The resolved config is written to the run directory as ``config.ya
 
 One module per concern; every name is importable from ``tether.config``:
 
+    recipes.py     the algo section (AlgoConfig), its validation, and the named recipes (RECIPES, recipe)
     schema.py      the dataclasses (one per section) and the held-out sets of eval.benchmarks=auto
     presets.py     trainer settings a recipe brings (RECIPE_TRAINER_DEFAULTS), task presets (--task)
     yaml_io.py     reading a YAML config (trees only: no duplicate key, no recursive alias); save_config
@@ -18,7 +19,8 @@ One module per concern; every name is importable from ``tether.config``:
     reference.py   docs/config.md from the fields' declaration comments
 """
 
-from ..algo.recipes import AlgoConfig, ConfigError
+from .recipes import RECIPES, AlgoConfig, AnchorConfig, KLConfig, describe, recipe
+from ..errors import ConfigError
 from ..models import ModelConfig
 from .load import load_config
 from .overrides import _coerce, _fields, _flatten, _set, parse_overrides  # noqa: F401  (the private ones: tests)
@@ -31,7 +33,8 @@ from .validate_train import apply_async_correction
 from .yaml_io import read_yaml_mapping, save_config
 
 __all__ = [
-    "DEFAULT_RECIPE", "HELD_OUT", "RECIPE_TRAINER_DEFAULTS", "TASK_PRESETS", "VLLM_DTYPES", "AlgoConfig", "Config",
+    "DEFAULT_RECIPE", "HELD_OUT", "RECIPES", "RECIPE_TRAINER_DEFAULTS", "TASK_PRESETS", "VLLM_DTYPES", "AlgoConfig",
+    "AnchorConfig", "Config", "KLConfig", "describe", "recipe",
     "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "RolloutConfig", "RunConfig", "SearchConfig",
     "EnvConfig", "TrainConfig", "apply_async_correction", "check", "check_device", "eval_benchmarks", "evaluating",
     "load_config", "parse_overrides", "read_yaml_mapping", "reference", "save_config", "to_dict",

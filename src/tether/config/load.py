@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from ..algo.recipes import RECIPES, ConfigError, recipe
+from .recipes import RECIPES, recipe
+from ..errors import ConfigError
 from ..algo.registry import unknown_choice
 from .overrides import _flatten, _set
 from .presets import RECIPE_TRAINER_DEFAULTS, TASK_PRESETS

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from ..algo.recipes import ConfigError
+from ..errors import ConfigError
 
 
 def _fields(obj) -> dict[str, dataclasses.Field]:

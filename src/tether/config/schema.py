@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..algo.recipes import AlgoConfig, recipe
+from .recipes import AlgoConfig, recipe
 from ..models import ModelConfig
 from ..tasks.registry import TASKS, held_out_benchmark
 
@@ -290,7 +290,7 @@ def evaluating(cfg: "Config") -> bool:
 class Config:
     """Everything a training run needs."""
 
-    recipe: str = DEFAULT_RECIPE  # named algorithm (tether.algo.recipes); `algo.*` keys override its fields
+    recipe: str = DEFAULT_RECIPE  # named algorithm (tether.config.recipes); `algo.*` keys override its fields
     algo: AlgoConfig = field(default_factory=lambda: recipe(DEFAULT_RECIPE))
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

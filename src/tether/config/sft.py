@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..algo.recipes import ConfigError
+from ..errors import ConfigError
 from ..algo.registry import unknown_choice
 from ..models import ModelConfig
 from .overrides import _flatten, _set

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from ..algo.objectives import uses_sampler_logp
-from ..algo.recipes import ConfigError, validate
+from .recipes import validate
+from ..errors import ConfigError
 from ..algo.registry import unknown_choice
 from ..models import DTYPES, ModelConfig
 from .schema import (

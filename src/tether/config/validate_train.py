@@ -8,7 +8,7 @@ resolved settings is a problem too.
 from __future__ import annotations
 
 from ..algo.correction import LR_SCALES
-from ..algo.recipes import AlgoConfig
+from .recipes import AlgoConfig
 from ..algo.registry import unknown_choice
 from .schema import Config, TrainConfig
 

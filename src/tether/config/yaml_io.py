@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from ..algo.recipes import ConfigError
+from ..errors import ConfigError
 from .schema import Config, to_dict
 
 

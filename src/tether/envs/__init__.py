@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..algo.recipes import ConfigError
+from ..errors import ConfigError
 from ..algo.registry import Registry
 from .base import Env, Episode, FinalTurn, Prompt, Start, StepResult, TextEnv
 from .calculator import CalculatorEnv
@@ -43,7 +43,7 @@ ENVS.register("organism_calc")(OrganismCalcEnv)
 def make_env(spec: str, **options: Any) -> Env:
     """The environment ``spec`` names (a registered name, ``module:Class`` or ``path/to/file.py:Class``),
     built with ``options``. An unknown name, a spec that does not load, options it does not take, or
-    an object without ``reset`` and ``step`` is a :class:`~tether.algo.recipes.ConfigError`."""
+    an object without ``reset`` and ``step`` is a :class:`~tether.errors.ConfigError`."""
     builder, _ = ENVS.resolve(spec)
     try:
         env = builder(**options)

@@ -332,7 +332,7 @@ def _named_sets(env: str) -> set[str]:
 
 
 def _demos_main(args) -> int:
-    from ..algo.recipes import ConfigError
+    from ..errors import ConfigError
 
     args.data = args.data or ("arithmetic" if args.env == "calculator" else "multihop")
     if args.data.lower() in ("arithmetic", "gsm8k", "multihop"):

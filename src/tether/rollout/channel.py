@@ -61,7 +61,7 @@ def check_key(key: Optional[str]) -> bytes:
     """The key's bytes; a missing or guessable one is a `ConfigError` naming the rule. The rule: at least 32
     characters, at least 8 of them different (``secrets.token_hex(16)`` and longer pass; a word, a short
     password, a repeated pattern do not). Length is what protects the handshake against offline guessing."""
-    from ..algo.recipes import ConfigError
+    from ..errors import ConfigError
 
     how = (f"generate one with: export {KEY_ENV}=$({MAKE_KEY}), and give the trainer and every `tether worker` the "
            f"same value")

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..algo.recipes import ConfigError
+from ..errors import ConfigError
 from ..algo.registry import Registry
 from .bm25 import BM25Retriever
 from .dense import DenseRetriever, default_prefixes

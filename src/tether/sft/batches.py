@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..algo.recipes import ConfigError
+from ..errors import ConfigError
 from ..logprobs import sequence_logp
 from .data import Encoded
 

@@ -247,7 +247,7 @@ def encode_all(convs: Sequence[Conversation], encoder: ChatEncoder, progress: bo
 
 def resolve_max_length(cfg_max: int, model, tokenizer) -> int:
     """``data.max_length`` resolved: 0 means the model's context; more than the context is a ConfigError."""
-    from ..algo.recipes import ConfigError
+    from ..errors import ConfigError
     from ..tasks.prompts import model_context
 
     context: Optional[int] = model_context(model, tokenizer)

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from ..algo.recipes import ConfigError
+from ..errors import ConfigError
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import to_dict
 from ..config.sft import SFTConfig

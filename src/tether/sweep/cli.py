@@ -99,7 +99,7 @@ def _report(a) -> int:
 def _run(a) -> int:
     from pathlib import Path
 
-    from ..algo.recipes import ConfigError
+    from ..errors import ConfigError
     from .runner import action, run_sweep, train_command
     from .spec import check_arms, load_spec, parse_shard, shard
 

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from ..algo.recipes import ConfigError
+from ..errors import ConfigError
 from ..errors import OutputError
 
 DONE, FAILED = "done", "failed"

@@ -216,7 +216,7 @@ def write_report(dirs: list, out: Optional[str] = None, *, metric: Optional[str]
                  collapse_drop: float = 0.0, baseline: Optional[str] = None) -> Path:
     """Write the report of sweep directories ``dirs`` to ``out`` (default DIR/report.md of the first) with
     ``<stem>.png`` and ``<stem>.json`` beside it; returns the markdown's path."""
-    from ..algo.recipes import ConfigError
+    from ..errors import ConfigError
 
     col = collect(dirs)
     if baseline is not None and baseline not in col.arms:

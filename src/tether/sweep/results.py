@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..algo.recipes import ConfigError
+from ..errors import ConfigError
 from ..errors import OutputError
 from . import layout
 

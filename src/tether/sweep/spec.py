@@ -45,7 +45,7 @@ from typing import Any, Optional
 
 import yaml
 
-from ..algo.recipes import ConfigError
+from ..errors import ConfigError
 
 #: the spec's top-level keys and ``base``'s keys: each is described in this module's docstring (docs/sweeps.md)
 TOP_KEYS = ("base", "axes", "arms", "seeds", "metric", "name")

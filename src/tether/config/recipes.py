@@ -1,4 +1,5 @@
-"""The algorithm as one typed config, and the named recipes of the three papers and baselines.
+"""The algorithm section (``algo.*``) as one typed config, and the named recipes of the three papers and
+baselines. The mathematics each field selects is in ``tether.algo``.
 
     algorithm = advantage x trust region x surrogate form x KL estimator x anchor x aggregation
 
@@ -12,14 +13,15 @@ import copy
 import math
 from dataclasses import dataclass, field
 
-from .advantages import ADVANTAGES
-from .anchors import ANCHOR_KINDS
-from .aggregation import AGGREGATIONS
-from .correction import KL_REJECT, check_correction
-from .kl import EXACT_ESTIMATORS, KL_ESTIMATORS, RPG_ESTIMATORS, TOPK_ESTIMATORS
-from .objectives import SURROGATES
-from .registry import unknown_choice
-from .trust_region import REGIONS, REINFORCE_ONLY_REGIONS, RegionConfig, kl3_bounds
+from ..algo.advantages import ADVANTAGES
+from ..algo.anchors import ANCHOR_KINDS
+from ..algo.aggregation import AGGREGATIONS
+from ..algo.correction import KL_REJECT, check_correction
+from ..algo.kl import EXACT_ESTIMATORS, KL_ESTIMATORS, RPG_ESTIMATORS, TOPK_ESTIMATORS
+from ..algo.objectives import SURROGATES
+from ..algo.registry import unknown_choice
+from ..errors import ConfigError
+from ..algo.trust_region import REGIONS, REINFORCE_ONLY_REGIONS, RegionConfig, kl3_bounds
 
 ANCHORS = ("none", *ANCHOR_KINDS.names())  # "none": no anchor and no KL term; the kinds: tether.algo.anchors
 PLACEMENTS = ("loss", "reward", "advantage")
@@ -95,10 +97,6 @@ class AlgoConfig:
 
     def copy(self) -> "AlgoConfig":
         return copy.deepcopy(self)
-
-
-class ConfigError(ValueError):
-    """An invalid or ineffective algorithm configuration."""
 
 
 def validate(cfg: AlgoConfig) -> AlgoConfig:
