@@ -16,7 +16,7 @@ import pytest
 
 import tether.config
 from helpers import DIGITS, tiny_config
-from tether.config import (Config, ConfigError, _coerce, _flatten, load_config, parse_overrides, reference,
+from tether.config import (Config, ConfigError, coerce_value, flatten, load_config, parse_overrides, reference,
                            save_config, to_dict)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def test_saved_yaml_loads_back_to_the_same_config(overrides, task, tmp_path):
 def test_every_key_as_a_dotted_override_gives_back_the_same_config(overrides, task):
     """Each leaf of a resolved config, written as ``key=value`` (JSON is YAML), parses and loads back."""
     cfg = load_config(None, dict(overrides), task=task)
-    flat = _flatten(to_dict(cfg))
+    flat = flatten(to_dict(cfg))
     assert sorted(flat) == sorted(leaf_keys(cfg))
     items = [f"{k}={json.dumps(v)}" for k, v in flat.items()]
     again = load_config(None, parse_overrides(items))
@@ -129,14 +129,14 @@ def test_parse_overrides_reads_yaml_scalars():
     (2.0, Union[float, str], 2.0), ("q_proj", Union[list, str], "q_proj"), (["a"], Union[list, str], ["a"]),
 ])
 def test_coerce_keeps_a_value_of_a_declared_type(value, tp, want):
-    got = _coerce(value, tp, "k")
+    got = coerce_value(value, tp, "k")
     assert got == want and type(got) is type(want)
 
 
 @pytest.mark.parametrize("value,tp", [(True, Optional[int]), (False, Optional[float]), (True, int), (True, str)])
 def test_coerce_never_takes_a_bool_for_a_number_or_a_string(value, tp):
     with pytest.raises(ConfigError):
-        _coerce(value, tp, "k")
+        coerce_value(value, tp, "k")
 
 
 # ---------------------------------------------------------------- resolution
@@ -189,12 +189,12 @@ def _imported_from_config() -> set[str]:
 
 def test_every_name_callers_import_is_re_exported():
     names = _imported_from_config()
-    assert {"load_config", "parse_overrides", "reference", "_flatten", "check_device"} <= names  # the scan worked
+    assert {"load_config", "parse_overrides", "reference", "flatten", "check_device"} <= names  # the scan worked
     old_public = {  # the names of the former single module tether/config.py
         "DEFAULT_RECIPE", "DataConfig", "RolloutConfig", "SearchConfig", "TrainConfig", "RunConfig", "EvalConfig",
         "HELD_OUT", "eval_benchmarks", "evaluating", "Config", "RECIPE_TRAINER_DEFAULTS", "TASK_PRESETS", "to_dict",
         "parse_overrides", "read_yaml_mapping", "load_config", "check", "check_device", "VLLM_DTYPES",
-        "save_config", "reference", "ConfigError", "AlgoConfig", "ModelConfig", "_coerce", "_flatten", "_set"}
+        "save_config", "reference", "ConfigError", "AlgoConfig", "ModelConfig", "coerce_value", "flatten", "set_key"}
     missing = sorted(n for n in names | old_public if not hasattr(tether.config, n))
     assert not missing, f"tether.config no longer exports {missing}"
     assert all(hasattr(tether.config, n) for n in tether.config.__all__)

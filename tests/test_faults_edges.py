@@ -21,7 +21,7 @@ pytestmark = pytest.mark.faults
 
 
 def test_recursive_alias_in_a_config_file_is_one_error_line(tmp_path):
-    """`train: &t {steps: 2, more: *t}` was a RecursionError traceback (config._flatten)."""
+    """`train: &t {steps: 2, more: *t}` was a RecursionError traceback (config.flatten)."""
     f = tmp_path / "rec.yaml"
     f.write_text("model:\n  dtype: float32\ntrain: &t {steps: 2, more: *t}\n")
     run = tmp_path / "run"
@@ -53,13 +53,13 @@ def test_duplicate_yaml_key_is_refused(text, key, line, first, tmp_path):
 
 def test_merge_keys_may_still_be_overridden(tmp_path):
     """`<<: *base` then a key of base is YAML's override, not a duplicate."""
-    from tether.config import _flatten, read_yaml_mapping
+    from tether.config import flatten, read_yaml_mapping
 
     f = tmp_path / "merge.yaml"
     f.write_text("x: &b {steps: 2, lr: 1.0e-3}\ny: {<<: *b, steps: 5}\n")
     assert read_yaml_mapping(f) == {"x": {"steps": 2, "lr": 1e-3}, "y": {"steps": 5, "lr": 1e-3}}
     f.write_text("train: {steps: 2}\neval: {limit: 2}\n")
-    assert _flatten(read_yaml_mapping(f)) == {"train.steps": 2, "eval.limit": 2}
+    assert flatten(read_yaml_mapping(f)) == {"train.steps": 2, "eval.limit": 2}
 
 
 def test_duplicate_key_in_a_run_config_blocks_resume_with_its_line(tmp_path):

@@ -170,7 +170,7 @@ def test_token_stats_matches_naive(dtype, chunk_size, with_bias):
 ])
 def test_token_stats_temperature_and_softcap(seed, N, H, V, w_scale, temperature, softcap, k_top, k_ids):
     """Values and gradients against the naive formula, with a temperature and (private path) soft-capping."""
-    from tether.logprobs import _token_stats
+    from tether.logprobs import token_stats_capped
 
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
@@ -183,8 +183,8 @@ def test_token_stats_temperature_and_softcap(seed, N, H, V, w_scale, temperature
         st = token_stats(hidden, weight, targets, temperature=temperature, topk=k_top, gather_ids=gather_ids,
                          chunk_size=4)
     else:
-        st = _token_stats(hidden, weight, targets, bias=None, temperature=temperature, softcap=softcap, topk=k_top,
-                          gather_ids=gather_ids, entropy=True, chunk_size=4)
+        st = token_stats_capped(hidden, weight, targets, bias=None, temperature=temperature, softcap=softcap,
+                                topk=k_top, gather_ids=gather_ids, entropy=True, chunk_size=4)
     ref = naive_from_logits(hidden @ weight.T, targets, temperature=temperature, softcap=softcap, topk=k_top,
                             gather_ids=gather_ids)
     assert_stats_close(st, ref, 1e-9)

@@ -277,7 +277,7 @@ def _prune(root: Path, keep: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _step_of(p: Path) -> Optional[int]:
+def step_of(p: Path) -> Optional[int]:
     m = re.fullmatch(r"step-(\d+)", p.name)
     return int(m.group(1)) if m else None
 
@@ -285,8 +285,8 @@ def _step_of(p: Path) -> Optional[int]:
 def checkpoints(run_dir: Path) -> list[Path]:
     """The run's checkpoint directories ``checkpoints/step-N`` (renamed into place whole), newest first."""
     root = Path(run_dir) / "checkpoints"
-    found = [p for p in root.glob("step-*") if p.is_dir() and _step_of(p) is not None]
-    return sorted(found, key=_step_of, reverse=True)
+    found = [p for p in root.glob("step-*") if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=step_of, reverse=True)
 
 
 def latest_checkpoint(run_dir: Path, warn=warn) -> Optional[Path]:

@@ -179,7 +179,7 @@ def _strip_quantization_config_file(model_dir: Path) -> bool:
     return True
 
 
-def _strip_quantization_markers(model) -> None:
+def strip_quantization_markers(model) -> None:
     """Make transformers treat `model` as a plain (trainable, serializable) float model.
 
     transformers 5.x sets ``model.hf_quantizer`` (a `GgufHfQuantizer` whose ``is_trainable``
@@ -265,7 +265,7 @@ def convert_gguf(gguf: str | Path, cache_dir: str | Path | None = None, force: b
         except Exception as e:  # a truncated or foreign file fails anywhere in the GGUF reader
             raise ModelLoadError(f"GGUF file {gguf} cannot be read (is it a complete .gguf file?): "
                                  f"{type(e).__name__}: {e}") from e
-        _strip_quantization_markers(model)
+        strip_quantization_markers(model)
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         _strip_quantization_config_file(tmp)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .logprobs_chunked import TokenStats, _compute_dtype, _token_stats, token_stats
+from .logprobs_chunked import TokenStats, compute_dtype, token_stats_capped, token_stats
 
 __all__ = ["TokenStats", "token_stats", "response_stats", "sequence_logp"]
 
@@ -217,7 +217,7 @@ def _check_head(
     """
     with torch.no_grad():
         ours = F.linear(last_hidden.detach().to(weight.dtype), weight.detach(), None if bias is None else bias.detach())
-        ours = ours.to(_compute_dtype(weight.dtype))  # [B, V]
+        ours = ours.to(compute_dtype(weight.dtype))  # [B, V]
         if softcap is not None:
             ours = softcap * torch.tanh(ours / softcap)
         theirs = model_logits.detach().to(ours.dtype)  # [B, V]
@@ -409,8 +409,8 @@ def response_stats(
     targets = response_ids[mask]  # [N]
     ids = gather_ids[mask] if gather_ids is not None else None  # [N, k]
 
-    st = _token_stats(h, weight, targets, bias=bias, temperature=temperature, softcap=softcap, topk=topk,
-                      gather_ids=ids, entropy=entropy, chunk_size=chunk_size)
+    st = token_stats_capped(h, weight, targets, bias=bias, temperature=temperature, softcap=softcap, topk=topk,
+                            gather_ids=ids, entropy=entropy, chunk_size=chunk_size)
     return _unpack_stats(st, mask)
 
 
@@ -446,6 +446,6 @@ def sequence_logp(
     softcap = _logit_softcap(model)
     _check_head(hidden[:, -1], weight, bias, softcap, last_logits)
     at = target_mask[:, 1:].bool()  # [B, S-1]: position t (of hidden[:, :-1]) predicts token t+1
-    st = _token_stats(hidden[:, :-1][at], weight, input_ids[:, 1:][at], bias=bias, temperature=1.0, softcap=softcap,
-                      topk=0, gather_ids=None, entropy=False, chunk_size=chunk_size)
+    st = token_stats_capped(hidden[:, :-1][at], weight, input_ids[:, 1:][at], bias=bias, temperature=1.0,
+                            softcap=softcap, topk=0, gather_ids=None, entropy=False, chunk_size=chunk_size)
     return st.logp  # [N]

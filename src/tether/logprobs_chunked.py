@@ -48,7 +48,7 @@ inputs are kept as they are. Statistics are returned in that compute dtype.
 
 :func:`token_stats` works on final hidden states and the lm_head weight;
 :func:`tether.logprobs.response_stats` runs a Hugging Face causal LM and calls
-its soft-capping core ``_token_stats`` on the response positions. Import both
+its soft-capping core ``token_stats_capped`` on the response positions. Import both
 from :mod:`tether.logprobs`, which re-exports this module's public names.
 """
 
@@ -93,7 +93,7 @@ class _Opts:
     compute_dtype: torch.dtype
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for half-precision inputs, the input dtype otherwise."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
@@ -293,7 +293,7 @@ class _ChunkedStatsFn(torch.autograd.Function):
 # --------------------------------------------------------------------------- #
 
 
-def _token_stats(
+def token_stats_capped(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     targets: torch.Tensor,
@@ -337,7 +337,7 @@ def _token_stats(
         topk=int(topk),
         entropy=bool(entropy),
         chunk_size=int(chunk_size),
-        compute_dtype=_compute_dtype(weight.dtype),
+        compute_dtype=compute_dtype(weight.dtype),
     )
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
@@ -393,7 +393,7 @@ def token_stats(
         :class:`TokenStats` with leading dim N, values in float32 for
         half-precision weights, otherwise in the weight's dtype.
     """
-    return _token_stats(
+    return token_stats_capped(
         hidden,
         weight,
         targets,

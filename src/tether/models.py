@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .errors import ModelLoadError  # the CLI reports it as one line (exit 2); re-exported here
-from .gguf import (EMBEDDED_GGUF_NAME, _strip_quantization_markers, convert_gguf,  # noqa: F401  (re-exported)
+from .gguf import (EMBEDDED_GGUF_NAME, strip_quantization_markers, convert_gguf,  # noqa: F401  (re-exported)
                    default_cache_dir, embedded_model_path, gguf_cache_path, is_quantized)
 from .organism import ORGANISM_MODEL_NAME, build_organism
 
@@ -323,7 +323,7 @@ def _load_pretrained(cfg: ModelConfig) -> tuple[Any, Any]:
         qc = getattr(model.config, "quantization_config", None)
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", qc)
         if str(getattr(method, "value", method)).lower() == "gguf":
-            _strip_quantization_markers(model)
+            strip_quantization_markers(model)
         else:
             raise ModelLoadError(
                 f"Model '{cfg.name}' is quantized ({method}); full fine-tuning needs a float checkpoint. "

@@ -355,7 +355,7 @@ def resume_config(run_dir: Path, overrides: Optional[dict] = None):
     read it.
     """
     from .errors import ConfigError
-    from .config import DEFAULT_RECIPE, _flatten, load_config
+    from .config import DEFAULT_RECIPE, flatten, load_config
 
     saved, overrides = resumed_values(run_dir, overrides, "run")
     name = saved.pop("recipe", DEFAULT_RECIPE)
@@ -363,7 +363,7 @@ def resume_config(run_dir: Path, overrides: Optional[dict] = None):
         raise ConfigError(f"recipe={overrides['recipe']} cannot apply to --resume {run_dir}: the run continues "
                           f"with its own recipe ({name}) and its checkpointed state; start a new run for another "
                           f"recipe (tether train --recipe {overrides['recipe']} ...), or change single algo.* keys")
-    vals = _flatten(saved)
+    vals = flatten(saved)
     vals.pop("run.overwrite", None)
     vals.update(overrides)
     return load_config(None, vals, recipe_name=name)

@@ -147,19 +147,19 @@ class RunDir:
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints (``checkpoints/step-N`` with ``state.json``), ascending."""
-        from .checkpoint import _step_of, checkpoints
+        from .checkpoint import step_of, checkpoints
 
-        return sorted(_step_of(p) for p in checkpoints(self.path) if (p / "state.json").is_file())
+        return sorted(step_of(p) for p in checkpoints(self.path) if (p / "state.json").is_file())
 
     def available(self) -> str:
         """The checkpoints one may name instead, for an error message: the steps whose checkpoints verify
         (``"2, 4"``), then any damaged ones as such (``"2, 4; damaged: 3"``). It reads every checkpoint's
         files: only an error path calls it."""
-        from .checkpoint import _step_of, checkpoints, verify_checkpoint
+        from .checkpoint import step_of, checkpoints, verify_checkpoint
 
         good, bad = [], []
-        for p in sorted((p for p in checkpoints(self.path) if (p / "state.json").is_file()), key=_step_of):
-            (good if verify_checkpoint(p)[0] else bad).append(str(_step_of(p)))
+        for p in sorted((p for p in checkpoints(self.path) if (p / "state.json").is_file()), key=step_of):
+            (good if verify_checkpoint(p)[0] else bad).append(str(step_of(p)))
         return (", ".join(good) or "none") + (f"; damaged: {', '.join(bad)}" if bad else "")
 
     def has_checkpoint(self) -> bool:
@@ -179,7 +179,7 @@ class RunDir:
     def checkpoint(self, which: int | Path | None = None) -> Path:
         """The checkpoint to use: ``None`` the newest that passes its manifest (a damaged one is skipped
         with a warning); a step number, or a checkpoint directory of this run, that one, verified."""
-        from .checkpoint import _step_of, latest_checkpoint, verify_checkpoint
+        from .checkpoint import step_of, latest_checkpoint, verify_checkpoint
         from .metrics import warn
 
         if which is None:
@@ -192,7 +192,7 @@ class RunDir:
             return ckpt
         if isinstance(which, int):
             found = [p for p in (self.path / "checkpoints").glob("step-*")
-                     if _step_of(p) == which and (p / "state.json").is_file()]
+                     if step_of(p) == which and (p / "state.json").is_file()]
             if not found:
                 raise self.error(f"cannot {self.verb} {self.path}: it has no checkpoint at step {which}; available "
                                  f"steps: {self.available()}")
@@ -218,12 +218,12 @@ class RunDir:
 
 def checkpoint_step(ckpt: Path) -> int:
     """The step a checkpoint was saved at: its ``state.json``'s, else its name's (``step-N``), else -1."""
-    from .checkpoint import _step_of
+    from .checkpoint import step_of
 
     try:
         return int(loads_json((Path(ckpt) / "state.json").read_text())["step"])
     except (OSError, ValueError, KeyError, TypeError):
-        n = _step_of(Path(ckpt))
+        n = step_of(Path(ckpt))
         return -1 if n is None else n
 
 

@@ -23,7 +23,7 @@ from .recipes import RECIPES, AlgoConfig, AnchorConfig, KLConfig, describe, reci
 from ..errors import ConfigError
 from ..models import ModelConfig
 from .load import load_config
-from .overrides import _coerce, _fields, _flatten, _set, parse_overrides  # noqa: F401  (the private ones: tests)
+from .overrides import coerce_value, flatten, parse_overrides, section_fields, set_key
 from .presets import RECIPE_TRAINER_DEFAULTS, TASK_PRESETS
 from .reference import reference
 from .schema import (DEFAULT_RECIPE, HELD_OUT, Config, DataConfig, EvalConfig, RolloutConfig, RunConfig,
@@ -37,5 +37,6 @@ __all__ = [
     "AnchorConfig", "Config", "KLConfig", "describe", "recipe",
     "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "RolloutConfig", "RunConfig", "SearchConfig",
     "EnvConfig", "TrainConfig", "apply_async_correction", "check", "check_device", "eval_benchmarks", "evaluating",
-    "load_config", "parse_overrides", "read_yaml_mapping", "reference", "save_config", "to_dict",
+    "load_config", "coerce_value", "flatten", "parse_overrides", "section_fields", "set_key", "read_yaml_mapping",
+    "reference", "save_config", "to_dict",
 ]

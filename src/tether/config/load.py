@@ -9,7 +9,7 @@ from typing import Any, Optional
 from .recipes import RECIPES, recipe
 from ..errors import ConfigError
 from ..algo.registry import unknown_choice
-from .overrides import _flatten, _set
+from .overrides import flatten, set_key
 from .presets import RECIPE_TRAINER_DEFAULTS, TASK_PRESETS
 from .schema import DEFAULT_RECIPE, Config
 from .validate import check
@@ -22,7 +22,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
     """Resolve a Config: recipe -> task preset (``TASK_PRESETS``) -> YAML file -> overrides, then validate it."""
     file_vals: dict[str, Any] = {}
     if path:
-        file_vals = _flatten(read_yaml_mapping(path))
+        file_vals = flatten(read_yaml_mapping(path))
     overrides = dict(overrides or {})
     name = recipe_name or overrides.pop("recipe", None) or file_vals.pop("recipe", None) or DEFAULT_RECIPE
     file_vals.pop("recipe", None)
@@ -31,16 +31,16 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
         raise ConfigError(unknown_choice("recipe", name, RECIPES))
     cfg = Config(recipe=name, algo=recipe(name))
     for k, v in RECIPE_TRAINER_DEFAULTS.get(name, {}).items():
-        _set(cfg, k, v)
+        set_key(cfg, k, v)
     if task is not None:
         if task not in TASK_PRESETS:
             raise ConfigError(unknown_choice("task", task, TASK_PRESETS))
         for k, v in TASK_PRESETS[task].items():
-            _set(cfg, k, v)
+            set_key(cfg, k, v)
     for source, vals in ((path or "config file", file_vals), ("override", overrides)):
         for k, v in vals.items():
             try:
-                _set(cfg, k, v)
+                set_key(cfg, k, v)
             except ConfigError as e:
                 raise ConfigError(f"{source}: {e}") from None
     # algo.name names the recipe, +custom when an algo.* key changed it (algo.name itself set by hand does not count)

@@ -1,7 +1,7 @@
 """Setting config keys by dotted name: ``key=value`` overrides, and the flattened YAML file.
 
-A value is converted to the declared type of its field (``_coerce``); an unknown key is an error
-with a did-you-mean (``_set``).
+A value is converted to the declared type of its field (``coerce_value``); an unknown key is an error
+with a did-you-mean (``set_key``).
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import yaml
 from ..errors import ConfigError
 
 
-def _fields(obj) -> dict[str, dataclasses.Field]:
+def section_fields(obj) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(obj)}
 
 
-def _coerce(value: Any, tp: Any, key: str) -> Any:
+def coerce_value(value: Any, tp: Any, key: str) -> Any:
     """Convert a YAML/CLI value to the field's declared type.
 
     A bool is never taken for a number or a string (YAML reads ``steps: true`` or ``name: no``
@@ -42,7 +42,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         args = sorted(args, key=lambda a: a is str)  # otherwise convert, trying str last
         for a in args:
             try:
-                return _coerce(value, a, key)
+                return coerce_value(value, a, key)
             except ConfigError:
                 continue
         raise ConfigError(f"{key}: {value!r} is not a valid {tp}")
@@ -83,13 +83,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
-# how _coerce names the expected type when it gets a bool
+# how coerce_value names the expected type when it gets a bool
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string (quote it in YAML)"}
 
 
-def _set(obj, dotted: str, value: Any, prefix: str = "") -> None:
+def set_key(obj, dotted: str, value: Any, prefix: str = "") -> None:
     head, _, rest = dotted.partition(".")
-    fields = _fields(obj)
+    fields = section_fields(obj)
     full = prefix + head
     if head not in fields:
         close = difflib.get_close_matches(head, list(fields), n=1)
@@ -100,23 +100,23 @@ def _set(obj, dotted: str, value: Any, prefix: str = "") -> None:
     hints = typing.get_type_hints(type(obj))
     if dataclasses.is_dataclass(cur):
         if rest:
-            _set(cur, rest, value, full + ".")
+            set_key(cur, rest, value, full + ".")
             return
         if not isinstance(value, dict):
             raise ConfigError(f"{full!r} is a section; set its keys ({full}.<key>=...) or give a mapping")
         for k, v in value.items():
-            _set(cur, str(k), v, full + ".")
+            set_key(cur, str(k), v, full + ".")
         return
     if rest:
         raise ConfigError(f"{full!r} is not a section (cannot set {prefix + dotted!r})")
-    setattr(obj, head, _coerce(value, hints[head], full))
+    setattr(obj, head, coerce_value(value, hints[head], full))
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in d.items():
         if isinstance(v, dict) and k not in ("stop",):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out

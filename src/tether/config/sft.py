@@ -16,7 +16,7 @@ from typing import Any, Optional
 from ..errors import ConfigError
 from ..algo.registry import unknown_choice
 from ..models import ModelConfig
-from .overrides import _flatten, _set
+from .overrides import flatten, set_key
 from .reference import keys, section_tables
 from .validate import check_checkpoints, check_model, check_optimizer, check_outputs, raise_problems
 from .yaml_io import read_yaml_mapping
@@ -102,11 +102,11 @@ FROZEN_ON_RESUME = ("model.", "data.", "train.batch_size", "train.batching", "tr
 def load_sft_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] = None) -> SFTConfig:
     """Resolve an SFTConfig: field defaults -> YAML file -> overrides, then check it (`check_sft`)."""
     cfg = SFTConfig()
-    file_vals = _flatten(read_yaml_mapping(path)) if path else {}
+    file_vals = flatten(read_yaml_mapping(path)) if path else {}
     for source, vals in ((path or "config file", file_vals), ("override", dict(overrides or {}))):
         for k, v in vals.items():
             try:
-                _set(cfg, k, v)
+                set_key(cfg, k, v)
             except ConfigError as e:
                 raise ConfigError(f"{source}: {e}") from None
     return check_sft(cfg)

@@ -25,7 +25,7 @@ from ..runs import RunCheckpoint, RunDir, check_anchor, is_checkpoint_dir, is_ru
 from ..tasks.benchmarks import load_benchmarks, slug  # noqa: F401  (load_benchmarks: called as this.load_benchmarks)
 from .agents import add_agent_arguments, agent_setup, format_search_table
 from .metrics import default_ks
-from .runner import EvalSettings, _check_sampling, evaluate  # noqa: F401  (evaluate: called as this.evaluate)
+from .runner import EvalSettings, check_sampling, evaluate  # noqa: F401  (evaluate: called as this.evaluate)
 
 __all__ = ["EvalError", "EvalModelSpec", "add_eval_parser", "format_table", "load_eval_model", "resolve_eval_spec",
            "run_eval_cli"]
@@ -294,7 +294,7 @@ def _eval_settings(args) -> EvalSettings:
                         f"(or sample with --temperature > 0)")
     n = 1 if greedy else (4 if args.n is None else int(args.n))
     temperature = 0.0 if greedy else float(args.temperature)
-    n, temperature = _check_sampling(n, temperature, args.top_p, greedy, flag="--")
+    n, temperature = check_sampling(n, temperature, args.top_p, greedy, flag="--")
     greedy = greedy or temperature == 0
     for k in ("max_new_tokens", "batch_size"):
         if getattr(args, k) < 1:

@@ -66,7 +66,7 @@ def default_ks(n: int) -> list[int]:
     return ks
 
 
-def _check_ks(ks: Optional[Iterable[int]], n: int) -> list[int]:
+def check_ks(ks: Optional[Iterable[int]], n: int) -> list[int]:
     if ks is None:
         return default_ks(n)
     out = sorted({int(k) for k in ks})
@@ -89,12 +89,12 @@ def normalize_answer(pred: Optional[str]) -> Optional[str]:
     s = str(pred).strip()
     if not s:
         return None
-    from ..tasks.math import _norm_str, parse_number
+    from ..tasks.math import norm_str, parse_number
 
     v = parse_number(s)
     if v is not None and math.isfinite(v):
         return repr(float(v))
-    return _norm_str(s) or None
+    return norm_str(s) or None
 
 
 @dataclass
@@ -203,7 +203,7 @@ def summarize(per_problem: Sequence[Mapping], n: int, ks: Optional[Iterable[int]
     ``truncation_rate = fraction of finish_reason == "length"``; ``no_answer_rate =
     fraction of preds that are None``; ``reward_mean = mean reward``.
     """
-    ks = _check_ks(ks, n)
+    ks = check_ks(ks, n)
     rows = list(per_problem)
     N = len(rows)
     flat = [bool(x) for r in rows for x in r["correct"]]

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..errors import EvalError
 from ..tasks.base import Example, RewardFn
-from .metrics import _check_ks, majority_vote, summarize
+from .metrics import check_ks, majority_vote, summarize
 
 __all__ = ["EvalResult", "EvalSettings", "evaluate", "evaluate_during_training"]
 
@@ -77,7 +77,7 @@ class EvalSettings:
     stop: list = field(default_factory=list)
 
 
-def _check_sampling(n: int, temperature: float, top_p: float, greedy: bool,
+def check_sampling(n: int, temperature: float, top_p: float, greedy: bool,
                     flag: str = "") -> tuple[int, float]:
     """Validate the sampling knobs; greedy means temperature 0 and exactly one sample. ``flag``: how the
     errors name them (``"--"``: as the CLI's options, ``--n``, ``--temperature``, ``--top-p``)."""
@@ -109,14 +109,14 @@ def _settings(settings: EvalSettings | Mapping[str, Any] | None) -> EvalSettings
         if bad:
             raise EvalError(f"unknown eval setting(s) {bad}; valid: {sorted(known)}")
         s = EvalSettings(**dict(settings))
-    n, temperature = _check_sampling(s.n, s.temperature, s.top_p, s.greedy)
+    n, temperature = check_sampling(s.n, s.temperature, s.top_p, s.greedy)
     if int(s.max_new_tokens) < 1:
         raise EvalError(f"max_new_tokens must be >= 1, got {s.max_new_tokens}")
     if int(s.batch_size) < 1:
         raise EvalError(f"batch_size must be >= 1, got {s.batch_size}")
     return EvalSettings(n=n, temperature=temperature, top_p=float(s.top_p), top_k=int(s.top_k),
                         max_new_tokens=int(s.max_new_tokens), greedy=bool(s.greedy) or temperature == 0,
-                        batch_size=int(s.batch_size), seed=int(s.seed), ks=_check_ks(s.ks, n), stop=list(s.stop or []))
+                        batch_size=int(s.batch_size), seed=int(s.seed), ks=check_ks(s.ks, n), stop=list(s.stop or []))
 
 
 def _chunks(agent, examples: list[Example], s: EvalSettings) -> list[list[int]]:

@@ -79,7 +79,7 @@ from .rows import RowPostprocess
 from .sessions import SessionStore, StepLogp, layout, prefill, take_rows
 
 
-def _as_id_list(x) -> list[int]:
+def as_id_list(x) -> list[int]:
     """Normalize an int / list of ints / None to a list of ints."""
     if x is None:
         return []
@@ -276,7 +276,7 @@ class HFEngine(RowPostprocess):
         self.record_logp = bool(record_logp)
         self.session_store = SessionStore()  # stored KV by session key (sessions.py)
         gen_cfg = _generation_config(model)
-        eos = _as_id_list(getattr(gen_cfg, "eos_token_id", None)) + _as_id_list(tokenizer.eos_token_id)
+        eos = as_id_list(getattr(gen_cfg, "eos_token_id", None)) + as_id_list(tokenizer.eos_token_id)
         self.eos_token_ids: list[int] = list(dict.fromkeys(eos))  # ordered, unique
         if not self.eos_token_ids:
             raise ValueError("Neither the model's generation_config nor the tokenizer defines an EOS token")

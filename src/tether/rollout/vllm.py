@@ -192,9 +192,9 @@ class VLLMEngine(RowPostprocess):
         self.model, self.tokenizer, self.sync_bucket_mb, self.sleep = model, tokenizer, sync_bucket_mb, sleep
         base = _unwrap(model)
         gen_cfg = getattr(base, "generation_config", None)
-        from .hf import _as_id_list  # the same EOS / pad resolution as HFEngine
+        from .hf import as_id_list  # the same EOS / pad resolution as HFEngine
 
-        eos = _as_id_list(getattr(gen_cfg, "eos_token_id", None)) + _as_id_list(tokenizer.eos_token_id)
+        eos = as_id_list(getattr(gen_cfg, "eos_token_id", None)) + as_id_list(tokenizer.eos_token_id)
         self.eos_token_ids = list(dict.fromkeys(eos))
         if not self.eos_token_ids:
             raise ValueError("Neither the model's generation_config nor the tokenizer defines an EOS token")

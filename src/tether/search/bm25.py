@@ -13,7 +13,8 @@ import numpy as np
 
 from ..errors import OutputError, loads_json
 from .corpus import Corpus, CorpusError, Passage
-from .retriever_base import _as_corpus, _check_args, _digest, _publish, _top_k, default_cache_root
+from .retriever_base import (as_corpus, check_search_args, corpus_digest, default_cache_root, publish_index,
+                             top_k_indices)
 
 
 class BM25Retriever:
@@ -51,7 +52,7 @@ class BM25Retriever:
     ):
         import bm25s
 
-        self.corpus = _as_corpus(corpus)
+        self.corpus = as_corpus(corpus)
         self.settings = {"k1": float(k1), "b": float(b), "method": method, "stemmer": stemmer,
                          "stopwords": stopwords, "format": 1}
         self._stemmer = None
@@ -60,7 +61,7 @@ class BM25Retriever:
 
             self._stemmer = Stemmer.Stemmer(stemmer)
         root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root(self.corpus.path)
-        self.index_dir = root / "bm25" / f"{self.corpus.sha256}-{_digest(self.settings)}"
+        self.index_dir = root / "bm25" / f"{self.corpus.sha256}-{corpus_digest(self.settings)}"
         self.loaded_from_cache = False
         self.build_seconds = 0.0
         self.load_seconds = 0.0
@@ -114,7 +115,7 @@ class BM25Retriever:
         meta = {"corpus_sha256": self.corpus.sha256, "corpus_path": str(self.corpus.path),
                 "num_docs": len(self.corpus), "settings": self.settings, "bm25s": bm25s.__version__}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        _publish(tmp, self.index_dir, stale=not self._cache_valid())
+        publish_index(tmp, self.index_dir, stale=not self._cache_valid())
         return model
 
     def scores(self, query: str) -> np.ndarray:
@@ -128,9 +129,9 @@ class BM25Retriever:
         """Up to ``k`` passages per query, best first: only passages that match the query (a
         positive BM25 score), as Search-R1's BM25 server does. Fewer than ``k`` match: fewer are
         returned; a query with no indexed word (stop words only, unknown words) returns none."""
-        queries = _check_args(queries, k)
+        queries = check_search_args(queries, k)
         out = []
         for q in queries:
             s = self.scores(q)
-            out.append([self.corpus.passage(int(i), float(s[i])) for i in _top_k(s, k) if s[i] > 0])
+            out.append([self.corpus.passage(int(i), float(s[i])) for i in top_k_indices(s, k) if s[i] > 0])
         return out

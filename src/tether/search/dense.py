@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from .corpus import Corpus, Passage
-from .retriever_base import RetrievalError, _as_corpus, _check_args, _digest, _publish, default_cache_root
+from .retriever_base import (RetrievalError, as_corpus, check_search_args, corpus_digest, default_cache_root,
+                             publish_index)
 
 
 def default_prefixes(model: str) -> tuple[str, str]:
@@ -62,7 +63,7 @@ class DenseRetriever:
                 f"the dense retriever needs the optional extra: pip install 'tether[dense]' "
                 f"(sentence-transformers, faiss-cpu); missing: {e.name}"
             ) from None
-        self.corpus = _as_corpus(corpus)
+        self.corpus = as_corpus(corpus)
         auto_q, auto_p = default_prefixes(model)
         self.query_prefix = auto_q if query_prefix is None else query_prefix
         self.passage_prefix = auto_p if passage_prefix is None else passage_prefix
@@ -74,7 +75,7 @@ class DenseRetriever:
         if max_length is not None:
             self._encoder.max_seq_length = int(max_length)
         root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root(self.corpus.path)
-        self.index_dir = root / "dense" / f"{self.corpus.sha256}-{_digest(self.settings)}"
+        self.index_dir = root / "dense" / f"{self.corpus.sha256}-{corpus_digest(self.settings)}"
         self.loaded_from_cache = False
         self.build_seconds = 0.0
         t0 = time.perf_counter()
@@ -94,7 +95,7 @@ class DenseRetriever:
             (tmp / "meta.json").write_text(json.dumps(
                 {"corpus_sha256": self.corpus.sha256, "num_docs": len(self.corpus), "settings": self.settings},
                 indent=1))
-            _publish(tmp, self.index_dir, stale=True)
+            publish_index(tmp, self.index_dir, stale=True)
             self.build_seconds = time.perf_counter() - t0
         else:
             self.loaded_from_cache = True
@@ -108,7 +109,7 @@ class DenseRetriever:
 
     def search(self, queries: list[str], k: int) -> list[list[Passage]]:
         """Top-``k`` passages per query by cosine similarity, best first."""
-        queries = _check_args(queries, k)
+        queries = check_search_args(queries, k)
         if not queries:
             return []
         k = min(k, len(self.corpus))

@@ -12,7 +12,7 @@ import urllib.request
 from typing import Any
 
 from .corpus import Corpus, Passage, split_contents
-from .retriever_base import RetrievalError, _as_corpus, _check_args
+from .retriever_base import RetrievalError, as_corpus, check_search_args
 
 
 class HTTPRetriever:
@@ -57,7 +57,7 @@ class HTTPRetriever:
         self.backoff = float(backoff)
         if self.timeout <= 0 or self.retries < 0 or self.backoff < 0:
             raise RetrievalError("timeout must be > 0, retries and backoff >= 0")
-        self.corpus = _as_corpus(corpus) if corpus is not None else None
+        self.corpus = as_corpus(corpus) if corpus is not None else None
         self._ids_by_contents: dict[str, str] = {}
         self._ids_by_title_text: dict[tuple[str, str], str] = {}
         if self.corpus is not None:
@@ -76,7 +76,7 @@ class HTTPRetriever:
 
     def search(self, queries: list[str], k: int) -> list[list[Passage]]:
         """Top-``k`` passages per query from the server (raises :class:`RetrievalError`)."""
-        queries = _check_args(queries, k)
+        queries = check_search_args(queries, k)
         if not queries:
             return []
         payload = {"queries": queries, "topk": k, "return_scores": True}

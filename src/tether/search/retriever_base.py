@@ -44,7 +44,7 @@ class Retriever(Protocol):
         ...
 
 
-def _check_args(queries: Sequence[str], k: int) -> list[str]:
+def check_search_args(queries: Sequence[str], k: int) -> list[str]:
     if isinstance(queries, str) or not isinstance(queries, (list, tuple)):
         raise RetrievalError(f"queries must be a list of strings, got {type(queries).__name__}")
     for i, q in enumerate(queries):
@@ -55,7 +55,7 @@ def _check_args(queries: Sequence[str], k: int) -> list[str]:
     return list(queries)
 
 
-def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
+def top_k_indices(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k best scores, best first, ties broken by lower index."""
     n = scores.shape[0]
     k = min(k, n)
@@ -90,7 +90,7 @@ def default_cache_root(corpus_path: str | os.PathLike | None = None) -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tether"
 
 
-def _as_corpus(corpus: Corpus | str | os.PathLike) -> Corpus:
+def as_corpus(corpus: Corpus | str | os.PathLike) -> Corpus:
     if isinstance(corpus, Corpus):
         return corpus
     if corpus is None:
@@ -98,11 +98,11 @@ def _as_corpus(corpus: Corpus | str | os.PathLike) -> Corpus:
     return load_corpus(corpus)
 
 
-def _digest(obj: Any) -> str:
+def corpus_digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _publish(tmp: Path, final: Path, stale: bool = False) -> None:
+def publish_index(tmp: Path, final: Path, stale: bool = False) -> None:
     """Atomically move a finished build directory into place (another process may have won).
     ``stale``: an existing ``final`` is an unusable old cache and is replaced."""
     if stale and final.exists():

@@ -276,16 +276,16 @@ def resume_sft_config(run_dir: Path, overrides: Optional[dict] = None) -> SFTCon
     `tether.config.sft.FROZEN_ON_RESUME` to another value: the model, the data and the batches stay
     the checkpoint's.
     """
-    from ..config import _flatten
+    from ..config import flatten
     from ..config.sft import FROZEN_ON_RESUME, load_sft_config
     from ..rundir import resumed_values
 
     saved, overrides = resumed_values(run_dir, overrides, "sft")
-    vals = _flatten(saved)
+    vals = flatten(saved)
     vals.pop("run.overwrite", None)
-    before = _flatten(to_dict(load_sft_config(None, vals)))
+    before = flatten(to_dict(load_sft_config(None, vals)))
     cfg = load_sft_config(None, {**vals, **overrides})
-    after = _flatten(to_dict(cfg))
+    after = flatten(to_dict(cfg))
     changed = [k for k in after if k.startswith(FROZEN_ON_RESUME) and after[k] != before[k]]
     if changed:
         raise ConfigError(f"{', '.join(f'{k}={after[k]}' for k in changed)} cannot apply to --resume {run_dir}: "

@@ -132,9 +132,9 @@ def _mapping(value, where: str) -> dict:
 
 def _overrides(value, where: str) -> dict[str, Any]:
     """A mapping of config keys (dotted or nested) as flat dotted keys; ``recipe`` stays a key."""
-    from ..config.overrides import _flatten
+    from ..config.overrides import flatten
 
-    flat = _flatten({str(k): v for k, v in _mapping(value, where).items()})
+    flat = flatten({str(k): v for k, v in _mapping(value, where).items()})
     owned = [k for k in flat if k in OWNED_KEYS]
     if owned:
         raise ConfigError(f"{where}: {owned[0]} is set by the sweep for every run (train.seed from `seeds`, the "

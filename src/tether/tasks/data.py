@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from .base import DataError, Example
-from .files import _iter_file, iter_jsonl  # noqa: F401  (iter_jsonl: re-exported)
-from .rows import DEFAULT_ANSWER_KEYS, DEFAULT_PROMPT_KEYS, _collect, _keys, row_to_example
+from .files import iter_file, iter_jsonl  # noqa: F401  (iter_jsonl: re-exported)
+from .rows import DEFAULT_ANSWER_KEYS, DEFAULT_PROMPT_KEYS, collect_examples, field_keys, row_to_example
 
 __all__ = [
     "NamedDataset",
@@ -178,10 +178,10 @@ def _load_file_or_hub(
 ) -> list[Example]:
     """:func:`load_examples` for a source that is a local file (``path``) or a hub id ``org/name[:config]``."""
     if path.is_file():
-        pkeys, pexp = _keys(prompt_key, (), DEFAULT_PROMPT_KEYS)
-        akeys, aexp = _keys(answer_key, (), DEFAULT_ANSWER_KEYS)
-        return _collect(
-            _iter_file(path, src), label=src, id_prefix=path.stem, prompt_keys=pkeys,
+        pkeys, pexp = field_keys(prompt_key, (), DEFAULT_PROMPT_KEYS)
+        akeys, aexp = field_keys(answer_key, (), DEFAULT_ANSWER_KEYS)
+        return collect_examples(
+            iter_file(path, src), label=src, id_prefix=path.stem, prompt_keys=pkeys,
             answer_keys=akeys, explicit_prompt=pexp, explicit_answer=aexp, limit=limit,
         )
     if path.suffix.lower() in _FILE_SUFFIXES or path.exists():
@@ -190,9 +190,9 @@ def _load_file_or_hub(
     if _HUB_ID_RE.match(src):
         hub_id, _, config = src.partition(":")
         hub_split = split or "train"
-        pkeys, pexp = _keys(prompt_key, (), DEFAULT_PROMPT_KEYS)
-        akeys, aexp = _keys(answer_key, (), DEFAULT_ANSWER_KEYS)
-        return _collect(
+        pkeys, pexp = field_keys(prompt_key, (), DEFAULT_PROMPT_KEYS)
+        akeys, aexp = field_keys(answer_key, (), DEFAULT_ANSWER_KEYS)
+        return collect_examples(
             _iter_hub(hub_id, config or None, hub_split, f"hub dataset {src!r} ({hub_split})"),
             label=f"hub dataset {src!r} ({hub_split})", id_prefix=f"{hub_id}_{hub_split}",
             prompt_keys=pkeys, answer_keys=akeys, explicit_prompt=pexp, explicit_answer=aexp, limit=limit,
@@ -217,20 +217,20 @@ def _load_named(
     sp = split or ds.default_split
     if sp not in ds.files:
         raise DataError(f"dataset {named!r} has no split {sp!r} (available: {', '.join(ds.splits)})")
-    pkeys, pexp = _keys(prompt_key, ds.prompt_keys, DEFAULT_PROMPT_KEYS)
-    akeys, aexp = _keys(answer_key, ds.answer_keys, DEFAULT_ANSWER_KEYS)
+    pkeys, pexp = field_keys(prompt_key, ds.prompt_keys, DEFAULT_PROMPT_KEYS)
+    akeys, aexp = field_keys(answer_key, ds.answer_keys, DEFAULT_ANSWER_KEYS)
     fname = ds.files[sp]
     tried = _data_dirs(data_dir)
     for d in tried:
         f = d / fname
         if f.is_file():
-            return _collect(
-                _iter_file(f, str(f)), label=str(f), id_prefix=f"{named}_{sp}", prompt_keys=pkeys,
+            return collect_examples(
+                iter_file(f, str(f)), label=str(f), id_prefix=f"{named}_{sp}", prompt_keys=pkeys,
                 answer_keys=akeys, explicit_prompt=pexp, explicit_answer=aexp, limit=limit,
             )
     where = ", ".join(str(d) for d in tried) if tried else f"no data_dir given and ${DATA_DIR_ENV} unset"
     label = f"dataset {named!r} ({sp}; {fname} not found in: {where}; hub {ds.hub_id})"
-    return _collect(
+    return collect_examples(
         _iter_hub(ds.hub_id, ds.hub_config, ds.hub_splits[sp], label), label=label,
         id_prefix=f"{named}_{sp}", prompt_keys=pkeys, answer_keys=akeys,
         explicit_prompt=pexp, explicit_answer=aexp, limit=limit,

@@ -93,7 +93,7 @@ def _iter_parquet(path: Path, label: str) -> Iterator[tuple[int, Any]]:
             yield i, row
 
 
-def _iter_file(path: Path, label: str) -> Iterator[tuple[int, Any]]:
+def iter_file(path: Path, label: str) -> Iterator[tuple[int, Any]]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         return iter_jsonl(path, label)

@@ -128,7 +128,7 @@ def normalize_number(s: str) -> str:
     return s.strip()
 
 
-def _strip_delims(s: str) -> str:
+def strip_delims(s: str) -> str:
     """Remove one layer of surrounding math delimiters: ``$..$``, ``$$..$$``, ``\\(..\\)``,
     ``\\[..\\]``."""
     t = s.strip()
@@ -207,7 +207,7 @@ def extract_answer(text: str) -> str | None:
         text = text.replace("\u2212", "-")
         boxed = extract_boxed(text)
         if boxed:
-            return normalize_number(_strip_delims(boxed))
+            return normalize_number(strip_delims(boxed))
         hashes = list(_HASHES_RE.finditer(text))
         if hashes:
             rest = text[hashes[-1].end() :].split("\n", 1)[0]
@@ -306,7 +306,7 @@ def parse_number(s: str) -> float | None:
     """
     if not isinstance(s, str):
         return None
-    t = _strip_delims(s).replace("\u2212", "-")
+    t = strip_delims(s).replace("\u2212", "-")
     t = t.replace("\\$", "").replace("$", "").replace("\\!", "").replace("\\,", "")
     t = t.replace("\\left", "").replace("\\right", "").strip()
     for suffix in ("\\%", "%", "^\\circ", "^{\\circ}", "°"):
@@ -349,8 +349,8 @@ def parse_number(s: str) -> float | None:
 _TEXT_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\s*\{([^{}]*)\}")
 
 
-def _norm_str(s: str) -> str:
-    t = _strip_delims(s)
+def norm_str(s: str) -> str:
+    t = strip_delims(s)
     t = _TEXT_RE.sub(r"\1", t)
     for a, b in (
         ("\\left", ""),
@@ -410,8 +410,8 @@ def _math_verify_equal(pred: str, ref: str) -> bool:
     from math_verify import verify
 
     use_signal = _in_main_thread()
-    gold = _mv_parse(_strip_delims(ref), use_signal)
-    target = _mv_parse(_strip_delims(pred), use_signal)
+    gold = _mv_parse(strip_delims(ref), use_signal)
+    target = _mv_parse(strip_delims(pred), use_signal)
     if not gold or not target:
         return False
     timeout = MATH_VERIFY_TIMEOUT_S if use_signal else None
@@ -444,7 +444,7 @@ def is_equivalent(pred: str | None, ref: str) -> bool:
         ref = str(ref).strip()
         if not pred or not ref:
             return False
-        if _norm_str(pred) == _norm_str(ref):
+        if norm_str(pred) == norm_str(ref):
             return True
         a, b = parse_number(pred), parse_number(ref)
         if a is not None and b is not None:

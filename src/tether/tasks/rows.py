@@ -16,7 +16,7 @@ Every other field of the row goes to ``meta``. Rows are validated as they are lo
 any training: a missing field, a wrong type or an invalid row raises :class:`DataError`
 naming the source, the 1-based row and the field. An empty dataset is an error too.
 :func:`tether.tasks.data.load_examples` reads the rows (:mod:`tether.tasks.files` for local
-files) and hands them to :func:`_collect`.
+files) and hands them to :func:`collect_examples`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import re
 from typing import Any, Iterable, Sequence
 
 from .base import DataError, Example
-from .math import _strip_delims, extract_boxed, gsm8k_reference, normalize_number
+from .math import strip_delims, extract_boxed, gsm8k_reference, normalize_number
 
 __all__ = ["DEFAULT_PROMPT_KEYS", "DEFAULT_ANSWER_KEYS", "row_to_example"]
 
@@ -68,7 +68,7 @@ def _canonical_text(s: str) -> str:
         boxed = extract_boxed(t)
         if boxed:
             t = boxed
-    t = _strip_delims(t)
+    t = strip_delims(t)
     return normalize_number(t)
 
 
@@ -146,7 +146,7 @@ def row_to_example(
     return Example(prompt=prompt, answer=answer, id=example_id, meta=meta)
 
 
-def _collect(
+def collect_examples(
     rows: Iterable[tuple[int, Any]],
     *,
     label: str,
@@ -177,7 +177,7 @@ def _collect(
     return out
 
 
-def _keys(explicit: str | None, preferred: Sequence[str], defaults: Sequence[str]) -> tuple[tuple[str, ...], bool]:
+def field_keys(explicit: str | None, preferred: Sequence[str], defaults: Sequence[str]) -> tuple[tuple[str, ...], bool]:
     if explicit:
         return (explicit,), True
     keys: list[str] = []
