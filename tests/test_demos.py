@@ -1,4 +1,4 @@
-"""Cold-start demonstrations (tether.envs.demos): teacher trajectories through the real environments, rows in the
+"""Cold-start demonstrations (tether.sft.demos): teacher trajectories through the real environments, rows in the
 SFT format with observations untrained, built from training splits only (no dev, test or benchmark question)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from search_helpers import SEARCH_DIR, needs_data, write_jsonl
 
 from tether.envs import CalculatorEnv, SearchEnv
 from tether.envs.calculator import evaluate
-from tether.envs.demos import DemoStats, arithmetic_expression, calculator_demos, gsm8k_turns, search_demos
+from tether.sft.demos import DemoStats, arithmetic_expression, calculator_demos, gsm8k_turns, search_demos
 from tether.search.protocol import render_observation
 from tether.tasks import Example
 from tether.tasks.arithmetic import ArithmeticTask, apply_ops

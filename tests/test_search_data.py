@@ -120,7 +120,7 @@ def test_search_training_on_a_hub_id_reads_data_split(monkeypatch, tmp_path):
     import types
 
     from tether.config import ConfigError, load_config
-    from tether.tasks.registry import search_qa_task
+    from tether.search.task import search_qa_task
 
     asked = []
 

@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_export_parser(sub)
     add_retrieve_parser(sub)
-    from .envs.demos import add_demos_parser
+    from .sft.demos import add_demos_parser
 
     add_demos_parser(sub)
     from .sweep.cli import add_sweep_parser

@@ -1,5 +1,6 @@
 """Building blocks of a Search-R1-style search agent: protocol, reward, corpus, retrievers,
-retrieval server and QA datasets. See ``docs/search_agents.md``."""
+retrieval server, QA datasets and the ``search`` training task (registered in ``tether.tasks.TASKS`` when
+this package is imported). See ``docs/search_agents.md``."""
 
 from .corpus import Corpus, CorpusError, Passage, load_corpus, split_contents
 from .data import SEARCH_DATASETS, corpus_path, load_search_examples, search_data_dir
@@ -23,6 +24,7 @@ from .retrievers import (
     make_retriever,
     register_retriever,
 )
+from . import task  # noqa: F401  (registers the search task)
 from .reward import SearchReward, SearchRewardResult, normalize_answer, score_response, search_reward
 
 __all__ = [

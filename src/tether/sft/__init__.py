@@ -4,6 +4,7 @@ completion pairs, the loss on assistant tokens only, before RL with ``tether tra
     data.py     reading and checking JSONL rows; encoding them with an exact per-token loss mask
     batches.py  which rows form a batch (padded, length-grouped, packed) and their tensors
     loop.py     SFTTrainer (step, validation, checkpoints, stop), sft, resume_sft
+    demos.py    cold-start demonstrations through the real environments (``tether demos``)
 """
 
 from .loop import SFTTrainer, resume_sft, resume_sft_config, sft

@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Optional
 
 from ..tasks.base import Example
 from ..tasks.qa_reward import normalize_answer
-from .base import Env
+from ..envs.base import Env
 
 __all__ = ["DemoStats", "run_teacher", "sft_row", "calculator_demos", "search_demos", "arithmetic_expression",
            "gsm8k_turns"]
@@ -129,7 +129,7 @@ def calculator_demos(examples: Iterable[Example], env, stats: Optional[DemoStats
                      system_prompt: str = "") -> Iterable[dict]:
     """SFT rows for the calculator environment ``env`` from arithmetic (``meta["ops"]``) or GSM8K
     (``meta["solution"]``, the full answer field) examples (module docstring)."""
-    from .calculator import calculate
+    from ..envs.calculator import calculate
 
     stats = stats if stats is not None else DemoStats()
     for ex in examples:
@@ -159,7 +159,7 @@ def calculator_demos(examples: Iterable[Example], env, stats: Optional[DemoStats
 
 def _number(v: str) -> Optional[str]:
     """A stated value as the calculator would print it (``"24.00"`` -> ``"24"``), None if not a number."""
-    from .calculator import calculate
+    from ..envs.calculator import calculate
 
     return calculate(v.replace(",", "").rstrip("."))[0]
 
@@ -251,7 +251,7 @@ def _demos(args) -> int:
     examples = _examples(args)
     stats = DemoStats()
     if args.env == "calculator":
-        from .calculator import CalculatorEnv
+        from ..envs.calculator import CalculatorEnv
 
         rows = calculator_demos(examples, CalculatorEnv(max_turns=args.max_turns), stats, args.system_prompt)
     else:
@@ -259,7 +259,7 @@ def _demos(args) -> int:
         from ..search.corpus import load_corpus
         from ..search.data import corpus_path
         from ..search.retrievers import retriever_from_config
-        from .search import SearchEnv
+        from ..envs.search import SearchEnv
 
         corpus = args.corpus or str(corpus_path(args.data_dir))
         env = SearchEnv(retriever_from_config(SearchConfig(corpus=corpus, data_dir=args.data_dir or "")),
