@@ -9,7 +9,7 @@ push). Output: the predicted seconds per step, and the speed-up sync / async.
 
 * Synchronous: a step takes G_i + U_i.
 * K >= 1 (tether's workers, verl's one-step-off for K = 1): `simulate` runs the event recurrence of
-  tether.rollout.workers: L = max(K + 1, W) jobs in flight; job i is submitted when step i - L + 1 begins
+  tether.asynchronous.workers: L = max(K + 1, W) jobs in flight; job i is submitted when step i - L + 1 begins
   waiting (the end of step i - L), starts on the first free of W workers, is ready G_i later; step i starts at
   max(its batch ready, step i - 1 done) and takes U_i. With constant times this is max(G / W, U, (G + U) / L) per step,
   so the overlap alone is at most (G + U) / max(G, U) <= 2 (W = 1); with spread-out G_i, K = 1 pays

@@ -1,4 +1,4 @@
-"""Asynchronous RL (train.max_staleness K, tether.rollout.workers): real worker processes on the tiny model.
+"""Asynchronous RL (train.max_staleness K, tether.asynchronous.workers): real worker processes on the tiny model.
 
 K = 0 is the synchronous loop, bit for bit; K >= 1 trains with every consumed batch at most K versions old,
 tagged with the version that sampled it; verified sync catches a corrupted or stale push; LoRA and tied
@@ -23,8 +23,8 @@ from helpers import ALWAYS_ENV, DIGITS, cli_args, rows, strip, subprocess_env, t
 from tether.errors import ConfigError
 from tether.checkpoint import latest_checkpoint
 from tether.rollout import SamplingParams
-from tether.rollout.weights import WeightSyncError, effective_weights
-from tether.rollout.workers import Job
+from tether.asynchronous.weights import WeightSyncError, effective_weights
+from tether.asynchronous.workers import Job
 from tether.train import Trainer, train
 
 REWARD = DIGITS + '''
@@ -428,7 +428,7 @@ class ScriptedWorkers:
         self.jobs.append(job)
 
     def next_batch(self):
-        from tether.rollout.workers import Rollout
+        from tether.asynchronous.workers import Rollout
 
         job = self.jobs.pop(0)
         return Rollout(job=job, rb=self.agent.rollout(job.examples, job.params), version=self.versions.pop(0),
@@ -446,7 +446,7 @@ def test_a_batch_older_than_k_is_dropped_or_kept(policy, workdir, tiny_model_dir
     """K = 1 with 3 workers: the third job was sampled by version 0 and is consumed at version 2. drop discards
     it (its prompts skipped, counted; the checkpointed data position is past it) and trains on the next
     batch; keep trains on it at staleness 2."""
-    import tether.rollout.feed as feed
+    import tether.asynchronous.feed as feed
 
     monkeypatch.setattr(ScriptedWorkers, "VERSIONS", [0, 0, 0, 2, 2])
     monkeypatch.setattr(feed, "RolloutWorkers", ScriptedWorkers)

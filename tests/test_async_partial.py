@@ -1,4 +1,4 @@
-"""Partial rollouts (train.partial_rollout_tokens, tether.rollout.partial): a worker samples in segments and takes
+"""Partial rollouts (train.partial_rollout_tokens, tether.asynchronous.partial): a worker samples in segments and takes
 newer weights between them, recording each token's version.
 
 With one version throughout, segmenting changes nothing (greedy ids, finish reasons, texts equal the unsegmented
@@ -17,7 +17,7 @@ from tether.errors import ConfigError
 from tether.logprobs import response_stats
 from tether.models import ModelConfig, load_model
 from tether.rollout import HFEngine, SamplingParams
-from tether.rollout.partial import Segmented
+from tether.asynchronous.partial import Segmented
 from tether.train import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

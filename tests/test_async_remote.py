@@ -1,4 +1,4 @@
-"""Remote rollout workers (train.worker_address, `tether worker`; tether.rollout.remote) on loopback: the
+"""Remote rollout workers (train.worker_address, `tether worker`; tether.asynchronous.remote) on loopback: the
 trainer and a worker are two `tether` processes started separately, as on two nodes. A run trains with
 staleness <= K and verified checksums and both exit 0; a worker killed or frozen mid-run is a
 `tether: error:` in the trainer (closed connection at once, silence after train.worker_timeout_s), never a

@@ -194,8 +194,8 @@ def test_async_workers_sample_on_cuda_with_the_trainers_weights(kind, workdir, g
     correction's mu against pi_old sees it)."""
     from tether.logprobs import response_stats
     from tether.rollout import SamplingParams
-    from tether.rollout.weights import effective_weights
-    from tether.rollout.workers import Job
+    from tether.asynchronous.weights import effective_weights
+    from tether.asynchronous.workers import Job
     from tether.train import Trainer
 
     over = {"model.dtype": "bfloat16", "model.device": "cuda", "train.max_staleness": 1, "train.verify_sync": True,

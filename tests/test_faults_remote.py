@@ -1,9 +1,9 @@
-"""Faults injected into the connection of remote rollout workers (`tether.rollout.channel`, `tether.rollout.remote`;
-docs/reliability.md, "Threat model of remote workers"), on loopback: a message altered or replayed after a
-genuine handshake is refused before it is unpickled; a peer that connects and says nothing is dropped after the
-handshake timeout and a real worker still connects; a missing or weak $TETHER_WORKER_KEY is refused before the
-model loads, by the trainer and by `tether worker`. Every wait here has its own bound (socket timeouts,
-joins, a subprocess timeout).
+"""Faults injected into the connection of remote rollout workers (`tether.asynchronous.channel`,
+`tether.asynchronous.remote`; docs/reliability.md, "Threat model of remote workers"), on loopback: a message altered
+or replayed after a genuine handshake is refused before it is unpickled; a peer that connects and says nothing is
+dropped after the handshake timeout and a real worker still connects; a missing or weak $TETHER_WORKER_KEY is
+refused before the model loads, by the trainer and by `tether worker`. Every wait here has its own bound (socket
+timeouts, joins, a subprocess timeout).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from helpers import DIGITS, assert_clean_error, cli_args, subprocess_env
-from tether.rollout import channel
+from tether.asynchronous import channel
 
 pytestmark = pytest.mark.faults
 
@@ -111,7 +111,7 @@ def fake_cfg(address: str, timeout_s: float):
 
 def start_pool(address: str, log: list, timeout_s: float = BOUND_S):
     """`RemoteWorkers` (n=1, a tiny linear "model") constructed in a thread: it returns once a worker connects."""
-    from tether.rollout.remote import RemoteWorkers
+    from tether.asynchronous.remote import RemoteWorkers
 
     out: queue.Queue = queue.Queue()
 
@@ -154,7 +154,7 @@ def test_the_trainer_refuses_a_tampered_or_replayed_message_and_names_the_worker
     """The real trainer side (`RemoteWorkers`): after a genuine worker's handshake, a message whose payload was
     swapped for a code-running pickle, or a genuine heartbeat sent twice, stops the run with a `WorkerError`
     naming the worker and the failed check; the marker pickle is never loaded; the worker's connection closes."""
-    from tether.rollout.workers import Job, WorkerError
+    from tether.asynchronous.workers import Job, WorkerError
 
     monkeypatch.setenv("TETHER_WORKER_KEY", KEY)
     address, log, marker = f"127.0.0.1:{free_port()}", [], tmp_path / "unpickled"

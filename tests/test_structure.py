@@ -219,18 +219,34 @@ def test_lazy_and_relative_imports_are_read(name):
 
 
 #: tether's layers, lowest first: a module may import its own layer and the ones below. A module
-#: belongs to the layer of its longest matching prefix. ``python tests/test_structure.py`` prints
-#: the graph's size and every edge that runs upward (the test below keeps that list empty).
+#: belongs to the layer of its longest matching prefix. Every package is a layer of its own, so two
+#: packages that import each other (a folder cycle, even one riding on imports inside functions) put
+#: an import upward and fail the test below; top-level modules share layers with their peers (a cycle
+#: among them is an import cycle, which test_tether_has_no_import_cycle catches). ``python
+#: tests/test_structure.py`` prints the graph's size and every edge that runs upward.
 LAYERS = [
-    ("core", ["tether", "tether.errors", "tether.algo", "tether.owned"]),
-    ("infrastructure", ["tether.distributed", "tether.metrics", "tether.checkpoint", "tether.stop", "tether.plot",
-                        "tether.logprobs", "tether.logprobs_chunked", "tether.models", "tether.gguf", "tether.anchor",
-                        "tether.schedule", "tether.optim", "tether.organism"]),
-    ("pieces", ["tether.rollout", "tether.tasks", "tether.search", "tether.agents", "tether.envs", "tether.passes",
-                "tether.config", "tether.testing"]),
-    ("loop", ["tether.train", "tether.sft", "tether.rundir", "tether.runs", "tether.report", "tether.eval",
-              "tether.export", "tether.export_card", "tether.sweep"]),
-    ("command line", ["tether.cli", "tether.__main__", "tether.eval.cli", "tether.search.server", "tether.sweep.cli"]),
+    ("the mathematics", ["tether.algo"]),
+    ("shared modules", ["tether", "tether.errors", "tether.memory", "tether.logprobs_chunked", "tether.distributed",
+                        "tether.gguf", "tether.logprobs", "tether.metrics", "tether.owned", "tether.schedule",
+                        "tether.anchor", "tether.optim", "tether.plot"]),
+    ("the model organism", ["tether.organism"]),
+    ("engines", ["tether.rollout"]),
+    ("passes and checkpoints", ["tether.passes", "tether.checkpoint", "tether.testing"]),
+    ("tasks", ["tether.tasks"]),
+    ("models and stop", ["tether.models", "tether.stop"]),
+    ("search", ["tether.search"]),
+    ("environments", ["tether.envs"]),
+    ("agents and the rollout builder", ["tether.agents"]),
+    ("configuration", ["tether.config"]),
+    ("asynchronous RL", ["tether.asynchronous"]),
+    ("run readers", ["tether.runs", "tether.export_card"]),
+    ("sweeps", ["tether.sweep"]),
+    ("run directories", ["tether.rundir"]),
+    ("evaluation", ["tether.eval"]),
+    ("reports and export", ["tether.report", "tether.export"]),
+    ("the RL loop", ["tether.train"]),
+    ("supervised fine-tuning", ["tether.sft"]),
+    ("command line", ["tether.cli", "tether.__main__"]),
 ]
 
 MAX_MODULE_LINES = 500
@@ -257,6 +273,16 @@ def graph_report(root: Path = SRC) -> tuple[int, int, list[tuple[str, str]]]:
     graph = import_graph(root)
     edges = [(a, b) for a, targets in graph.items() for b in targets]
     return len(graph), len(edges), sorted((a, b) for a, b in edges if layer_of(b) > layer_of(a))
+
+
+def test_every_package_is_a_layer_of_its_own():
+    """A package shares its layer with nothing, so an import between two packages always runs one way."""
+    packages = {f"tether.{d.name}" for d in SRC.iterdir() if (d / "__init__.py").is_file()}
+    shared = [f"{name}: {prefixes}" for name, prefixes in LAYERS
+              if len(prefixes) > 1 and any(p in packages for p in prefixes)]
+    listed = {p for _, prefixes in LAYERS for p in prefixes}
+    assert not shared, "packages sharing a layer:\n  " + "\n  ".join(shared)
+    assert packages <= listed, f"packages in no layer: {sorted(packages - listed)}"
 
 
 def test_no_import_runs_from_a_lower_layer_up():

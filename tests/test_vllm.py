@@ -290,7 +290,7 @@ def stale_vllm(engine, tokenizer, **options):
 def test_vllm_probe_reads_back_what_the_engine_samples_with(setup):
     """Verified sync for vLLM workers: the engine's log-probs of the probe text equal the trainer's with the same
     weights, differ once the trainer's weights moved without a sync, and agree again after it."""
-    from tether.rollout.weights import engine_probe_logp, model_probe_logp, probe_ids
+    from tether.asynchronous.weights import engine_probe_logp, model_probe_logp, probe_ids
 
     _, model, tok, eng = setup
     eng.sync_weights(model)
@@ -370,7 +370,7 @@ def test_a_vllm_worker_that_keeps_old_weights_is_caught(tmp_path_factory, tmp_pa
 def test_partial_rollout_segments_on_vllm(setup):
     """Partial rollouts on the vLLM engine: with one version, segments of 3 tokens give the unsegmented greedy ids,
     texts and finish reasons, and each token's log-prob; every token is tagged with the version."""
-    from tether.rollout.partial import Segmented
+    from tether.asynchronous.partial import Segmented
 
     _, model, tok, eng = setup
     eng.sync_weights(model)

@@ -96,11 +96,11 @@ def _interrupted(e: KeyboardInterrupt) -> int:
 
 
 def _worker(args) -> int:
-    """A remote rollout worker (tether.rollout.remote.serve): 0 once the trainer ended the run. Under torchrun
+    """A remote rollout worker (tether.asynchronous.remote.serve): 0 once the trainer ended the run. Under torchrun
     each process is one worker, on GPU LOCAL_RANK when the run samples on CUDA (no process group is joined)."""
     import torch
 
-    from .rollout.remote import serve
+    from .asynchronous.remote import serve
 
     if "LOCAL_RANK" in os.environ and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

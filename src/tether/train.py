@@ -14,11 +14,10 @@ between them and decides nothing they own (docs/architecture.md names each arrow
 mathematics lives in ``tether.algo`` and ``tether.anchor``. Under ``torchrun`` the policy is
 sharded with FSDP2 and rollouts are data-parallel: the loop calls ``tether.distributed``'s helpers
 (``rank_share``, ``lockstep``, ``gathered``, ``all_reduce``...), no-ops in a single process.
-With ``train.max_staleness`` K >= 1 the rollout arrow runs ahead in worker processes
-(``tether.rollout.feed``: the trainer's side; ``tether.rollout.workers``; on other nodes with
-``train.worker_address``: ``tether.rollout.remote``; docs/async.md): the trainer submits each step's examples as a job,
-takes the batch of the oldest job (sampled by weights at most K updates old) and scores it, and
-pushes its weights after each step; K = 0 is the synchronous loop, unchanged.
+With ``train.max_staleness`` K >= 1 the rollout arrow runs ahead in worker processes (``tether.asynchronous``:
+``feed``, the trainer's side; ``workers``; on other nodes with ``train.worker_address``, ``remote``; docs/async.md):
+the trainer submits each step's examples as a job, takes the batch of the oldest job (sampled by weights at most K
+updates old) and scores it, and pushes its weights after each step; K = 0 is the synchronous loop, unchanged.
 `train` / `resume` run a Trainer inside its locked run directory (``tether.rundir``).
 """
 
@@ -35,29 +34,29 @@ from typing import Optional
 import torch
 
 from . import distributed as dist
-from .agents import agent_from_config, agent_tools, env_reward, reward_parts
+from .agents import env_reward, reward_parts
+from .agents.build import build_rollout, rollout_tools
 from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, overlong_penalty, zero_variance_groups
 from .algo.correction import lr_scale
-from .errors import ConfigError
 from .anchor import make_anchor
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import checkpoints, load_checkpoint, save_checkpoint
 from .config import Config, apply_async_correction, to_dict
-from .errors import GenerationError
+from .errors import ConfigError, GenerationError
 from .logprobs import response_stats
 from .memory import malloc_trim
 from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
 from .optim import make_adamw, optimizer_step, skipped_update_line
 from .passes import Passes, StepBatch, exact_kl_sample, forwarded_positions, head_inputs, idle_backward, micro_batches
-from .rollout import RolloutBatch, SamplingParams, make_engine
-from .rollout.partial import token_metrics
-from .rollout.weights import WeightSyncError
-from .rollout.channel import worker_key
-from .rollout.feed import RolloutFeed, rank_groups
-from .rollout.workers import WorkerError, checkpointed
+from .rollout import RolloutBatch, SamplingParams
+from .asynchronous.channel import worker_key
+from .asynchronous.feed import RolloutFeed, rank_groups
+from .asynchronous.partial import token_metrics
+from .asynchronous.weights import WeightSyncError
+from .asynchronous.workers import WorkerError
 from .report import HeldOut, Progress, RewardErrorLog, rollout_metrics, sample_rows
 from .rundir import RunDirectory, restore_latest, resume_config
 from .schedule import LRSchedule
-from .stop import GracefulStop
+from .stop import GracefulStop, resume_hint
 from .tasks import Example
 from .tasks.stream import prompt_stream, training_reward
 
@@ -87,7 +86,7 @@ class Trainer:
         random.seed(t.seed)
         torch.manual_seed(t.seed)
         self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row before the (slow) model load
-        tools = agent_tools(cfg)  # e.g. the search agent's retriever: its corpus is checked before the model load
+        tools = rollout_tools(cfg)  # e.g. the search agent's retriever: its corpus is checked before the model load
         self.score_rewards = training_reward(cfg, self.data, env_reward(tools))  # a bad reward spec fails here, too
         if run_guard is not None:
             run_guard.open(cfg)  # after the cheap checks (a bad config leaves no directory), before the model load
@@ -105,8 +104,8 @@ class Trainer:
         self.schedule = LRSchedule(self.optimizer, t)  # a resume that extends the run re-lays it (continue_from)
         self.scheduler = self.schedule.scheduler
         self.anchor = make_anchor(cfg.algo.anchor, model)
-        self.engine = make_engine(self._engine_config(), model, tokenizer)
-        self.agent = agent_from_config(cfg, self.engine, tokenizer, tools)
+        parts = build_rollout(cfg, model, tokenizer, tools=tools, engine_cfg=self._engine_config())
+        self.engine, self.agent = parts.engine, parts.agent
         prompts = getattr(self.agent, "prompts", None)  # the agent's PromptEncoder (tether.tasks.prompts)
         if prompts is not None and self.data.examples is not None:  # an overlong row fails now, not at its step
             prompts.check(self.data.examples, cfg.rollout.max_new_tokens)
@@ -190,7 +189,7 @@ class Trainer:
         return batch, stats
 
     def _async_rollout(self) -> tuple[StepBatch, dict]:
-        """K >= 1: the oldest job's batch (``tether.rollout.feed``; under torchrun rank 0 takes it, every rank
+        """K >= 1: the oldest job's batch (``tether.asynchronous.feed``; under torchrun rank 0 takes it, every rank
         trains on its share of the prompts), scored."""
         got, staleness, feed_stats = self.feed.next(self.step)
         rb, examples = rank_groups(got.rb, got.job.examples, self.cfg.rollout.prompts_per_step)
@@ -382,10 +381,19 @@ class Trainer:
             with GracefulStop(self.run_dir, announce=dist.is_main()) as stop:
                 self._run(resume, stop)
         except (WorkerError, WeightSyncError) as e:  # K >= 1: the last completed step is checkpointed, then the error
-            raise checkpointed(self, e) from e
+            raise self._checkpointed(e) from e
         finally:
             self.close()  # the rollout workers end with the run: normally, on an error or a stop signal
         return self.run_dir
+
+    def _checkpointed(self, e: GenerationError) -> GenerationError:
+        """``e`` (a rollout worker that failed, or failed sync) with a checkpoint of the last completed step: its
+        weights are unaffected (the failed step never reached its update), so ``--resume`` continues there."""
+        if self.step == 0:
+            return type(e)(f"{e}; no step completed, nothing to checkpoint")
+        latest = next(iter(checkpoints(self.run_dir)), None)  # run.save_every may have written this step's already
+        ckpt = latest if latest is not None and latest.name == f"step-{self.step:06d}" else self.save()
+        return type(e)(f"{e}; step {self.step}'s checkpoint: {ckpt} (resume with: {resume_hint(self.run_dir)})")
 
     def _run(self, resume: bool, stop: GracefulStop) -> None:
         cfg = self.cfg

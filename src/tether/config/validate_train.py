@@ -1,6 +1,6 @@
 """Validation of the train.* section (part of ``tether.config.validate.check``): sizes and micro-batches, an
 iterative anchor that would be exactly on-policy, the ESS-scaled step (``train.lr_scale``), and asynchronous
-training (``train.max_staleness`` and the options of the rollout workers, `tether.rollout.workers`: their
+training (``train.max_staleness`` and the options of the rollout workers, `tether.asynchronous.workers`: their
 number, stale batches, verified sync, remote workers, partial rollouts). A key that has no effect under the
 resolved settings is a problem too.
 """
@@ -66,7 +66,7 @@ STALE_BATCHES = ("drop", "keep")
 
 
 def _check_async(cfg: Config) -> list[str]:
-    """train.max_staleness and the options of asynchronous training (tether.rollout.workers)."""
+    """train.max_staleness and the options of asynchronous training (tether.asynchronous.workers)."""
     r, t, dt, errs = cfg.rollout, cfg.train, TrainConfig(), []
     keys = ("async_correction", "rollout_workers", "stale_batches", "verify_sync", "worker_address",
             "partial_rollout_tokens", "worker_restarts")

@@ -1,5 +1,5 @@
 """Remote rollout workers over TCP (``train.worker_address``; docs/async.md): the network transport of
-`tether.rollout.workers`.
+`tether.asynchronous.workers`.
 
     node A: tether train ... train.max_staleness=1 train.worker_address=10.0.0.5:29600  (listens)
     node B: tether worker 10.0.0.5:29600                                                (connects)
@@ -18,7 +18,7 @@ environment's files must exist on its node under the same names. Then, over one 
                        ("error", rank, text)                   its exception, named
                        ("heartbeat",)                          every few seconds, also while generating
 
-Messages are pickled (standard pickle, tensors on the CPU) over a `tether.rollout.channel.Channel`: a
+Messages are pickled (standard pickle, tensors on the CPU) over a `tether.asynchronous.channel.Channel`: a
 handshake on the secret in ``$TETHER_WORKER_KEY`` proves the key both ways (unfinished handshakes time
 out), and each message carries an HMAC-SHA256 under a per-session key, checked before it is unpickled
 (the traffic is not encrypted: bind the cluster's private interface, e.g. ``10.0.0.5:29600``, not
@@ -279,7 +279,7 @@ class RemoteWorkers(WorkerPool):
 
 def _connect(address: str, key: bytes, wait_s: float, log: Callable) -> Channel:
     """The authenticated channel to the trainer at ``address``: connection attempts retried for ``wait_s``
-    seconds while nothing listens there, then the handshake (`tether.rollout.channel.connect`)."""
+    seconds while nothing listens there, then the handshake (`tether.asynchronous.channel.connect`)."""
     host, port = parse_address(address)
     deadline, said = time.monotonic() + wait_s, False
     while True:

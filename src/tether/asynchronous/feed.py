@@ -1,6 +1,6 @@
 """The trainer's side of asynchronous rollouts (``train.max_staleness`` K >= 1; docs/async.md).
 
-`RolloutFeed` hands the rollout workers (`tether.rollout.workers`, or `tether.rollout.remote` on other nodes)
+`RolloutFeed` hands the rollout workers (`tether.asynchronous.workers`, or `tether.asynchronous.remote` on other nodes)
 each step's examples as a job, takes back the batch of the oldest job, drops or keeps one older than K
 versions (``train.stale_batches``), and keeps what a checkpoint needs: the jobs consumed, the data position
 after the last consumed job, the dropped batches, the staleness histogram.
@@ -20,7 +20,7 @@ from typing import Callable
 
 from .. import distributed as dist
 from ..tasks import Example
-from .base import RolloutBatch, SamplingParams
+from ..rollout.base import RolloutBatch, SamplingParams
 from .workers import Job, Rollout, RolloutWorkers
 
 

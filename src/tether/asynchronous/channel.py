@@ -1,4 +1,4 @@
-"""The authenticated channel between a trainer and its remote rollout workers (`tether.rollout.remote`):
+"""The authenticated channel between a trainer and its remote rollout workers (`tether.asynchronous.remote`):
 a handshake on the shared key ``$TETHER_WORKER_KEY`` and messages that each carry an HMAC-SHA256.
 
 Protocol ``tether-worker/1``, over one TCP connection (the trainer listens, a worker connects):

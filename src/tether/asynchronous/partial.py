@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .base import RolloutBatch, SamplingParams
+from ..rollout.base import RolloutBatch, SamplingParams
 
 
 class Segmented:
@@ -104,7 +104,7 @@ class Segmented:
 
 
 def token_metrics(got, step: int) -> dict:
-    """The trainer's metrics of a partial rollout ``got`` (a `tether.rollout.workers.Rollout`) at version ``step``:
+    """The trainer's metrics of a partial rollout ``got`` (a `tether.asynchronous.workers.Rollout`) at version ``step``:
     its newest token's version, the versions taken mid-job, the mean staleness over response tokens."""
     tv = got.token_version[got.rb.response_mask]
     return {"async/newest_version": int(tv.max()) if tv.numel() else got.version, "async/swaps": len(got.later),

@@ -1,10 +1,10 @@
-"""The weights rollout workers sample with (asynchronous training; docs/async.md, `tether.rollout.workers`):
+"""The weights rollout workers sample with (asynchronous training; docs/async.md, `tether.asynchronous.workers`):
 what the trainer pushes, how it travels, and how a version is verified.
 
 Weights travel as one shared-memory copy of the trainer's *effective* weights (`effective_weights`:
 LoRA merged into the base, every name of a tied tensor), written with a version
 counter (`SharedWeights`, a seqlock; tied tensors stored once, `unique_weights` / `copy_weights`, which the network
-transport `tether.rollout.remote` uses too); the workers' models are plain (un-wrapped) copies loaded
+transport `tether.asynchronous.remote` uses too); the workers' models are plain (un-wrapped) copies loaded
 with ``tether.models.load_model``. With ``verify`` each version is checksummed on both sides
 (`checksum`): the trainer of what it pushed, the worker of its own model's weights read back after
 loading, and the worker pool raises `WeightSyncError` when they differ, so stale or corrupted weights

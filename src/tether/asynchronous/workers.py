@@ -8,14 +8,14 @@
 The trainer owns the data stream: a `Job` is one trainer step's examples and its sampling seed.
 Workers take jobs in order, load the newest pushed weights before each job (never during one: a
 batch, multi-turn episodes included, is sampled by one version; except with partial rollouts,
-``train.partial_rollout_tokens``, `tether.rollout.partial`: between segments too, each token's
+``train.partial_rollout_tokens``, `tether.asynchronous.partial`: between segments too, each token's
 version recorded) and send back a `Rollout` tagged with that version (the oldest). `next_batch`
 returns rollouts in job order. How far ahead the trainer submits (``lookahead``) bounds how old a
 batch can be: a job submitted at version v is sampled with weights >= v, and the trainer consumes at
 most ``lookahead - 1`` other jobs before it, so its staleness (trainer version at consumption -
 sampling version) is at most ``lookahead - 1``.
 
-Weights (`tether.rollout.weights`): the trainer pushes its *effective* weights (`effective_weights`: LoRA
+Weights (`tether.asynchronous.weights`): the trainer pushes its *effective* weights (`effective_weights`: LoRA
 merged, every name of a tied tensor) into one shared-memory copy with a version counter (`SharedWeights`);
 the workers' models are plain copies. With ``verify`` each version is checksummed on both sides (the
 worker's read back from its model), and for ``rollout.engine=vllm``, whose engine keeps its own copy
@@ -26,7 +26,7 @@ error, not a silent off-policy bias.
 
 Transports: `WorkerPool` holds what does not depend on where the workers run (jobs in flight, job order,
 versions, checksums, the checks); `RolloutWorkers` is the local transport below (spawned processes,
-queues, shared memory), `tether.rollout.remote.RemoteWorkers` the network one (``tether worker``
+queues, shared memory), `tether.asynchronous.remote.RemoteWorkers` the network one (``tether worker``
 processes on other nodes, over TCP).
 
 Local workers ignore SIGINT / SIGTERM (the trainer's graceful stop needs them to finish the step in
@@ -52,8 +52,10 @@ from typing import Callable, Optional
 
 import torch
 
+from ..agents.build import build_rollout
 from ..errors import GenerationError
-from .base import RolloutBatch, SamplingParams
+from ..rollout.base import RolloutBatch, SamplingParams
+from .partial import Segmented
 from .weights import (SharedWeights, WeightSyncError, checksum, effective_weights, engine_probe_logp,
                       model_probe_logp, model_weights, probe_ids)
 
@@ -100,24 +102,25 @@ class Sampler:
     (recording its log-probs), ``rollout.engine=vllm`` builds a vLLM engine from it and reloads the engine
     from it after each weights load (``VLLMEngine.sync_weights``). ``run`` answers a job: ``pull()`` (the
     transport's: load the newest pushed version if it is newer, through `load`) before it, and, with partial
-    rollouts (``train.partial_rollout_tokens``, `tether.rollout.partial`), between its segments.
+    rollouts (``train.partial_rollout_tokens``, `tether.asynchronous.partial`), between its segments.
     """
 
     def __init__(self, cfg, rank: int, verify: bool, probe: list[int]):
-        from ..agents import agent_from_config, agent_tools
-        from ..models import load_model
-        from . import make_engine
-        from .partial import Segmented
+        from ..models import load_model  # in the worker process: the model loads there
 
         self.rank, self.verify, self.probe = rank, verify, probe
         self.model, tokenizer = load_model(dataclasses.replace(cfg.model, lora_r=0, gradient_checkpointing=False))
         self.model.requires_grad_(False)
         self.vllm = cfg.rollout.engine == "vllm"
-        extra = {} if self.vllm else {"record_logp": True}  # mu's log-probs (vLLM reports them anyway)
-        self.engine = make_engine(cfg.rollout, self.model, tokenizer, **extra)
         S = cfg.train.partial_rollout_tokens
-        self.segmented = Segmented(self.engine, S, self._refresh) if S else None
-        self.agent = agent_from_config(cfg, self.segmented or self.engine, tokenizer, agent_tools(cfg))
+        self.segmented: Optional[Segmented] = None
+
+        def segment(engine):  # partial rollouts: the agent drives the engine through Segmented
+            self.segmented = Segmented(engine, S, self._refresh)
+            return self.segmented
+
+        parts = build_rollout(cfg, self.model, tokenizer, record_logp=True, wrap=segment if S else None)
+        self.engine, self.agent = parts.engine, parts.agent  # record_logp: mu's log-probs
         self.version: Optional[int] = None
         self.checks: dict[int, tuple] = {}  # version -> (checksum, probe log-probs) of the loads of this job
         self._pull: Callable = lambda: None
@@ -220,7 +223,7 @@ def _linger(jobs, parent: int, limit_s: float = 600.0) -> None:
 
 
 class WorkerPool:
-    """What every transport shares (`RolloutWorkers`: local processes; `tether.rollout.remote.RemoteWorkers`:
+    """What every transport shares (`RolloutWorkers`: local processes; `tether.asynchronous.remote.RemoteWorkers`:
     ``tether worker`` processes over TCP): jobs in flight, rollouts in job order, the versions pushed and
     their checksums (and, for vLLM workers, the trainer's log-probs of the probe), and the checks of
     `next_batch`, and the restart of a dead worker (`_lost`: ``train.worker_restarts``). A transport implements
@@ -467,16 +470,3 @@ class RolloutWorkers(WorkerPool):
         jobs in flight are regenerated on resume)."""
         self._finalizer()
         _discard(*self.jobs, *self.results)
-
-
-def checkpointed(trainer, e: GenerationError) -> GenerationError:
-    """``e`` (a worker that failed, or failed sync) with a checkpoint of the trainer's last completed step: its
-    weights are unaffected (the failed step never reached its update), so ``--resume`` continues from there."""
-    from ..checkpoint import checkpoints
-    from ..stop import resume_hint
-
-    if trainer.step == 0:
-        return type(e)(f"{e}; no step completed, nothing to checkpoint")
-    latest = next(iter(checkpoints(trainer.run_dir)), None)  # run.save_every may have written this step's already
-    ckpt = latest if latest is not None and latest.name == f"step-{trainer.step:06d}" else trainer.save()
-    return type(e)(f"{e}; step {trainer.step}'s checkpoint: {ckpt} (resume with: {resume_hint(trainer.run_dir)})")

@@ -1,0 +1,53 @@
+"""The one rollout builder: a config's engine, agent and environment, for every caller that samples.
+
+    parts = build_rollout(cfg, model, tokenizer)      # parts.engine, parts.agent, parts.tools
+    batch = parts.agent.rollout(examples, params)
+
+The trainer (``tether.train``) and an asynchronous rollout worker (``tether.asynchronous.workers``) both
+build their sampler here, so the two cannot drift apart. The tools (the environment, a retriever that loads
+and checks its corpus) can be built first with :func:`rollout_tools`, before the slow model load, and handed
+in; ``wrap`` puts an engine wrapper between the agent and the engine (partial rollouts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ..rollout import Engine, make_engine
+from . import Agent, agent_from_config, agent_tools
+
+
+@dataclass
+class RolloutParts:
+    """What samples a batch: the engine, the agent that drives it, and the agent's tools (e.g. ``env``)."""
+
+    engine: Engine
+    agent: Agent
+    tools: dict[str, Any]
+
+
+def rollout_tools(cfg) -> dict[str, Any]:
+    """The tools of the agent ``cfg.rollout.agent`` (its environment, retriever), built on their own."""
+    return agent_tools(cfg)
+
+
+def build_rollout(cfg, model, tokenizer, *, tools: Optional[dict[str, Any]] = None, engine_cfg=None,
+                  record_logp: bool = False, wrap: Optional[Callable[[Engine], Engine]] = None) -> RolloutParts:
+    """The engine ``rollout.engine`` names on ``model`` and the agent ``rollout.agent`` names driving it.
+
+    Args:
+        cfg: a ``tether.config.Config``.
+        tools: the agent's tools if already built (:func:`rollout_tools`); None builds them here.
+        engine_cfg: the ``rollout`` section the engine is built from (default ``cfg.rollout``; the trainer of an
+            asynchronous run that samples nothing itself passes one with ``engine=hf``).
+        record_logp: ask the engine to record the sampled tokens' log-probs (a rollout worker's mu): passed
+            to every engine but vLLM, which reports them anyway and takes no such option.
+        wrap: an engine wrapper the agent drives instead of the engine itself (``wrap(engine)``).
+    """
+    rollout = cfg.rollout if engine_cfg is None else engine_cfg
+    extra = {"record_logp": True} if record_logp and rollout.engine != "vllm" else {}
+    engine = make_engine(rollout, model, tokenizer, **extra)
+    tools = rollout_tools(cfg) if tools is None else tools
+    agent = agent_from_config(cfg, wrap(engine) if wrap else engine, tokenizer, tools)
+    return RolloutParts(engine=engine, agent=agent, tools=tools)
