@@ -1,4 +1,4 @@
-"""The ``tether`` command: train, sft, worker, eval, export, plot, recipes, retrieve, sweep."""
+"""The ``tether`` command: train, sft, demos, worker, eval, export, plot, config, recipes, retrieve, sweep."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The text environment interface: ``reset(example) -> Start``, ``step(actions) -> list[StepResult]``.
 
-An environment speaks text, never tokens: an agent (a future ``MultiTurnAgent``) encodes what the
+An environment speaks text, never tokens: an agent (``tether.agents.MultiTurnAgent``) encodes what the
 environment says, samples the policy's turns, and hands the turns' texts back. One environment
 object runs one *batch* of episodes at a time, so a tool can serve a whole turn at once:
 

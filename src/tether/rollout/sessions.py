@@ -94,11 +94,6 @@ class SessionStore:
     def __contains__(self, key: Hashable) -> bool:
         return key in self.entries
 
-    def cached_tokens(self, key: Hashable) -> int:
-        """Number of tokens whose KV is stored under ``key`` (0 if none)."""
-        e = self.entries.get(key)
-        return 0 if e is None else len(e.tokens)
-
     def usable(self, key: Hashable, prompt: Sequence[int]) -> int:
         """How many leading tokens of ``prompt`` the entry under ``key`` can supply (0: encode them all)."""
         e = self.entries.get(key)
