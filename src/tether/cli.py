@@ -7,20 +7,21 @@ import os
 import sys
 from pathlib import Path
 
-from .sweep.cli import positive_int  # the integer >= 1 argparse type (tether sweep's options use it too)
+# positive_int: the integer >= 1 argparse type (tether sweep's options use it too)
+from .sweep.cli import add_sweep_parser, positive_int
 
 
 def _train(args) -> int:
-    from .config import load_config
-    from .train import resume, train
+    from .config import load_config  # deferred: pulls in torch
+    from .train import resume, train  # deferred: pulls in torch and transformers
 
     overrides = _overrides(args, (("model", "model.name"), ("data", "data.task"), ("steps", "train.steps"),
                                   ("output_dir", "run.output_dir")))
-    from . import distributed
+    from . import distributed  # deferred: pulls in torch
 
     if args.resume:
         if args.config or args.recipe or args.task:
-            from .errors import ConfigError
+            from .errors import ConfigError  # deferred: loads json (tether.cli stays light)
             raise ConfigError("tether train --resume RUN_DIR continues with the run's saved config; drop "
                               "--config/--recipe/--task (key=value overrides such as train.steps=60 are allowed)")
         try:
@@ -37,14 +38,14 @@ def _train(args) -> int:
 
 
 def _sft(args) -> int:
-    from .config.sft import load_sft_config
-    from .sft import resume_sft, sft
+    from .config.sft import load_sft_config  # deferred: pulls in torch
+    from .sft import resume_sft, sft  # deferred: pulls in torch and transformers
 
     overrides = _overrides(args, (("data", "data.path"), ("model", "model.name"), ("steps", "train.steps"),
                                   ("output_dir", "run.output_dir")))
     if args.resume:
         if args.config:
-            from .errors import ConfigError
+            from .errors import ConfigError  # deferred: loads json (tether.cli stays light)
             raise ConfigError("tether sft --resume RUN_DIR continues with the run's saved config; drop --config "
                               "(key=value overrides such as train.epochs=3 are allowed)")
         resume_sft(Path(args.resume), overrides)
@@ -57,8 +58,8 @@ def _overrides(args, flags) -> dict:
     """The command line's key=value overrides, plus the options (``flags``: (attribute, key) pairs) it
     gave and ``--overwrite`` (``run.overwrite``). An option and an override of the same key with different
     values is a ConfigError (which one was meant?)."""
-    from .errors import ConfigError
-    from .config import parse_overrides
+    from .errors import ConfigError  # deferred: loads json (tether.cli stays light)
+    from .config import parse_overrides  # deferred: pulls in torch
 
     overrides = parse_overrides(args.overrides)
     for flag, key in flags:
@@ -76,7 +77,7 @@ def _overrides(args, flags) -> dict:
 def _stop_status() -> int:
     """0 when the run finished; 128 + the signal's number (SIGINT 130, SIGTERM 143) when it stopped
     early on that signal (tether.stop: the trainer wrote a checkpoint and printed how to resume)."""
-    from . import stop
+    from . import stop  # deferred: pulls in torch
 
     stopped = stop.last_stop()
     return stop.exit_code(stopped) if stopped else 0
@@ -85,7 +86,7 @@ def _stop_status() -> int:
 def _interrupted(e: KeyboardInterrupt) -> int:
     """A second SIGINT / SIGTERM aborted a run (tether.stop.Aborted), or Ctrl-C came outside a run
     (while loading, evaluating, exporting): one line, and the signal's exit status instead of a traceback."""
-    from . import stop
+    from . import stop  # deferred: pulls in torch
 
     if isinstance(e, stop.Interrupted):
         if e.announce:  # rank 0 under torchrun
@@ -100,7 +101,7 @@ def _worker(args) -> int:
     each process is one worker, on GPU LOCAL_RANK when the run samples on CUDA (no process group is joined)."""
     import torch
 
-    from .asynchronous.remote import serve
+    from .asynchronous.remote import serve  # deferred: pulls in torch
 
     if "LOCAL_RANK" in os.environ and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -112,7 +113,7 @@ def _plot(args) -> int:
     """Write the plot and print the path of the file written: ``--out`` as `tether.plot.plot_path`
     resolves it (an existing directory gets curves.png inside it, a name without an image suffix
     gets .png); a path that cannot be written is an OutputError naming it (exit 2)."""
-    from .plot import plot_runs
+    from .plot import plot_runs  # deferred: pulls in torch
 
     out = args.out if args.out else Path(args.runs[0]) / "curves.png"  # a string: a trailing slash means a directory
     print(plot_runs([Path(r) for r in args.runs], out, smooth=args.smooth))
@@ -120,7 +121,7 @@ def _plot(args) -> int:
 
 
 def _config(args) -> int:
-    from .config import load_config, parse_overrides, reference, to_dict
+    from .config import load_config, parse_overrides, reference, to_dict  # deferred: pulls in torch
 
     if args.reference:
         print(reference())
@@ -133,7 +134,7 @@ def _config(args) -> int:
 
 
 def _recipes(args) -> int:
-    from .config.recipes import RECIPES, describe, recipe
+    from .config.recipes import RECIPES, describe, recipe  # deferred: pulls in torch
 
     for name in RECIPES:
         print(describe(recipe(name)))
@@ -158,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=50")
     t.add_argument("--config", help="YAML config file")
     t.add_argument("--recipe", help="named algorithm (tether recipes lists them); default ema_pg")
-    from .tasks.registry import task_presets
+    from .tasks.registry import task_presets  # deferred: pulls in torch
 
     t.add_argument("--task", choices=list(task_presets()),
                    help="math (default: single-turn, arithmetic / GSM8K / MATH data) | search (the multi-turn search "
@@ -198,19 +199,17 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("recipes", help="list the named recipes and their settings")
     r.set_defaults(fn=_recipes)
 
-    from .eval.cli import add_eval_parser
+    from .eval.cli import add_eval_parser  # deferred: pulls in torch
 
     add_eval_parser(sub)
-    from .export import add_export_parser
-    from .search.server import add_retrieve_parser
+    from .export import add_export_parser  # deferred: pulls in torch
+    from .search.server import add_retrieve_parser  # deferred: pulls in torch
 
     add_export_parser(sub)
     add_retrieve_parser(sub)
-    from .sft.demos import add_demos_parser
+    from .sft.demos import add_demos_parser  # deferred: pulls in torch and transformers
 
     add_demos_parser(sub)
-    from .sweep.cli import add_sweep_parser
-
     add_sweep_parser(sub)
     return p
 
@@ -271,10 +270,9 @@ def main(argv=None) -> int:
         extra = [e for e in extra if not ("=" in e and not e.startswith("-"))]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from .errors import ConfigError
-    from .errors import USER_ERRORS
-    from .export import ExportError
-    from .tasks.base import DataError
+    from .errors import USER_ERRORS, ConfigError  # deferred: loads json (tether.cli stays light)
+    from .export import ExportError  # deferred: pulls in torch
+    from .tasks.base import DataError  # deferred: pulls in torch
 
     try:
         return args.fn(args)

@@ -42,6 +42,8 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from .errors import ConfigError
+
 __all__ = [
     "init", "teardown", "enabled", "rank", "world_size", "is_main", "barrier",
     "all_reduce", "all_gather_cat", "mean_over_ranks", "all_gather_objects", "on_main", "rank_slice", "rank_seed",
@@ -202,7 +204,6 @@ def check_supported(prompts_per_step: int, dynamic_sampling: bool) -> None:
     and no dynamic sampling (not supported across ranks yet). Nothing to check in one process."""
     if not enabled():
         return
-    from .errors import ConfigError
     try:
         rank_slice(prompts_per_step)
     except ValueError as e:

@@ -42,8 +42,12 @@ from typing import Optional
 
 import torch
 
+from .checkpoint import pid_alive
+from .errors import OutputError
 from .export_card import render_card
-from .owned import write_marker
+from .models import EMBEDDED_MODEL_NAME
+from .owned import check_replaceable, write_marker
+from .rundir import WRITE_ERRNOS
 from .runs import RunCheckpoint, RunDir, check_anchor, load_run_model
 
 #: ``--dtype`` names -> torch dtypes (long forms accepted too).
@@ -95,8 +99,6 @@ def plain_contiguous(model: torch.nn.Module) -> int:
 
 
 def _is_hub_id(name: str) -> bool:
-    from .models import EMBEDDED_MODEL_NAME
-
     return (name != EMBEDDED_MODEL_NAME and not Path(name).expanduser().exists()
             and re.fullmatch(r"[A-Za-z0-9][\w.\-]*/[\w.\-]+", name) is not None)
 
@@ -114,8 +116,6 @@ def model_card(rc: RunCheckpoint, *, anchor: bool, fmt: str, dtype: str, base_re
 def _clean_stale_temps(out: Path, tag: str = _TMP_TAG) -> None:
     """Remove the hidden dirs (``tag``: temp, or moved-aside old export) that earlier exports to
     ``out`` left when they were killed (their process is gone)."""
-    from .checkpoint import pid_alive
-
     prefix = f".{out.name}{tag}"
     for p in out.parent.glob(f"{prefix}*"):
         m = re.match(r"(\d+)(-|$)", p.name[len(prefix):])
@@ -135,9 +135,6 @@ def check_target(out_dir: str | os.PathLike, overwrite: bool = False, run_dir: O
         ExportError: it is a file or a symlink, a non-empty directory and not ``overwrite``, not an
             export tether wrote, it is (or contains) the run directory, or its parent cannot be written.
     """
-    from .errors import OutputError
-    from .owned import check_replaceable
-
     out = Path(out_dir).expanduser()
     if run_dir is not None:
         o, r = out.resolve(), Path(run_dir).resolve()
@@ -338,8 +335,6 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
 
 def _is_write_failure(e: BaseException) -> bool:
     """A write that failed for lack of space or rights (OSError, or safetensors' own error for the same)."""
-    from .rundir import WRITE_ERRNOS
-
     if isinstance(e, OSError):
         return e.errno in WRITE_ERRNOS
     return type(e).__name__ == "SafetensorError"

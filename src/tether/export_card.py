@@ -14,6 +14,8 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from . import __version__
+
 if TYPE_CHECKING:
     from .runs import RunCheckpoint
 
@@ -64,8 +66,6 @@ def render_card(rc: RunCheckpoint, *, anchor: bool, fmt: str, dtype: str, base_r
     """The export's ``README.md`` (`tether.export.model_card`): what was exported, from which run and
     recipe, metrics, versions. ``base_on_hub``: the base model is a Hub id (the card names it as
     ``base_model``)."""
-    from . import __version__
-
     mc = rc.model_config
     cfg = rc.config
     if rc.kind == "sft":
@@ -76,7 +76,7 @@ def render_card(rc: RunCheckpoint, *, anchor: bool, fmt: str, dtype: str, base_r
         algo = f"{rc.recipe} (config no longer validates here; see the run's config.yaml)"
         total = (cfg.get("train") or {}).get("steps", "?")
     else:
-        from .config.recipes import describe
+        from .config.recipes import describe  # deferred: pulls in torch (this module imports none)
 
         algo = describe(cfg.algo)
         total = cfg.train.steps

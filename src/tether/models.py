@@ -26,10 +26,13 @@ from typing import Any
 
 import torch
 
-from .errors import ModelLoadError  # the CLI reports it as one line (exit 2); re-exported here
+from . import distributed
+from .checkpoint import checkpoints, latest_checkpoint, load_policy_weights, verify_checkpoint
+from .errors import ModelLoadError, RunError  # ModelLoadError: the CLI reports it as one line (exit 2); re-exported
 from .gguf import (EMBEDDED_GGUF_NAME, strip_quantization_markers, convert_gguf,  # noqa: F401  (re-exported)
                    default_cache_dir, embedded_model_path, gguf_cache_path, is_quantized)
 from .organism import ORGANISM_MODEL_NAME, build_organism
+from .owned import is_checkpoint_dir, is_run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -341,7 +344,6 @@ def _load_pretrained(cfg: ModelConfig) -> tuple[Any, Any]:
 
 
 def _column_major_unless_sharded(model) -> None:
-    from . import distributed
     if not distributed.enabled():  # FSDP2 refuses non-contiguous parameters: not under torchrun
         column_major_linear_weights(model)
 
@@ -358,10 +360,6 @@ def run_source(name: str) -> tuple[Path, Path] | None:
     warning, `tether.checkpoint.latest_checkpoint`); a named checkpoint is verified. Raises
     ModelLoadError for a run without a valid checkpoint or a damaged named one.
     """
-    from .checkpoint import latest_checkpoint, verify_checkpoint
-    from .errors import RunError
-    from .owned import is_checkpoint_dir, is_run_dir
-
     p = Path(name).expanduser()
     if is_checkpoint_dir(p):
         if p.parent.name != "checkpoints" or not is_run_dir(p.parent.parent):
@@ -414,8 +412,6 @@ def _load_run_policy(cfg: ModelConfig, run_dir: Path, ckpt: Path) -> tuple[Any, 
 
     from safetensors import SafetensorError
 
-    from .checkpoint import load_policy_weights
-
     base = _run_model_config(run_dir)
     if Path(base.name).expanduser().resolve() == Path(run_dir).resolve():
         raise ModelLoadError(f"run {run_dir} names itself as its base model (model.name in its config.yaml)")
@@ -439,9 +435,6 @@ def _load_run_policy(cfg: ModelConfig, run_dir: Path, ckpt: Path) -> tuple[Any, 
 def describe_model(name: str) -> str:
     """``name`` for a log line; a run directory also names its newest checkpoint (not verified here: the
     load verifies it, and says so when it falls back to an older one)."""
-    from .checkpoint import checkpoints
-    from .owned import is_checkpoint_dir, is_run_dir
-
     p = Path(name).expanduser()
     if is_checkpoint_dir(p):
         return f"{name!r} (a checkpoint of run {p.parent.parent})"

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
+from . import __version__
 from .errors import OutputError, loads_json
 
 MARKER = ".tether.json"
@@ -122,8 +123,6 @@ def read_marker(path: Path) -> Optional[dict]:
 def write_marker(path: Path, kind: str, files: Iterable[str] = ()) -> None:
     """Write (atomically) the marker saying that tether wrote directory ``path`` as a ``kind``, with
     ``files``: the top-level entries it wrote there (for exports and evaluations)."""
-    from . import __version__
-
     assert kind in KINDS, kind
     data = {"kind": kind, "files": sorted(set(files)), "tether": __version__,
             "created": time.strftime("%Y-%m-%d %H:%M:%S")}

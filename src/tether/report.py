@@ -29,6 +29,7 @@ import torch
 from . import distributed as dist
 from .algo import zero_variance_groups
 from .config import eval_benchmarks, evaluating
+from .metrics import read_metrics
 from .tasks.stream import held_out_sets
 
 
@@ -85,6 +86,7 @@ class HeldOut:
         ``rollout.engine``): held-out problems are encoded, run and sampled as training's are. For the
         anchor the engine gets the anchor's weights for the evaluation, and the policy's back after it
         (``sync_weights``: nothing to do for transformers, a reload for vLLM's copy)."""
+        # deferred: read at call time (tests patch tether.eval.runner.evaluate_during_training)
         from .eval.runner import evaluate_during_training
         t0 = time.perf_counter()
         e = self.cfg.eval
@@ -139,7 +141,6 @@ def before_after(run_dir: Path, e, names) -> str:
     """'arithmetic (100 problems, greedy, 256 tokens): 22.0 % -> 51.0 %' for each held-out set in ``names``,
     from the step-0 and the last eval rows of ``run_dir``'s metrics.jsonl (a resumed run finds its
     'before' there too); '?' where one is missing. ``e`` is the run's `tether.config.EvalConfig`."""
-    from .metrics import read_metrics
     rows = read_metrics(run_dir)
     first = next((r for r in rows if r.get("step") == 0), {})
     last = next((r for r in reversed(rows) if any(k.startswith("eval/") for k in r)), {})

@@ -48,9 +48,11 @@ from typing import Any, Callable, Optional
 
 from . import distributed as dist
 from .checkpoint import checkpoints, pid_alive
-from .errors import EnvError, OutputError, RunError, loads_json
+from .config import DEFAULT_RECIPE, flatten, load_config, save_config
+from .errors import ConfigError, EnvError, OutputError, RunError, loads_json
 from .metrics import warn
 from .owned import MARKER, RUN_KINDS, check_replaceable, run_kind, write_marker
+from .runs import RunDir
 from .stop import resume_hint
 
 LOCK_NAME = ".lock"
@@ -263,8 +265,6 @@ class RunDirectory:
     def save_config(self, cfg) -> None:
         """Write ``RUN/config.yaml`` atomically (rank 0). ``run.overwrite`` is saved false: it was an
         action on the directory, and a rerun of the saved config must not delete the run."""
-        from .config import save_config
-
         if not dist.is_main():
             return
         save_config(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, overwrite=False)),
@@ -354,9 +354,6 @@ def resume_config(run_dir: Path, overrides: Optional[dict] = None):
     override. The directory is read by `tether.runs.RunDir`, as ``tether eval`` and ``tether export``
     read it.
     """
-    from .errors import ConfigError
-    from .config import DEFAULT_RECIPE, flatten, load_config
-
     saved, overrides = resumed_values(run_dir, overrides, "run")
     name = saved.pop("recipe", DEFAULT_RECIPE)
     if "recipe" in overrides and str(overrides["recipe"]) != str(name):
@@ -377,8 +374,6 @@ def resumed_values(run_dir: Path, overrides: Optional[dict], kind: str) -> tuple
     command that resumes it), a run without checkpoint; `ConfigError` for ``run.overwrite`` or another
     ``run.output_dir`` among the overrides.
     """
-    from .errors import ConfigError
-
     run = _reader(run_dir).open()
     run_dir = run.path
     actual = run_kind(run_dir)
@@ -401,8 +396,6 @@ def resumed_values(run_dir: Path, overrides: Optional[dict], kind: str) -> tuple
 
 
 def _reader(run_dir: Path):
-    from .runs import RunDir
-
     return RunDir(run_dir, verb="resume", error=RunError)
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import RunError, loads_json
+from .errors import ConfigError, RunError, loads_json
 from .owned import RUN_KINDS, is_checkpoint_dir, is_run_dir, run_kind  # noqa: F401  (is_*: re-exported for tether eval)
 
 
@@ -118,8 +118,7 @@ class RunDir:
 
     def raw_config(self) -> dict:
         """``config.yaml`` as a mapping (unreadable, not UTF-8, not YAML, not a mapping: ``error`` with the line)."""
-        from .errors import ConfigError
-        from .config import read_yaml_mapping
+        from .config import read_yaml_mapping  # deferred: pulls in torch
 
         try:
             return read_yaml_mapping(self.path / "config.yaml")
@@ -129,10 +128,9 @@ class RunDir:
     def config(self) -> tuple[Any, Any]:
         """``(Config or SFTConfig or raw dict, ModelConfig)``: the validated config, or, when the saved
         config no longer validates here, the raw YAML and the ``model`` section's known keys."""
-        from .errors import ConfigError
-        from .config import load_config
-        from .config.sft import load_sft_config
-        from .models import ModelConfig
+        from .config import load_config  # deferred: pulls in torch
+        from .config.sft import load_sft_config  # deferred: pulls in torch
+        from .models import ModelConfig  # deferred: pulls in torch
 
         try:
             cfg = (load_sft_config if self.kind == "sft" else load_config)(str(self.path / "config.yaml"))
@@ -147,7 +145,7 @@ class RunDir:
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints (``checkpoints/step-N`` with ``state.json``), ascending."""
-        from .checkpoint import step_of, checkpoints
+        from .checkpoint import step_of, checkpoints  # deferred: pulls in torch
 
         return sorted(step_of(p) for p in checkpoints(self.path) if (p / "state.json").is_file())
 
@@ -155,7 +153,7 @@ class RunDir:
         """The checkpoints one may name instead, for an error message: the steps whose checkpoints verify
         (``"2, 4"``), then any damaged ones as such (``"2, 4; damaged: 3"``). It reads every checkpoint's
         files: only an error path calls it."""
-        from .checkpoint import step_of, checkpoints, verify_checkpoint
+        from .checkpoint import step_of, checkpoints, verify_checkpoint  # deferred: pulls in torch
 
         good, bad = [], []
         for p in sorted((p for p in checkpoints(self.path) if (p / "state.json").is_file()), key=step_of):
@@ -164,7 +162,7 @@ class RunDir:
 
     def has_checkpoint(self) -> bool:
         """Whether the run saved any checkpoint (valid or not)."""
-        from .checkpoint import checkpoints
+        from .checkpoint import checkpoints  # deferred: pulls in torch
 
         return bool(checkpoints(self.path))
 
@@ -179,8 +177,8 @@ class RunDir:
     def checkpoint(self, which: int | Path | None = None) -> Path:
         """The checkpoint to use: ``None`` the newest that passes its manifest (a damaged one is skipped
         with a warning); a step number, or a checkpoint directory of this run, that one, verified."""
-        from .checkpoint import step_of, latest_checkpoint, verify_checkpoint
-        from .metrics import warn
+        from .checkpoint import step_of, latest_checkpoint, verify_checkpoint  # deferred: pulls in torch
+        from .metrics import warn  # deferred: pulls in torch
 
         if which is None:
             try:
@@ -218,7 +216,7 @@ class RunDir:
 
 def checkpoint_step(ckpt: Path) -> int:
     """The step a checkpoint was saved at: its ``state.json``'s, else its name's (``step-N``), else -1."""
-    from .checkpoint import step_of
+    from .checkpoint import step_of  # deferred: pulls in torch
 
     try:
         return int(loads_json((Path(ckpt) / "state.json").read_text())["step"])
@@ -261,8 +259,8 @@ def load_run_model(rc: RunCheckpoint, *, anchor: bool = False, dtype: str = "flo
     Raises ``error``: ``anchor=True`` for a run without anchor tensors (`check_anchor`), a base
     model that cannot be loaded, tensors that do not match the model.
     """
-    from .checkpoint import copy_named_tensors, load_anchor_tensors, load_policy_weights
-    from .models import ModelLoadError, load_model
+    from .checkpoint import copy_named_tensors, load_anchor_tensors, load_policy_weights  # deferred: pulls in torch
+    from .models import ModelLoadError, load_model  # deferred: pulls in torch
 
     if anchor:
         check_anchor(rc, verb=verb, error=error)

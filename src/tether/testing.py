@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .rollout import ENGINES
+
 #: Special tokens of the tiny tokenizer, in id order (ids 0..3).
 TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
 
@@ -155,7 +157,7 @@ class ScriptedEngine:
     """
 
     def __init__(self, model, tokenizer):
-        from .rollout.hf import HFEngine
+        from .rollout.hf import HFEngine  # deferred: pulls in transformers
 
         self._hf = HFEngine(model, tokenizer)  # for the EOS/pad ids and the batch assembly
         self.tokenizer = tokenizer
@@ -183,6 +185,4 @@ class ScriptedEngine:
 
 def register_scripted_engine(name: str = "scripted") -> None:
     """Make ``rollout.engine=<name>`` build a `ScriptedEngine` (tests only)."""
-    from .rollout import ENGINES
-
     ENGINES[name] = lambda cfg, model, tokenizer, **overrides: ScriptedEngine(model, tokenizer)

@@ -40,13 +40,16 @@ from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, over
 from .algo.correction import lr_scale
 from .anchor import make_anchor
 from .checkpoint import checkpoints, load_checkpoint, save_checkpoint
-from .config import Config, apply_async_correction, to_dict
+from .config import Config, apply_async_correction, evaluating, to_dict
+from .config.recipes import describe
 from .errors import ConfigError, GenerationError
 from .logprobs import response_stats
 from .memory import malloc_trim
 from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
+from .models import describe_model
 from .optim import make_adamw, optimizer_step, skipped_update_line
 from .passes import Passes, StepBatch, exact_kl_sample, forwarded_positions, head_inputs, idle_backward, micro_batches
+from .plot import plot_runs
 from .rollout import RolloutBatch, SamplingParams
 from .asynchronous.channel import worker_key
 from .asynchronous.feed import RolloutFeed, rank_groups
@@ -93,7 +96,7 @@ class Trainer:
         else:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         if model is None:
-            from .models import describe_model, load_model
+            from .models import load_model  # deferred: read at call time (tests patch tether.models.load_model)
             self.log(f"[tether] loading model {describe_model(cfg.model.name)}")
             model, tokenizer = load_model(cfg.model)
         model = dist.shard_model(model)  # FSDP2 under torchrun (before the optimizer and the anchor see it)
@@ -132,8 +135,6 @@ class Trainer:
         """rollout.* for the trainer's own engine. With K >= 1 the workers sample; the trainer's engine only serves
         the held-out evaluation (and its agent encodes prompts), so a run that does not evaluate gives the trainer
         the hf engine on its own model, not a second vLLM copy of the weights reloaded every step."""
-        from .config import evaluating
-
         r = self.cfg.rollout
         if self.cfg.train.max_staleness > 0 and r.engine != "hf" and not evaluating(self.cfg):
             return dataclasses.replace(r, engine="hf")
@@ -432,7 +433,6 @@ class Trainer:
             if logger is not None:
                 logger.close()
         if cfg.run.plot and main:
-            from .plot import plot_runs
             plot_runs([self.run_dir], self.run_dir / "curves.png")
         self.held_out.after(self.run_dir, self.step)  # the before -> after line
 
@@ -453,7 +453,6 @@ def train(cfg: Config, run_dir: Optional[Path] = None, model=None, tokenizer=Non
         run_dir = Path(dist.all_gather_objects(str(default_run_dir(cfg)))[0])
     run_dir = Path(run_dir or cfg.run.output_dir or default_run_dir(cfg))
     if dist.is_main():
-        from .config.recipes import describe
         log(f"[tether] {describe(cfg.algo)}")
     guard = RunDirectory(run_dir, fresh=True, overwrite=cfg.run.overwrite, log=log)
     return run_guarded(guard, lambda: Trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard), resume=False)

@@ -24,9 +24,12 @@ from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkabl
 
 from ..errors import ConfigError
 from ..algo.registry import Registry
+from ..envs import make_env
 from ..rollout.base import RolloutBatch, SamplingParams
+from ..search.retrievers import retriever_from_config
 from ..tasks.base import Example
 from .multi_turn import MultiTurnAgent
+from .search import SearchAgent
 from .single_turn import SingleTurnAgent
 
 
@@ -72,22 +75,16 @@ def _env_options(cfg) -> dict[str, Any]:
 def _env_tools(cfg) -> dict[str, Any]:
     """The environment ``env.name``, built with ``env.max_turns`` when set (its reward, ``reward``, is the
     run's when ``data.reward=auto``)."""
-    from ..envs import make_env
-
     e = cfg.env
     return {"env": make_env(e.name, **({"max_turns": e.max_turns} if e.max_turns else {}))}
 
 
 def _search_tools(cfg) -> dict[str, Any]:
     """The retriever of ``cfg.search`` (bm25 / dense load and check the corpus here)."""
-    from ..search.retrievers import retriever_from_config
-
     return {"retriever": retriever_from_config(cfg.search)}
 
 
 def _search(engine, tokenizer, **options) -> Agent:
-    from .search import SearchAgent
-
     return SearchAgent(engine, tokenizer, **options)
 
 

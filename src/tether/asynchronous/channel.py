@@ -40,6 +40,8 @@ import threading
 import time
 from typing import Optional
 
+from ..errors import ConfigError
+
 KEY_ENV = "TETHER_WORKER_KEY"
 MIN_KEY_CHARS, MIN_KEY_DISTINCT = 32, 8
 HANDSHAKE_S = 10.0  # seconds for a whole handshake (read at each call: tests shorten it)
@@ -61,8 +63,6 @@ def check_key(key: Optional[str]) -> bytes:
     """The key's bytes; a missing or guessable one is a `ConfigError` naming the rule. The rule: at least 32
     characters, at least 8 of them different (``secrets.token_hex(16)`` and longer pass; a word, a short
     password, a repeated pattern do not). Length is what protects the handshake against offline guessing."""
-    from ..errors import ConfigError
-
     how = (f"generate one with: export {KEY_ENV}=$({MAKE_KEY}), and give the trainer and every `tether worker` the "
            f"same value")
     if not key:

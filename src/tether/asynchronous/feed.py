@@ -21,6 +21,7 @@ from typing import Callable
 from .. import distributed as dist
 from ..tasks import Example
 from ..rollout.base import RolloutBatch, SamplingParams
+from .remote import RemoteWorkers
 from .workers import Job, Rollout, RolloutWorkers
 
 
@@ -59,7 +60,7 @@ class RolloutFeed:
         self.pool = None  # rank 0's workers
         pool = RolloutWorkers  # local processes, weights through shared memory
         if t.worker_address:  # `tether worker` processes on other nodes, over TCP
-            from .remote import RemoteWorkers as pool
+            pool = RemoteWorkers
 
         def start():
             self.pool = pool(cfg, model, n=t.rollout_workers, lookahead=max(t.max_staleness + 1, t.rollout_workers),

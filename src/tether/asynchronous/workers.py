@@ -106,7 +106,7 @@ class Sampler:
     """
 
     def __init__(self, cfg, rank: int, verify: bool, probe: list[int]):
-        from ..models import load_model  # in the worker process: the model loads there
+        from ..models import load_model  # deferred: read at call time (tests patch tether.models.load_model)
 
         self.rank, self.verify, self.probe = rank, verify, probe
         self.model, tokenizer = load_model(dataclasses.replace(cfg.model, lora_r=0, gradient_checkpointing=False))

@@ -19,6 +19,10 @@ One module per concern; every name is importable from ``tether.config``:
     reference.py   docs/config.md from the fields' declaration comments
 """
 
+# First: importing tether.search registers its task in tether.tasks.TASKS, which presets.py (TASK_PRESETS) and
+# schema.py (HELD_OUT) read while this package initialises.
+from .. import search as _search  # noqa: F401, I001
+
 from .recipes import RECIPES, AlgoConfig, AnchorConfig, KLConfig, describe, recipe
 from ..errors import ConfigError
 from ..models import ModelConfig

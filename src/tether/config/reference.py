@@ -8,6 +8,12 @@ import dataclasses
 import inspect
 import re
 
+from ..agents import AGENTS
+from ..algo.anchors import ANCHOR_KINDS
+from ..rollout import ENGINES
+from ..search.retrievers import RETRIEVERS
+from ..tasks.registry import TASKS
+from ..tasks.rewards import REWARDS
 from .schema import Config
 
 # `name: type = default  # meaning` at a dataclass field's declaration; the meaning may go on over the
@@ -68,13 +74,6 @@ def keys(cls: type = Config) -> list[tuple[str, object, str]]:
 
 def registered() -> dict[str, str]:
     """Config key -> the names its registry holds (appended to the key's meaning in the reference)."""
-    from ..agents import AGENTS
-    from ..algo.anchors import ANCHOR_KINDS
-    from ..rollout import ENGINES
-    from ..search.retrievers import RETRIEVERS
-    from ..tasks.registry import TASKS
-    from ..tasks.rewards import REWARDS
-
     def names(extra, registry, where, user=True):
         spec = ", or module:function / path.py:function" if user else ""
         return f"Registered: {', '.join([*extra, *registry])} (`{where}`){spec}."

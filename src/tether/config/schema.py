@@ -7,7 +7,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .. import search as _search  # noqa: F401  (its import registers the search task in TASKS)
 from .recipes import AlgoConfig, recipe
 from ..models import ModelConfig
 from ..tasks.registry import TASKS, held_out_benchmark

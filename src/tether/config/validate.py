@@ -16,8 +16,17 @@ from typing import Any
 from ..algo.objectives import uses_sampler_logp
 from .recipes import validate
 from ..errors import ConfigError
-from ..algo.registry import unknown_choice
+from ..agents import AGENTS
+from ..agents.chat_turns import OBSERVATION_FORMATS as ENV_OBSERVATION_FORMATS, OBSERVATION_ROLES
+from ..algo.registry import is_spec, unknown_choice
+from ..anchor import ANCHOR_KINDS
+from ..envs import ENVS
 from ..models import DTYPES, ModelConfig
+from ..rollout import ENGINES, engine_reports_logp, worker_records_logp
+from ..search.protocol import OBSERVATION_FORMATS as SEARCH_OBSERVATION_FORMATS
+from ..search.retrievers import RETRIEVERS
+from ..tasks.registry import TASKS, task_name
+from ..tasks.rewards import REWARDS
 from .schema import (
     HELD_OUT,
     Config,
@@ -62,9 +71,6 @@ def _check_algo(cfg: Config) -> list[str]:
 def _check_data(cfg: Config) -> list[str]:
     """data.*: the keys the task has no use for and its own checks (its registered metadata), and the
     reward timeout."""
-    from ..algo.registry import is_spec
-    from ..tasks.registry import TASKS, task_name
-
     d, dd, errs = cfg.data, DataConfig(), []
     name = task_name(cfg)
     if name is None:
@@ -88,9 +94,6 @@ def _check_data(cfg: Config) -> list[str]:
 def _check_rollout_choices(cfg: Config) -> list[str]:
     """rollout.prompt_overflow, the engine (and its options) and the agent (a name in tether.agents.AGENTS
     or a user's module:function)."""
-    from ..agents import AGENTS
-    from ..rollout import ENGINES
-
     r, errs = cfg.rollout, []
     if r.prompt_overflow not in ("error", "truncate"):
         errs.append(unknown_choice("rollout.prompt_overflow", r.prompt_overflow, ("error", "truncate")))
@@ -104,18 +107,12 @@ def _check_rollout_choices(cfg: Config) -> list[str]:
 
 def _agent_reads(cfg: Config) -> str | None:
     """The config section the agent reads besides data/rollout (its metadata ``reads``), None if unknown."""
-    from ..agents import AGENTS
-
     return AGENTS.meta(cfg.rollout.agent)["reads"] if cfg.rollout.agent in AGENTS else None
 
 
 def _check_search(cfg: Config) -> list[str]:
     """search.*: only with an agent that reads them; the retriever's own keys (its registered ``keys``, e.g.
     search.corpus with bm25, dense and http); the observation format; ranges."""
-    from ..agents import AGENTS
-    from ..search.protocol import OBSERVATION_FORMATS
-    from ..search.retrievers import RETRIEVERS
-
     sc, ds, errs = cfg.search, SearchConfig(), []
     if _agent_reads(cfg) != "search":
         for k in (f.name for f in dataclasses.fields(SearchConfig)):
@@ -132,8 +129,8 @@ def _check_search(cfg: Config) -> list[str]:
             if k not in meta["keys"] and getattr(sc, k) != getattr(ds, k):
                 users = [n for n in RETRIEVERS if k in RETRIEVERS.meta(n)["keys"]]
                 errs.append(f"search.{k} only applies with search.retriever={' or '.join(users)}")
-    if sc.observation_format not in OBSERVATION_FORMATS:
-        errs.append(unknown_choice("search.observation_format", sc.observation_format, OBSERVATION_FORMATS))
+    if sc.observation_format not in SEARCH_OBSERVATION_FORMATS:
+        errs.append(unknown_choice("search.observation_format", sc.observation_format, SEARCH_OBSERVATION_FORMATS))
     for k in ("topk", "max_obs_tokens", "max_context"):
         if getattr(sc, k) < 1:
             errs.append(f"search.{k} must be >= 1")
@@ -145,10 +142,6 @@ def _check_search(cfg: Config) -> list[str]:
 def _check_env(cfg: Config) -> list[str]:
     """env.*: only with an agent that reads them (multi_turn); the environment (a registered name or a
     user's module:Class), the observation format and role, ranges."""
-    from ..agents import AGENTS
-    from ..agents.chat_turns import OBSERVATION_FORMATS, OBSERVATION_ROLES
-    from ..envs import ENVS
-
     e, de, errs = cfg.env, EnvConfig(), []
     if _agent_reads(cfg) != "env":
         return [f"env.{k} only applies with rollout.agent={' or '.join(AGENTS.where(reads='env'))}"
@@ -158,7 +151,7 @@ def _check_env(cfg: Config) -> list[str]:
                     "budgets are the search.* keys)")
     elif e.name not in ENVS:
         errs.extend(_check_spec("env.name", e.name, ENVS))
-    for bad, choices, key in ((e.observation_format, OBSERVATION_FORMATS, "env.observation_format"),
+    for bad, choices, key in ((e.observation_format, ENV_OBSERVATION_FORMATS, "env.observation_format"),
                               (e.observation_role, OBSERVATION_ROLES, "env.observation_role")):
         if bad not in choices:
             errs.append(unknown_choice(key, bad, choices))
@@ -223,8 +216,6 @@ def _check_eval(cfg: Config) -> list[str]:
 
 def _anchor_has_weights(kind: str) -> bool:
     """Whether anchor ``kind`` has its own weights (its registered ``needs_forward``; not none nor iterative)."""
-    from ..anchor import ANCHOR_KINDS
-
     return kind in ANCHOR_KINDS and ANCHOR_KINDS.meta(kind)["needs_forward"]
 
 
@@ -386,8 +377,6 @@ def _check_reward_spec(spec: str) -> list[str]:
     Nothing is imported here (the reward loads, and its module is imported, when training starts,
     before the model); a file spec's file must exist.
     """
-    from ..tasks.rewards import REWARDS
-
     return _check_spec("data.reward", spec, REWARDS, ("auto",))
 
 
@@ -425,7 +414,6 @@ def _check_engine(cfg: Config) -> list[str]:
     """
     import importlib.util
 
-    from ..rollout import ENGINES, engine_reports_logp, worker_records_logp
     r, dr, errs = cfg.rollout, RolloutConfig(), []
     vllm_keys = [f.name for f in dataclasses.fields(RolloutConfig) if f.name.startswith("vllm_")]
     if r.engine != "vllm":

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..algo.correction import LR_SCALES
 from .recipes import AlgoConfig
 from ..algo.registry import unknown_choice
+from ..rollout import ENGINES, engine_reports_logp, worker_records_logp
 from .schema import Config, TrainConfig
 
 
@@ -51,8 +52,6 @@ def _check_lr_scale(cfg: Config) -> list[str]:
     if not 0 < t.lr_scale_power <= 1:
         errs.append(f"train.lr_scale_power must be in (0, 1] (1: linear in ESS/N, 0.5: its square root), got "
                     f"{t.lr_scale_power}")
-    from ..rollout import ENGINES, engine_reports_logp  # (as tether.config.validate: the engines, lazily)
-
     r = cfg.rollout
     if t.max_staleness == 0 and r.engine in ENGINES and not engine_reports_logp(r.engine):
         errs.append(f"train.lr_scale={t.lr_scale} has no effect here: with train.max_staleness=0 and rollout.engine="
@@ -131,8 +130,6 @@ def apply_async_correction(cfg: Config) -> Config:
     """train.async_correction: with max_staleness >= 1, an engine whose workers pass their log-probs on, and no
     correction key set, set ASYNC_CORRECTION in ``cfg.algo`` (in place; idempotent: once set, the keys are no
     longer at their defaults). `load_config` and the Trainer (for a Config built in Python) call it."""
-    from ..rollout import worker_records_logp  # deferred: tether.rollout imports the config package
-
     if (cfg.train.max_staleness >= 1 and cfg.train.async_correction and not correction_set(cfg.algo)
             and worker_records_logp(cfg.rollout.engine)):
         for k, v in ASYNC_CORRECTION.items():

@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, read_utf8
+from ..metrics import write_text_atomic
 from .schema import Config, to_dict
 
 
@@ -119,7 +120,6 @@ def read_yaml_mapping(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {path} {'is not a file' if p.exists() else 'does not exist'}")
-    from ..errors import read_utf8
     text = read_utf8(p, f"config file {path}", ConfigError)
     try:
         data = yaml.load(text, Loader=_ConfigLoader)
@@ -143,6 +143,4 @@ def read_yaml_mapping(path: str | Path) -> dict:
 
 def save_config(cfg: Config, path: Path) -> None:
     """Write the resolved config as YAML (loadable with ``--config``), atomically (never half a file)."""
-    from ..metrics import write_text_atomic
-
     write_text_atomic(path, yaml.safe_dump(to_dict(cfg), sort_keys=False))

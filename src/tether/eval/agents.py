@@ -11,17 +11,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..agents import AGENTS
+from ..config import load_config
 from ..errors import EvalError
+from ..search.data import load_search_examples
+from ..search.protocol import OBSERVATION_FORMATS
+from ..search.retrievers import RETRIEVERS
+from ..tasks.benchmarks import Benchmark, slug
+from ..tasks.rewards import load_reward
 
 __all__ = ["add_agent_arguments", "agent_setup", "format_search_table", "search_setup", "env_setup"]
 
 
 def add_agent_arguments(e) -> None:
     """``--agent`` and the agents' own options, on the ``eval`` parser ``e``."""
-    from ..agents import AGENTS
-    from ..search.protocol import OBSERVATION_FORMATS
-    from ..search.retrievers import RETRIEVERS
-
     e.add_argument("--agent", default="single_turn", choices=AGENTS.names(),
                    help="how an episode runs: single_turn (default: prompt -> one response) | multi_turn (the "
                    "environment --env, e.g. calculator on gsm8k) | search (the search agent on QA benchmarks)")
@@ -111,9 +114,6 @@ def env_setup(args, trained: Mapping[str, Any] | None = None) -> dict[str, Any]:
     import dataclasses
     import sys
 
-    from ..agents import AGENTS
-    from ..config import load_config
-
     over = {"rollout.agent": "multi_turn", **{f"env.{k}": v for k, v in (trained or {}).items()}}
     if trained:
         print("[tether] using the run's environment: " + ", ".join(f"env.{k}={v}" for k, v in trained.items())
@@ -129,12 +129,6 @@ def env_setup(args, trained: Mapping[str, Any] | None = None) -> dict[str, Any]:
 
 def search_setup(args):
     """--agent search: the QA benchmarks (search reward) and the agent's options, retriever built."""
-    from ..agents import AGENTS
-    from ..config import load_config
-    from ..search.data import load_search_examples
-    from ..tasks.benchmarks import Benchmark, slug
-    from ..tasks.rewards import load_reward
-
     args.max_obs_tokens = 512 if args.max_obs_tokens is None else args.max_obs_tokens  # the parser's defaults,
     args.max_context = 4096 if args.max_context is None else args.max_context  # recorded in results.json as used
     http = {k: v for k in ("url", "timeout", "retries") if (v := getattr(args, k, None)) not in (None, "")}

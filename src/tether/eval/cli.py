@@ -20,12 +20,22 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from ..errors import EvalError
+from .. import __version__
+from ..agents import make_agent
+from ..config import RolloutConfig, check_device
+from ..errors import EvalError, OutputError
+from ..metrics import json_safe, write_json_atomic, write_text_atomic
+from ..models import DTYPES, ModelConfig, ModelLoadError
+from ..owned import MARKER, check_replaceable, write_marker
+from ..rollout import make_engine
 from ..runs import RunCheckpoint, RunDir, check_anchor, is_checkpoint_dir, is_run_dir, load_run_model
+from ..stop import GracefulStop, Interrupted, exit_code
 from ..tasks.benchmarks import load_benchmarks, slug  # noqa: F401  (load_benchmarks: called as this.load_benchmarks)
+from ..tasks.rewards import REWARDS
 from .agents import add_agent_arguments, agent_setup, format_search_table
 from .metrics import default_ks
 from .runner import EvalSettings, check_sampling, evaluate  # noqa: F401  (evaluate: called as this.evaluate)
+from .search import search_metrics
 
 __all__ = ["EvalError", "EvalModelSpec", "add_eval_parser", "format_table", "load_eval_model", "resolve_eval_spec",
            "run_eval_cli"]
@@ -129,7 +139,7 @@ def load_eval_model(
             without anchor tensors (no KL term, or the iterative anchor), anchor tensors that
             do not match the model, or a base model that cannot be loaded.
     """
-    from ..models import ModelConfig, ModelLoadError, load_model
+    from ..models import load_model  # deferred: read at call time (tests patch tether.models.load_model)
 
     info = spec if isinstance(spec, EvalModelSpec) else resolve_eval_spec(spec)
     if anchor:
@@ -173,8 +183,6 @@ def format_table(results: Mapping[str, Mapping[str, float]], n: int, ks: Sequenc
 
 def add_eval_parser(sub) -> None:
     """Register the ``eval`` subcommand on an ``argparse`` subparsers object."""
-    from ..tasks.rewards import REWARDS
-
     e = sub.add_parser(
         "eval", help="evaluate a model, a run's policy or its anchor on benchmarks (avg@n, pass@k, maj@n)",
         description="Sample --n responses per problem and report avg@n (mean accuracy), pass@k (unbiased) and "
@@ -221,9 +229,6 @@ def _open_out(out: Path, files: Sequence[str], overwrite: bool) -> bool:
     one tether wrote with nothing added (`tether.owned.check_replaceable`: a run directory, an
     export or a directory of yours is never written into). The marker lists ``files``.
     """
-    from ..errors import OutputError
-    from ..owned import check_replaceable, write_marker
-
     old = check_replaceable(out, "eval")
     if old and old != [".lock"] and not overwrite:
         shown = ", ".join(old[:5]) + (", ..." if len(old) > 5 else "")
@@ -243,8 +248,6 @@ def _open_out(out: Path, files: Sequence[str], overwrite: bool) -> bool:
 
 def _drop_out(out: Path, created: bool, files: Sequence[str]) -> None:
     """Nothing finished: remove ``--out`` again (its marker and empty ``files``) if this run created it."""
-    from ..owned import MARKER
-
     if created:
         with contextlib.suppress(OSError):
             for name in [*files, MARKER]:
@@ -257,8 +260,6 @@ def _evaluate_bench(this, b, agent, out: Path, report: dict, table: dict, stoppe
     """Evaluate one benchmark with the run's ``agent``; rows go to ``OUT/<bench>.jsonl`` as each batch
     finishes (a kill keeps them), then in problem order with ``results.json``. Returns True if a stop
     signal ended it early."""
-    from ..metrics import json_safe, write_json_atomic, write_text_atomic
-
     path = out / f"{b.name}.jsonl"
     path.write_text("")
 
@@ -269,7 +270,6 @@ def _evaluate_bench(this, b, agent, out: Path, report: dict, table: dict, stoppe
     res = this.evaluate(agent, b.examples, b.reward_fn, settings, show_progress=args.progress, desc=f"eval {b.name}",
                         should_stop=lambda: bool(stopper.signum), on_rows=append)
     if search:
-        from .search import search_metrics
         res.metrics.update({f"search/{k}": v for k, v in search_metrics(res.per_problem, b.examples).items()})
     write_text_atomic(path, "".join(json.dumps(json_safe(r), ensure_ascii=False) + "\n" for r in res.per_problem))
     if res.first_reward_error:
@@ -301,8 +301,6 @@ def _eval_settings(args) -> EvalSettings:
             raise EvalError(f"--{k.replace('_', '-')} must be >= 1")
     if args.limit is not None and args.limit < 1:
         raise EvalError("--limit must be >= 1")
-    from ..config import check_device
-    from ..models import DTYPES
     if str(args.dtype).lower() not in DTYPES:
         raise EvalError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
     for problem in check_device(args.device, "--device"):
@@ -338,8 +336,6 @@ def run_eval_cli(args) -> int:
         out = Path("evals") / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     files = [f"{b.name}.jsonl" for b in benches] + ["results.json"]
     created = _open_out(out, files, overwrite=bool(getattr(args, "overwrite", False)))  # before the model loads
-    from ..stop import GracefulStop, Interrupted  # imports torch: not at parser-building time
-
     # SIGINT / SIGTERM from here on: the batch in progress finishes, the finished problems are kept
     stopper = GracefulStop(out, doing="stopping after the batch in progress and saving the finished problems",
                            abort=lambda name: Interrupted(name, f"aborted by a second stop signal ({name}); the "
@@ -358,8 +354,6 @@ def run_eval_cli(args) -> int:
 def _finish(table: dict, stopper, out: Path, created: bool, files: Sequence[str], settings: EvalSettings,
             search: bool) -> int:
     """Print the table (and say what a stop signal kept); returns the exit code."""
-    from ..stop import exit_code
-
     desc = table.pop("_desc")
     s = settings
     if stopper.signum:
@@ -389,11 +383,6 @@ def _run_benches(this, args, benches, info, out: Path, stopper, *, search: bool,
     prompt and the options `tether.eval.agents.agent_setup` gave) once, then evaluate every benchmark with
     them until the end or a stop signal. Returns the table (benchmark -> metrics) with the model's
     description under ``"_desc"``."""
-    from .. import __version__
-    from ..agents import make_agent
-    from ..config import RolloutConfig
-    from ..rollout import make_engine
-
     print(f"[tether] loading {args.model!r}{' (anchor)' if args.anchor else ''}", file=sys.stderr)
     model, tok, desc = this.load_eval_model(info, anchor=args.anchor, dtype=args.dtype, device=args.device)
     engine = make_engine(RolloutConfig(engine="hf", batch_size=settings.batch_size), model, tok, show_progress=False)

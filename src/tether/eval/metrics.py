@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from ..errors import EvalError
+from ..tasks.math import is_equivalent, norm_str, parse_number
 
 __all__ = ["MajorityVote", "default_ks", "majority_vote", "normalize_answer", "pass_at_k", "summarize"]
 
@@ -89,8 +90,6 @@ def normalize_answer(pred: Optional[str]) -> Optional[str]:
     s = str(pred).strip()
     if not s:
         return None
-    from ..tasks.math import norm_str, parse_number
-
     v = parse_number(s)
     if v is not None and math.isfinite(v):
         return repr(float(v))
@@ -149,7 +148,7 @@ def majority_vote(
     else incorrect.
     """
     if equivalent is None:
-        from ..tasks.math import is_equivalent as equivalent
+        equivalent = is_equivalent
     if isinstance(refs, str):
         refs = [refs]
     n = len(preds)

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..errors import EvalError
+from ..rollout import SamplingParams
 from ..tasks.base import Example, RewardFn
+from ..tasks.rewards import call_reward, load_reward
 from .metrics import check_ks, majority_vote, summarize
 
 __all__ = ["EvalResult", "EvalSettings", "evaluate", "evaluate_during_training"]
@@ -135,8 +137,6 @@ def _chunks(agent, examples: list[Example], s: EvalSettings) -> list[list[int]]:
 def _sampling(s: EvalSettings, j: int):
     """Chunk ``j``'s SamplingParams: seed ``seed * 1000003 + j``, so the same inputs, settings and
     ``batch_size`` give the same responses (the engine samples in a forked RNG)."""
-    from ..rollout import SamplingParams
-
     return SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                           max_new_tokens=s.max_new_tokens, stop=list(s.stop),
                           seed=(s.seed * 1_000_003 + j) % (2**31), greedy=s.greedy)
@@ -157,8 +157,6 @@ class _Tally:
 def _score_chunk(rb, chunk: list[int], examples: list[Example], reward: RewardFn, n: int,
                  tally: _Tally) -> list[dict]:
     """One row per problem of ``chunk`` from its rollout batch ``rb`` (``n`` rows per problem, in order)."""
-    from ..tasks.rewards import call_reward
-
     tally.gen_time += rb.gen_time_s
     tally.gen_tokens += rb.num_response_tokens
     lengths = rb.response_lengths.tolist()
@@ -245,8 +243,6 @@ def evaluate(
         its last call: any left from before are dropped first) are added as ``agent/<name>``.
     """
     from tqdm.auto import tqdm
-
-    from ..tasks.rewards import load_reward
 
     t_start = time.perf_counter()
     s = _settings(settings)

@@ -20,7 +20,7 @@ __all__ = ["ENGINES", "Engine", "HFEngine", "RolloutBatch", "SamplingParams", "e
 
 def _hf(cfg, model, tokenizer, **overrides: Any) -> Engine:
     """transformers ``generate`` on the training model itself (shares its weights: nothing to sync)."""
-    from .hf import HFEngine
+    from .hf import HFEngine  # deferred: pulls in transformers
 
     opts = dict(batch_size=cfg.batch_size, share_prompt=cfg.share_prompt, prune_every=cfg.prune_every,
                 reuse_kv=cfg.reuse_kv)  # rollout.reuse_kv: keep multi-turn episodes' KV
@@ -31,7 +31,7 @@ def _hf(cfg, model, tokenizer, **overrides: Any) -> Engine:
 def _vllm(cfg, model, tokenizer, **overrides: Any) -> Engine:
     """An in-process vLLM engine with its own copy of the weights, synced after each trainer step
     (needs the .venv-vllm environment: ``bash scripts/setup.sh --vllm``)."""
-    from .vllm import VLLMEngine
+    from .vllm import VLLMEngine  # deferred: read at call time (tests patch tether.rollout.vllm.VLLMEngine)
 
     default = type(cfg)()  # an option left at its default is "not set" (GPU-only options are errors on CPU)
     gmu = cfg.vllm_gpu_memory_utilization
@@ -75,7 +75,7 @@ def make_engine(cfg, model, tokenizer, **overrides: Any) -> Engine:
 def __getattr__(name):
     """Lazily import `HFEngine` (pulls in transformers)."""
     if name == "HFEngine":
-        from .hf import HFEngine
+        from .hf import HFEngine  # deferred: the lazy attribute itself (pulls in transformers)
 
         return HFEngine
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -192,7 +192,7 @@ class VLLMEngine(RowPostprocess):
         self.model, self.tokenizer, self.sync_bucket_mb, self.sleep = model, tokenizer, sync_bucket_mb, sleep
         base = _unwrap(model)
         gen_cfg = getattr(base, "generation_config", None)
-        from .hf import as_id_list  # the same EOS / pad resolution as HFEngine
+        from .hf import as_id_list  # deferred: pulls in transformers (the same EOS / pad resolution as HFEngine)
 
         eos = as_id_list(getattr(gen_cfg, "eos_token_id", None)) + as_id_list(tokenizer.eos_token_id)
         self.eos_token_ids = list(dict.fromkeys(eos))

@@ -52,6 +52,7 @@ from typing import Any, Callable
 from ..errors import ConfigError
 from ..algo.registry import Registry
 from .bm25 import BM25Retriever
+from .data import corpus_path
 from .dense import DenseRetriever, default_prefixes
 from .http_retriever import HTTPRetriever
 from .retriever_base import CACHE_DIR_ENV, RetrievalError, Retriever, default_cache_root
@@ -78,8 +79,6 @@ __all__ = [
 
 def _corpus(s) -> dict[str, Any]:
     """The corpus option of a local retriever: ``search.corpus``, else the search data dir's corpus.jsonl."""
-    from .data import corpus_path
-
     return {"corpus": s.corpus or corpus_path(s.data_dir or None)}
 
 

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..errors import ConfigError
 from ..tasks.base import DataError, Example
 from ..tasks.files import iter_jsonl
-from ..tasks.prompts import encode_prompts
+from ..tasks.prompts import encode_prompts, model_context
 
 ROLES = ("system", "user", "assistant", "tool")
 _SEGMENT_KEYS = {"text", "train"}
@@ -247,9 +248,6 @@ def encode_all(convs: Sequence[Conversation], encoder: ChatEncoder, progress: bo
 
 def resolve_max_length(cfg_max: int, model, tokenizer) -> int:
     """``data.max_length`` resolved: 0 means the model's context; more than the context is a ConfigError."""
-    from ..errors import ConfigError
-    from ..tasks.prompts import model_context
-
     context: Optional[int] = model_context(model, tokenizer)
     if cfg_max == 0:
         if context is None:

@@ -33,9 +33,20 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
-from ..tasks.base import Example
+from ..config import SearchConfig
+from ..errors import ConfigError, OutputError
+from ..owned import ROW_MARK, check_replaceable_file
+from ..search.corpus import load_corpus
+from ..search.data import SEARCH_DATASETS, corpus_path, load_search_examples
+from ..search.retrievers import retriever_from_config
+from ..search.reward import golden_answers
+from ..tasks.arithmetic import ArithmeticTask
+from ..tasks.base import DataError, Example
+from ..tasks.data import NAMED_DATASETS, load_examples
 from ..tasks.qa_reward import normalize_answer
 from ..envs.base import Env
+from ..envs.calculator import CalculatorEnv, calculate
+from ..envs.search import SearchEnv
 
 __all__ = ["DemoStats", "run_teacher", "sft_row", "calculator_demos", "search_demos", "arithmetic_expression",
            "gsm8k_turns"]
@@ -129,8 +140,6 @@ def calculator_demos(examples: Iterable[Example], env, stats: Optional[DemoStats
                      system_prompt: str = "") -> Iterable[dict]:
     """SFT rows for the calculator environment ``env`` from arithmetic (``meta["ops"]``) or GSM8K
     (``meta["solution"]``, the full answer field) examples (module docstring)."""
-    from ..envs.calculator import calculate
-
     stats = stats if stats is not None else DemoStats()
     for ex in examples:
         meta = ex.meta if isinstance(ex.meta, dict) else {}
@@ -159,8 +168,6 @@ def calculator_demos(examples: Iterable[Example], env, stats: Optional[DemoStats
 
 def _number(v: str) -> Optional[str]:
     """A stated value as the calculator would print it (``"24.00"`` -> ``"24"``), None if not a number."""
-    from ..envs.calculator import calculate
-
     return calculate(v.replace(",", "").rstrip("."))[0]
 
 
@@ -176,8 +183,6 @@ def search_demos(examples: Iterable[Example], env, corpus, stats: Optional[DemoS
                  system_prompt: str = "") -> Iterable[dict]:
     """SFT rows for the search environment ``env`` (its real retriever) from QA examples with gold
     paragraphs (``meta["supporting_ids"]``, looked up in ``corpus`` for their titles; module docstring)."""
-    from ..search.reward import golden_answers
-
     stats = stats if stats is not None else DemoStats()
     for ex in examples:
         answers = golden_answers(ex)
@@ -216,15 +221,9 @@ def _examples(args) -> list[Example]:
     """The training examples the command reads (``--data``; never a dev or test split)."""
     if args.env == "calculator":
         if args.data == "arithmetic":
-            from ..tasks.arithmetic import ArithmeticTask
-
             task = ArithmeticTask(seed=args.seed, difficulty=args.difficulty)
             return [task.example(i) for i in range(args.limit or 1000)]
-        from ..tasks.data import load_examples
-
         return load_examples(args.data, split="train", data_dir=args.data_dir, limit=args.limit or None)
-    from ..search.data import load_search_examples
-
     return load_search_examples(args.data, data_dir=args.data_dir, limit=args.limit or None,
                                 max_searches=args.max_searches)
 
@@ -237,9 +236,6 @@ def _demos(args) -> int:
     import sys
     from pathlib import Path
 
-    from ..errors import OutputError
-    from ..owned import ROW_MARK, check_replaceable_file
-
     out = Path(args.out)
     if out.is_dir():
         raise OutputError(f"--out {out} is a directory; name the JSONL file to write")
@@ -251,16 +247,8 @@ def _demos(args) -> int:
     examples = _examples(args)
     stats = DemoStats()
     if args.env == "calculator":
-        from ..envs.calculator import CalculatorEnv
-
         rows = calculator_demos(examples, CalculatorEnv(max_turns=args.max_turns), stats, args.system_prompt)
     else:
-        from ..config import SearchConfig
-        from ..search.corpus import load_corpus
-        from ..search.data import corpus_path
-        from ..search.retrievers import retriever_from_config
-        from ..envs.search import SearchEnv
-
         corpus = args.corpus or str(corpus_path(args.data_dir))
         env = SearchEnv(retriever_from_config(SearchConfig(corpus=corpus, data_dir=args.data_dir or "")),
                         topk=args.topk, max_searches=args.max_searches, observation_format=args.observation_format)
@@ -271,8 +259,6 @@ def _demos(args) -> int:
             for row in rows:
                 f.write(json.dumps({**row, ROW_MARK: "demos"}) + "\n")  # the mark of a row tether wrote
         if not stats.written:
-            from ..tasks.base import DataError
-
             raise DataError(f"no demonstration could be built from {len(examples)} examples of {args.data} ({stats}); "
                             f"nothing was written")
         os.replace(tmp, out)
@@ -323,17 +309,11 @@ def add_demos_parser(sub) -> None:
 def _named_sets(env: str) -> set[str]:
     """The named datasets of ``env``'s kind (the training ones among them: arithmetic, gsm8k, multihop)."""
     if env == "calculator":
-        from ..tasks.data import NAMED_DATASETS
-
         return {"arithmetic", *NAMED_DATASETS}
-    from ..search.data import SEARCH_DATASETS
-
     return set(SEARCH_DATASETS)
 
 
 def _demos_main(args) -> int:
-    from ..errors import ConfigError
-
     args.data = args.data or ("arithmetic" if args.env == "calculator" else "multihop")
     if args.data.lower() in ("arithmetic", "gsm8k", "multihop"):
         args.data = args.data.lower()

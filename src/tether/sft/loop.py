@@ -29,15 +29,18 @@ import torch
 
 from ..errors import ConfigError
 from ..checkpoint import load_checkpoint, save_checkpoint
-from ..config import to_dict
-from ..config.sft import SFTConfig
+from ..config import flatten, to_dict
+from ..config.sft import FROZEN_ON_RESUME, SFTConfig, load_sft_config
 from ..errors import RunError
 from ..metrics import MetricsLogger, peak_memory_mb
+from ..models import describe_model
 from ..optim import make_adamw, optimizer_step, skipped_update_line
+from ..plot import plot_runs
 from ..report import Progress
-from ..rundir import RunDirectory, restore_latest
+from ..rundir import RunDirectory, restore_latest, resumed_values
 from ..schedule import LRSchedule
 from ..stop import GracefulStop
+from ..train import run_guarded
 from .batches import BatchPlan, batch_logp, check_packing, collate, micro_batches
 from .data import ChatEncoder, encode_all, read_conversations, resolve_max_length, split_validation
 
@@ -75,7 +78,7 @@ class SFTTrainer:
         else:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         if model is None:
-            from ..models import describe_model, load_model
+            from ..models import load_model  # deferred: read at call time (tests patch tether.models.load_model)
             self.log(f"[tether] loading model {describe_model(cfg.model.name)}")
             model, tokenizer = load_model(cfg.model)
         self.model, self.tokenizer = model, tokenizer
@@ -232,7 +235,6 @@ class SFTTrainer:
             bar.close()
             logger.close()
         if cfg.run.plot:
-            from ..plot import plot_runs
             plot_runs([self.run_dir], self.run_dir / "curves.png")
 
 
@@ -246,8 +248,6 @@ def sft(cfg: SFTConfig, run_dir: Optional[Path] = None, model=None, tokenizer=No
     The directory must be new or empty (``run.overwrite`` replaces an earlier SFT run there) and is
     locked while the run trains (`tether.rundir`).
     """
-    from ..train import run_guarded
-
     _single_process()
     run_dir = Path(run_dir or cfg.run.output_dir or default_sft_dir(cfg))
     guard = RunDirectory(run_dir, fresh=True, overwrite=cfg.run.overwrite, log=log, kind="sft")
@@ -258,8 +258,6 @@ def sft(cfg: SFTConfig, run_dir: Optional[Path] = None, model=None, tokenizer=No
 def resume_sft(run_dir: Path, overrides: Optional[dict] = None, model=None, tokenizer=None, log=print) -> Path:
     """Continue an SFT run from its newest valid checkpoint (``overrides`` may extend train.steps /
     train.epochs, change the LR or the outputs; not the model, the data or the batches)."""
-    from ..train import run_guarded
-
     _single_process()
     run_dir = Path(run_dir)
     cfg = resume_sft_config(run_dir, overrides)
@@ -276,10 +274,6 @@ def resume_sft_config(run_dir: Path, overrides: Optional[dict] = None) -> SFTCon
     `tether.config.sft.FROZEN_ON_RESUME` to another value: the model, the data and the batches stay
     the checkpoint's.
     """
-    from ..config import flatten
-    from ..config.sft import FROZEN_ON_RESUME, load_sft_config
-    from ..rundir import resumed_values
-
     saved, overrides = resumed_values(run_dir, overrides, "sft")
     vals = flatten(saved)
     vals.pop("run.overwrite", None)

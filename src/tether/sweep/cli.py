@@ -88,7 +88,7 @@ def sweep_main(args) -> int:
 
 
 def _report(a) -> int:
-    from .report import write_report
+    from .report import write_report  # deferred: pulls in numpy (tether.cli stays light)
 
     md = write_report(a.dirs, a.out, metric=a.metric, extra_metrics=tuple(a.also), last_n=a.last_n, reps=a.reps,
                       seed=a.seed, collapse_drop=a.collapse_drop, baseline=a.baseline)
@@ -99,9 +99,9 @@ def _report(a) -> int:
 def _run(a) -> int:
     from pathlib import Path
 
-    from ..errors import ConfigError
-    from .runner import action, run_sweep, train_command
-    from .spec import check_arms, load_spec, parse_shard, shard
+    from ..errors import ConfigError  # deferred: loads json (tether.cli stays light)
+    from .runner import action, run_sweep, train_command  # deferred: loads subprocess (tether.cli stays light)
+    from .spec import check_arms, load_spec, parse_shard, shard  # deferred: pulls in yaml (tether.cli stays light)
 
     i, n = parse_shard(a.shard)
     spec = load_spec(a.spec)

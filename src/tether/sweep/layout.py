@@ -42,7 +42,7 @@ def log_paths(out: Path, arm: str, seed: int) -> tuple[Path, Path]:
 
 
 def _write_json(path: Path, obj) -> None:
-    from ..metrics import json_safe
+    from ..metrics import json_safe  # deferred: pulls in torch
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")

@@ -24,6 +24,7 @@ from itertools import combinations
 from pathlib import Path
 from typing import Optional
 
+from ..errors import ConfigError
 from . import layout, stats
 from .results import INCOMPLETE, Collected, collect, curve, default_metric, eval_noise, final_value, is_eval, nonfinite
 
@@ -216,8 +217,6 @@ def write_report(dirs: list, out: Optional[str] = None, *, metric: Optional[str]
                  collapse_drop: float = 0.0, baseline: Optional[str] = None) -> Path:
     """Write the report of sweep directories ``dirs`` to ``out`` (default DIR/report.md of the first) with
     ``<stem>.png`` and ``<stem>.json`` beside it; returns the markdown's path."""
-    from ..errors import ConfigError
-
     col = collect(dirs)
     if baseline is not None and baseline not in col.arms:
         raise ConfigError(f"--baseline {baseline}: no such arm (arms: {', '.join(col.arms)})")

@@ -56,7 +56,7 @@ def _number(v) -> Optional[float]:
 
 
 def _read_run(out: Path, arm: str, seed: int) -> Run:
-    from ..metrics import read_jsonl
+    from ..metrics import read_jsonl  # deferred: pulls in torch
 
     rec = layout.read_record(out, arm, seed)
     path = layout.run_dir(out, arm, seed)

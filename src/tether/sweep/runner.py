@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import tether
+
+from ..errors import OutputError, RunError
 from . import layout
 
 STOPPED_CODES = (130, 143)  # tether train stopped on SIGINT / SIGTERM, checkpoint written: resume later
@@ -40,7 +43,7 @@ def action(out: Path, arm: str, seed: int, retry_failed: bool) -> str:
     rec = layout.read_record(out, arm, seed)
     if rec is not None and (rec["state"] == layout.DONE or not retry_failed):
         return rec["state"]
-    from ..checkpoint import checkpoints
+    from ..checkpoint import checkpoints  # deferred: pulls in torch
 
     rd = layout.run_dir(out, arm, seed)
     if any((p / "state.json").is_file() for p in checkpoints(rd)):  # complete checkpoints (not step-N.tmp-PID)
@@ -60,8 +63,8 @@ def train_command(spec, arm: str, seed: int, out: Path, act: str) -> list[str]:
 def final_row(run: Path, cfg) -> Optional[dict]:
     """The metrics row of the run's last step, if the run finished: the row of step ``train.steps``, holding
     ``eval/...`` keys when the run evaluates after training (``cfg``: its `tether.config.Config`)."""
-    from ..config import evaluating
-    from ..metrics import read_jsonl
+    from ..config import evaluating  # deferred: pulls in torch
+    from ..metrics import read_jsonl  # deferred: pulls in torch
 
     path = Path(run) / "metrics.jsonl"
     if not path.is_file():
@@ -91,8 +94,6 @@ def _die_with_parent(parent: int) -> None:  # pragma: no cover (runs in the chil
 def child_env(threads: int) -> dict:
     """The environment of a run's process: ``threads`` threads for OpenMP / MKL / OpenBLAS (torch's intra-op
     count follows OMP_NUM_THREADS), no tokenizer threads, this tether importable."""
-    import tether
-
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                OPENBLAS_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     src = str(Path(tether.__file__).resolve().parents[1])
@@ -146,8 +147,6 @@ def _finish(job: Job, rc: int, out: Path, cfg) -> Optional[dict]:
            "command": "tether " + " ".join(job.argv), "started": time.strftime(
                "%Y-%m-%d %H:%M:%S", time.localtime(job.started)), "wall_s": round(time.time() - job.started, 3),
            "run_dir": str(layout.run_dir(Path("."), job.arm, job.seed))}
-    from ..errors import RunError
-
     row, damage = None, None
     try:
         row = final_row(layout.run_dir(out, job.arm, job.seed), cfg) if rc == 0 else None
@@ -187,8 +186,6 @@ def share_lock(out: Path, shard: tuple[int, int]):
     twice into one DIR is refused at once (OutputError), instead of two trainers racing for each run. The
     kernel drops the lock when the sweep dies, however it dies."""
     import fcntl
-
-    from ..errors import OutputError
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / f".sweep-{shard[0]}-of-{shard[1]}.lock"

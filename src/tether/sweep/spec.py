@@ -132,7 +132,7 @@ def _mapping(value, where: str) -> dict:
 
 def _overrides(value, where: str) -> dict[str, Any]:
     """A mapping of config keys (dotted or nested) as flat dotted keys; ``recipe`` stays a key."""
-    from ..config.overrides import flatten
+    from ..config.overrides import flatten  # deferred: pulls in torch
 
     flat = flatten({str(k): v for k, v in _mapping(value, where).items()})
     owned = [k for k in flat if k in OWNED_KEYS]
@@ -238,7 +238,7 @@ def parse_spec(raw: dict, path: str = "spec") -> Spec:
 
 def load_spec(path: str | Path) -> Spec:
     """Read spec file ``path`` and check its keys (`parse_spec`); `check_arms` then resolves its arms."""
-    from ..config import read_yaml_mapping
+    from ..config import read_yaml_mapping  # deferred: pulls in torch
 
     return parse_spec(read_yaml_mapping(path), str(path))
 
@@ -247,7 +247,7 @@ def check_arms(spec: Spec) -> dict:
     """Resolve every arm's config (at the first seed) with `tether.config.load_config`, as ``tether train``
     would; every problem of every arm at once in one ConfigError, each naming the arm and the spec keys that
     set its overrides. Returns arm name -> its resolved `tether.config.Config`."""
-    from ..config import load_config
+    from ..config import load_config  # deferred: pulls in torch
 
     problems, configs = [], {}
     for arm in spec.arms:

@@ -20,7 +20,11 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import EvalError
-from ..organism.problems import RL_DIFFICULTY
+from ..organism.problems import MAX_DIFFICULTY, RL_DIFFICULTY
+from .arithmetic import LEVELS, ArithmeticTask
+from .data import default_reward_name, load_examples, resolve_dataset_name
+from .organism import OrganismTask
+from .rewards import load_reward
 
 __all__ = ["Benchmark", "load_benchmark", "load_benchmarks", "slug"]
 
@@ -60,11 +64,6 @@ def _synthetic_benchmark(kind: str, difficulty: int, limit: Optional[int], rewar
     """A generated task's test split at ``difficulty`` (seed 0; never trained on): ``arithmetic`` (``limit``
     problems, default 100) or ``organism`` (the model organism's, default 200), scored by ``reward`` (default
     the ``arithmetic`` reward)."""
-    from ..organism.problems import MAX_DIFFICULTY
-    from .arithmetic import LEVELS, ArithmeticTask
-    from .organism import OrganismTask
-    from .rewards import load_reward
-
     task, valid, default_limit = {"arithmetic": (ArithmeticTask, sorted(LEVELS), 100),
                                   "organism": (OrganismTask, list(range(1, MAX_DIFFICULTY + 1)), 200)}[kind]
     if difficulty not in valid:
@@ -104,9 +103,6 @@ def load_benchmark(
         DataError: unknown source, missing file, or a malformed row (naming file and row).
         EvalError: an unknown or unimportable reward.
     """
-    from .data import default_reward_name, load_examples, resolve_dataset_name
-    from .rewards import load_reward
-
     m = _ARITHMETIC_RE.fullmatch(str(source))
     if m and not Path(str(source)).expanduser().exists():
         return _synthetic_benchmark("arithmetic", int(m.group(1) or 1), limit, reward)

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import JSONTooDeep, json_error, loads_json
+from ..errors import JSONTooDeep, json_error, loads_json, read_utf8
 from .base import DataError
 
 __all__ = ["iter_jsonl"]
@@ -54,7 +54,6 @@ def iter_jsonl(path: str | os.PathLike, label: str | None = None, error: type[Da
 
 
 def _iter_json(path: Path, label: str) -> Iterator[tuple[int, Any]]:
-    from ..errors import read_utf8
     text = read_utf8(path, label, DataError)
     try:
         data = loads_json(text)

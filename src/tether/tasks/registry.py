@@ -27,8 +27,12 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from ..algo.registry import Registry, is_spec
-from ..organism.problems import RL_DIFFICULTY
+from ..organism.problems import MAX_DIFFICULTY, RL_DIFFICULTY
+from .arithmetic import ArithmeticTask
 from .base import DataError
+from .data import default_reward_name, load_examples
+from .organism import OrganismTask
+from .rewards import load_reward
 
 #: data.* keys a task may read besides the reward settings
 DATA_KEYS = ("prompt_key", "answer_key", "data_dir", "split", "limit", "shuffle", "difficulty")
@@ -45,9 +49,6 @@ def _arithmetic_check(cfg) -> list[str]:
 
 def _arithmetic_test_set(cfg, limit: int):
     """The synthetic task's test split (never trained on), with its reward."""
-    from .arithmetic import ArithmeticTask
-    from .rewards import load_reward
-
     task = ArithmeticTask(seed=cfg.train.seed, difficulty=cfg.data.difficulty, split="test")
     return task.examples(limit), load_reward("arithmetic")
 
@@ -57,8 +58,6 @@ def _arithmetic_test_set(cfg, limit: int):
                 check=_arithmetic_check, held_out={"arithmetic": "arithmetic"}, test_set=_arithmetic_test_set)
 def arithmetic_task(cfg) -> Callable[[int], Any]:
     """The seeded synthetic arithmetic task (``data.difficulty`` steps per problem): an endless stream."""
-    from .arithmetic import ArithmeticTask
-
     return ArithmeticTask(seed=cfg.train.seed, difficulty=cfg.data.difficulty, split="train").example
 
 
@@ -72,8 +71,6 @@ ORGANISM_PRESET = {"model.name": "organism", "data.task": "organism", "data.diff
 
 
 def _organism_check(cfg) -> list[str]:
-    from ..organism.problems import MAX_DIFFICULTY
-
     d = cfg.data.difficulty
     return [] if 1 <= d <= MAX_DIFFICULTY else [f"data.difficulty must be 1-{MAX_DIFFICULTY} for data.task=organism, "
                                                  f"got {d}"]
@@ -81,9 +78,6 @@ def _organism_check(cfg) -> list[str]:
 
 def _organism_test_set(cfg, limit: int):
     """The organism task's test split (never trained on) at ``data.difficulty``, with its reward."""
-    from .organism import OrganismTask
-    from .rewards import load_reward
-
     return OrganismTask(seed=0, difficulty=cfg.data.difficulty, split="test").examples(limit), load_reward("arithmetic")
 
 
@@ -94,14 +88,10 @@ def _organism_test_set(cfg, limit: int):
 def organism_task(cfg) -> Callable[[int], Any]:
     """The model organism's problems (``data.difficulty`` operations each; use 3, where it starts weak):
     an endless seeded stream."""
-    from .organism import OrganismTask
-
     return OrganismTask(seed=cfg.train.seed, difficulty=cfg.data.difficulty, split="train").example
 
 
 def _dataset_reward(cfg) -> str:
-    from .data import default_reward_name
-
     return default_reward_name(cfg.data.task)
 
 
@@ -109,8 +99,6 @@ def _dataset_reward(cfg) -> str:
 def dataset_task(cfg) -> list:
     """Single-turn math: ``data.task`` is a named dataset (GSM8K, MATH-500, ...), a .jsonl/.json/.parquet
     file or a hub id (``tether.tasks.data.load_examples``); every row is validated here."""
-    from .data import load_examples
-
     d = cfg.data
     return load_examples(d.task, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key,
                          data_dir=d.data_dir, limit=d.limit or None)

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import RewardError
+from ..metrics import warn
 from .base import Example
 from .rewards import RewardFailure, is_builtin_reward, load_reward, score_one, score_responses
 
@@ -155,7 +156,6 @@ class RewardWorker:
         if self._warn is not None:
             self._warn(msg)
         else:
-            from ..metrics import warn  # not at the top: the worker process imports this module too
             warn(msg)
 
     def _crashed(self, code, example_id: str) -> None:

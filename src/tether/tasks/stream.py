@@ -20,6 +20,9 @@ from typing import Callable, Optional
 import torch
 
 from .base import Example
+from .benchmarks import load_benchmark
+from .registry import TASKS, resolve_task
+from .reward_worker import reward_scorer
 
 
 class PromptStream:
@@ -58,8 +61,6 @@ class PromptStream:
 def prompt_stream(cfg) -> PromptStream:
     """The training stream of the task ``cfg`` picks (`tether.tasks.registry`; ``cfg`` is a
     `tether.config.Config`); every row is validated here, before the (slow) model load."""
-    from .registry import resolve_task
-
     build, meta = resolve_task(cfg)
     rows = build(cfg)
     reward = meta["reward"]
@@ -75,7 +76,6 @@ def training_reward(cfg, stream: PromptStream, default: Optional[str] = None):
     with ``data.reward=auto``, ``default`` (an environment's own reward) or else the stream's task reward. A
     user reward runs in a worker process with ``data.reward_timeout`` per call; a bad spec is a RewardError
     here, before the model load."""
-    from .reward_worker import reward_scorer
     spec = (default or stream.reward_name) if cfg.data.reward == "auto" else cfg.data.reward
     return reward_scorer(spec, format_weight=cfg.data.format_weight, timeout=cfg.data.reward_timeout)
 
@@ -85,8 +85,6 @@ def held_out_sets(cfg, names: list[str]) -> dict:
     training: name -> (examples, reward function). A task registered with a ``test_set`` (``arithmetic``:
     the synthetic task's test split, never trained on) gives its own; any other name is a
     `tether.tasks.benchmarks` benchmark."""
-    from .benchmarks import load_benchmark
-    from .registry import TASKS
     e, d = cfg.eval, cfg.data
     out = {}
     for src in names:
