@@ -34,8 +34,8 @@ from typing import Optional
 import torch
 
 from . import distributed as dist
-from .agents import env_reward, reward_parts
-from .agents.build import build_rollout, rollout_tools
+from .agents import agent_tools, env_reward, reward_parts
+from .agents.build import build_rollout
 from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, overlong_penalty, zero_variance_groups
 from .algo.correction import lr_scale
 from .anchor import make_anchor
@@ -89,7 +89,7 @@ class Trainer:
         random.seed(t.seed)
         torch.manual_seed(t.seed)
         self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row before the (slow) model load
-        tools = rollout_tools(cfg)  # e.g. the search agent's retriever: its corpus is checked before the model load
+        tools = agent_tools(cfg)  # e.g. the search agent's retriever: its corpus is checked before the model load
         self.score_rewards = training_reward(cfg, self.data, env_reward(tools))  # a bad reward spec fails here, too
         if run_guard is not None:
             run_guard.open(cfg)  # after the cheap checks (a bad config leaves no directory), before the model load

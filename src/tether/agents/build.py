@@ -5,7 +5,7 @@
 
 The trainer (``tether.train``) and an asynchronous rollout worker (``tether.asynchronous.workers``) both
 build their sampler here, so the two cannot drift apart. The tools (the environment, a retriever that loads
-and checks its corpus) can be built first with :func:`rollout_tools`, before the slow model load, and handed
+and checks its corpus) can be built first with ``tether.agents.agent_tools``, before the slow model load, and handed
 in; ``wrap`` puts an engine wrapper between the agent and the engine (partial rollouts).
 """
 
@@ -27,18 +27,13 @@ class RolloutParts:
     tools: dict[str, Any]
 
 
-def rollout_tools(cfg) -> dict[str, Any]:
-    """The tools of the agent ``cfg.rollout.agent`` (its environment, retriever), built on their own."""
-    return agent_tools(cfg)
-
-
 def build_rollout(cfg, model, tokenizer, *, tools: Optional[dict[str, Any]] = None, engine_cfg=None,
                   record_logp: bool = False, wrap: Optional[Callable[[Engine], Engine]] = None) -> RolloutParts:
     """The engine ``rollout.engine`` names on ``model`` and the agent ``rollout.agent`` names driving it.
 
     Args:
         cfg: a ``tether.config.Config``.
-        tools: the agent's tools if already built (:func:`rollout_tools`); None builds them here.
+        tools: the agent's tools if already built (``agent_tools(cfg)``); None builds them here.
         engine_cfg: the ``rollout`` section the engine is built from (default ``cfg.rollout``; the trainer of an
             asynchronous run that samples nothing itself passes one with ``engine=hf``).
         record_logp: ask the engine to record the sampled tokens' log-probs (a rollout worker's mu): passed
@@ -48,6 +43,6 @@ def build_rollout(cfg, model, tokenizer, *, tools: Optional[dict[str, Any]] = No
     rollout = cfg.rollout if engine_cfg is None else engine_cfg
     extra = {"record_logp": True} if record_logp and rollout.engine != "vllm" else {}
     engine = make_engine(rollout, model, tokenizer, **extra)
-    tools = rollout_tools(cfg) if tools is None else tools
+    tools = agent_tools(cfg) if tools is None else tools
     agent = agent_from_config(cfg, wrap(engine) if wrap else engine, tokenizer, tools)
     return RolloutParts(engine=engine, agent=agent, tools=tools)
