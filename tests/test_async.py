@@ -454,11 +454,20 @@ def test_a_batch_older_than_k_is_dropped_or_kept(policy, workdir, tiny_model_dir
     over = {"train.rollout_workers": 3, "train.stale_batches": policy, "train.async_correction": False}
     t = Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 3, **asynchronous(1, **over)), tmp_path / "r", **QUIET)
     t.feed.pool.agent = t.agent
+    sampled = []  # per step: the batch was stale, and the sampler pass recomputed pi_old
+    sampler = t.passes.sampler
+
+    def recording(b):
+        sampler(b)
+        sampled.append((b.stale, b.old_logp is not None))
+
+    monkeypatch.setattr(t.passes, "sampler", recording)
     ms = [t.train_step() for _ in range(3)]
     assert [m["async/staleness"] for m in ms] == ([0, 1, 0] if policy == "drop" else [0, 1, 2])
     assert ms[-1]["async/dropped"] == (1 if policy == "drop" else 0)
     assert [ms[-1][f"async/staleness_{s}"] for s in range(3)] == ([2, 1, 0] if policy == "drop" else [1, 1, 1])
-    assert t.passes.on_policy == (policy == "drop")  # a stale batch: pi_old recomputed by the trainer
+    # grpo, one optimizer step a batch: pi_old is recomputed by the trainer exactly for a stale batch
+    assert sampled == [(False, False), (True, True), (policy == "keep",) * 2]
     jobs = 4 if policy == "drop" else 3
     assert t.state()["async_"]["jobs"] == jobs and t.state()["data_position"] == 4 * jobs
 

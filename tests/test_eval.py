@@ -24,6 +24,7 @@ from tether.eval import (
     evaluate,
     evaluate_during_training,
     load_benchmark,
+    load_benchmarks,
     majority_vote,
     pass_at_k,
     summarize,
@@ -420,7 +421,7 @@ def test_malformed_row_fails_before_model_and_generation(work, tmp_path, monkeyp
     monkeypatch.setattr(ev, "evaluate", fail)
     monkeypatch.setattr(tether.models, "load_model", fail)
     with pytest.raises(DataError, match=r"broken.jsonl row 3.*'gold'"):
-        ev.load_benchmarks([str(work / "custom.json"), str(bad)], prompt_key="q", answer_key="gold")
+        load_benchmarks([str(work / "custom.json"), str(bad)], prompt_key="q", answer_key="gold")
     # the good benchmark comes first: it is not evaluated before the bad one is found
     rc = main(["eval", "--model", "smollm2", "--benchmarks", str(work / "custom.json"), str(bad),
                "--prompt-key", "q", "--answer-key", "gold", "--out", str(tmp_path / "o")])

@@ -112,7 +112,7 @@ def test_schedule_state_is_a_plain_lambdalr_and_continues_exactly(tmp_path):
     continuing from an unchanged plan gives the LRs of a run that never stopped (no model needed)."""
     train = TrainConfig(schedule="cosine", warmup_steps=2, steps=5, lr=0.1)
     opt = lambda: torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=train.lr)  # noqa: E731
-    a = LRSchedule(opt(), train)
+    a = LRSchedule(opt(), train.schedule, train.warmup_steps, train.steps, train.lr)
     plain = torch.optim.lr_scheduler.LambdaLR(opt(), lambda s: 1.0)
     assert set(a.scheduler.state_dict()) == set(plain.state_dict())
     lrs = []
@@ -121,7 +121,7 @@ def test_schedule_state_is_a_plain_lambdalr_and_continues_exactly(tmp_path):
         a.scheduler.optimizer.step()
         a.scheduler.step()
     saved, state = dict(a.plan), a.scheduler.state_dict()
-    b = LRSchedule(opt(), train)
+    b = LRSchedule(opt(), train.schedule, train.warmup_steps, train.steps, train.lr)
     b.scheduler.load_state_dict(state)
     b.continue_from(saved, 3, tmp_path)
     for s in (a, b):

@@ -244,7 +244,8 @@ LAYERS = [
     ("run directories", ["tether.rundir"]),
     ("evaluation", ["tether.eval"]),
     ("reports and export", ["tether.report", "tether.export"]),
-    ("the RL loop", ["tether.train"]),
+    ("the run loop (RL and SFT)", ["tether.loop"]),
+    ("the RL trainer", ["tether.train"]),
     ("supervised fine-tuning", ["tether.sft"]),
     ("command line", ["tether.cli", "tether.__main__"]),
 ]

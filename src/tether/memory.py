@@ -35,7 +35,7 @@ import ctypes
 import ctypes.util
 import sys
 import weakref
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -287,10 +287,11 @@ class PhaseMemory:
 class StepMemory:
     """One `Trainer.train_step` with its memory recorded: ``StepMemory(trainer).step()`` -> (metrics, breakdown).
 
-    The trainer's phases (rollout, sampler pass, anchor pass, update) are wrapped on the instance for
-    the one step and unwrapped after it. During the update the saved activations are tracked, and the
-    gradients are measured just before the (last) optimizer step, the optimizer state just after it;
-    during the rollout the KV buffers are tracked. Run it after at least one ordinary step, so that
+    The trainer's phases (rollout, sampler pass, anchor pass, update) are observed through its public
+    hook, ``Trainer.probes`` (`tether.train.StepProbes`), set for the one step and restored after it.
+    During the update the saved activations are tracked, and the gradients are measured just before
+    the (last) optimizer step, the optimizer state just after it; during the rollout the KV buffers
+    are tracked. Run it after at least one ordinary step, so that
     the optimizer's state exists, as in every later step.
 
     ``baseline_rss``: resident bytes before the model was loaded (the interpreter and libraries); the
@@ -308,37 +309,29 @@ class StepMemory:
         pm = PhaseMemory()
         acts = SavedActivations(exclude=[*tr.model.parameters(), *tr.model.buffers()])
         found: dict = {"grads": 0, "optimizer": 0, "kv_peak": None}
-        originals = {"_rollout": tr._rollout, "_update": tr._update, "_optimizer_step": tr._optimizer_step}
-        p_originals = {"sampler": tr.passes.sampler, "anchor_pass": tr.passes.anchor_pass}
+        engine_kv = getattr(tr.engine, "kv_cache", None) == "growing"
+        wraps = {"rollout": track_kv_cache if engine_kv else None, "update": acts.tracking}
 
-        def in_phase(name: str, fn: Callable, wrap: Optional[Callable] = None) -> Callable:
-            def run(*a, **k):
+        class Probes:  # tether.train.StepProbes: the trainer's hook around each phase and optimizer step
+            @contextlib.contextmanager
+            def phase(self, name: str):
+                wrap = wraps.get(name)
                 with pm.phase(name), (wrap() if wrap else contextlib.nullcontext()) as w:
-                    out = fn(*a, **k)
+                    yield
                 if name == "rollout" and w is not None:
                     found["kv_peak"] = w.peak
-                return out
-            return run
 
-        def optimizer_step(*a, **k):
-            found["grads"] = grad_bytes(tr.params)
-            out = originals["_optimizer_step"](*a, **k)
-            found["optimizer"] = optimizer_state_bytes(tr.optimizer)
-            return out
+            @contextlib.contextmanager
+            def optimizer_step(self):
+                found["grads"] = grad_bytes(tr.params)
+                yield
+                found["optimizer"] = optimizer_state_bytes(tr.optimizer)
 
-        engine_kv = getattr(tr.engine, "kv_cache", None) == "growing"
-        tr._rollout = in_phase("rollout", originals["_rollout"], track_kv_cache if engine_kv else None)
-        tr.passes.sampler = in_phase("sampler pass", p_originals["sampler"])
-        tr.passes.anchor_pass = in_phase("anchor pass", p_originals["anchor_pass"])
-        tr._update = in_phase("update", originals["_update"], acts.tracking)
-        tr._optimizer_step = optimizer_step
+        before, tr.probes = tr.probes, Probes()
         try:
             metrics = tr.train_step()
         finally:
-            for k in (*originals, ):
-                tr.__dict__.pop(k, None)
-            for k in p_originals:
-                tr.passes.__dict__.pop(k, None)
+            tr.probes = before
         sizes = {
             "weights": module_bytes(tr.model),
             "anchor": anchor_bytes(tr.anchor),

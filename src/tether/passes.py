@@ -47,6 +47,8 @@ class StepBatch:
     head_ref_logp: Optional[torch.Tensor] = None  # [B, T, k] anchor log-probs at q
     row_offset: int = 0  # data-parallel: this rank's rows are rows [row_offset, row_offset + B) of the global batch
     global_rows: Optional[int] = None  # rows of the global batch (all ranks); None = B (one process)
+    stale: bool = False  # sampled by weights older than the policy it trains (asynchronous, staleness >= 1): pi_old
+    # is then recomputed by the sampler pass even when the update is one optimizer step
 
 
 def micro_batches(rb: RolloutBatch, idx: list[int], size: int, by_group: bool = False, tokens: int = 0,
@@ -141,7 +143,8 @@ class Passes:
         model: the policy (the anchor's weights are swapped in by ``anchor.applied``).
         anchor: a ``tether.anchor.Anchor`` or None.
         needs: ``tether.algo.loss_needs(cfg.algo, vocab)``.
-        on_policy: one optimizer step per rollout (pi_old = pi exactly).
+        on_policy: one optimizer step per rollout, so that pi_old = pi exactly for a batch that is not
+            ``stale`` (a stale batch's pi_old is always recomputed).
         temperature, chunk_size, share_prompt, packed: as the training forward uses them.
         micro_batch_size, micro_batch_tokens: the update's micro-batch (rows, or a token budget when
             ``micro_batch_tokens`` > 0); a no-grad forward takes twice as much (it keeps no activations).
@@ -171,7 +174,7 @@ class Passes:
             b.head_ids = vocab_ids(self.vocab, *b.rb.response_ids.shape, device)
         # Rollout correction needs pi_old itself (the trainer's forward at the rollout weights),
         # to re-weight samples the engine drew from its own pi_vllm, even when on-policy.
-        off_policy = (self.needs.old_logp and not self.on_policy) or n.sampler_logp
+        off_policy = (self.needs.old_logp and (b.stale or not self.on_policy)) or n.sampler_logp
         need_ids = n.head == "sampler" or (n.head == "anchor" and self.iterative)
         if not (off_policy or need_ids or (self.iterative and n.ref_logp)):
             return  # pi_old = pi: compute_loss uses sg(logp)

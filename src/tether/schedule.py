@@ -66,17 +66,19 @@ class _RelayableLambdaLR(LambdaLR):
 
 
 class LRSchedule:
-    """The LR schedule of ``optimizer`` laid out for ``train`` (a `tether.config.TrainConfig`).
+    """The LR schedule of ``optimizer``: ``kind`` (constant | cosine | linear) after ``warmup`` optimizer steps of
+    linear warm-up, over ``steps`` trainer steps of ``per_step`` optimizer steps each, at peak ``lr``
+    (`tether.train.Trainer`: train.steps x (train.epochs x train.mini_batches); SFT: one optimizer step a step).
 
     ``scheduler`` is the ``LambdaLR`` to step after each optimizer step and to checkpoint; ``plan``
     is what lays out its multiplier (the keyword arguments of `multiplier`, plus the ``steps`` and
     ``per_step`` it was laid for), to save beside it and hand back to `continue_from` on resume.
     """
 
-    def __init__(self, optimizer, train):
-        t = self.train = train
-        self.plan = dict(kind=t.schedule, warmup=t.warmup_steps, total=t.steps * t.epochs * t.mini_batches,
-                         start=t.warmup_steps, mult=1.0, steps=t.steps, per_step=t.epochs * t.mini_batches)
+    def __init__(self, optimizer, kind: str, warmup: int, steps: int, lr: float, per_step: int = 1):
+        self.kind, self.warmup, self.steps, self.lr = kind, warmup, steps, lr
+        self.plan = dict(kind=kind, warmup=warmup, total=steps * per_step, start=warmup, mult=1.0, steps=steps,
+                         per_step=per_step)
         self.scheduler = _RelayableLambdaLR(optimizer, multiplier(**self.plan))
 
     def continue_from(self, saved: dict, step: int, run_dir: Path) -> None:
@@ -89,21 +91,20 @@ class LRSchedule:
         applies. A run whose decay had already reached 0 cannot be extended (it would train at lr 0): a
         ConfigError says what to do (``run_dir`` names the run in it).
         """
-        t = self.train
         done = self.scheduler.last_epoch  # optimizer steps taken (skipped updates do not count)
         if all(saved[k] == self.plan[k] for k in ("kind", "warmup", "steps", "per_step")):
             self.plan = saved  # the same run: the same schedule, so the resume is exact
         else:
-            remaining = (t.steps - step) * self.plan["per_step"]
-            if t.schedule != "constant" and done > t.warmup_steps:  # the decay runs: go on from where it was
+            remaining = (self.steps - step) * self.plan["per_step"]
+            if self.kind != "constant" and done > self.warmup:  # the decay runs: go on from where it was
                 mult = multiplier(**saved)(done)
                 if mult <= 0 and remaining > 0:
                     raise ConfigError(
-                        f"train.steps={t.steps}: the run's {saved['kind']} LR schedule had already decayed to 0 at "
+                        f"train.steps={self.steps}: the run's {saved['kind']} LR schedule had already decayed to 0 at "
                         f"step {step} (optimizer step {done}), so extending it would train at lr 0. Resume with "
-                        f"train.schedule=constant to train on at train.lr ({t.lr}), or start a new run from the "
+                        f"train.schedule=constant to train on at train.lr ({self.lr}), or start a new run from the "
                         f"exported model (tether export {run_dir} OUT_DIR, then tether train model.name=OUT_DIR)")
                 self.plan = dict(self.plan, start=done, mult=mult, total=done + remaining)
             else:  # constant, or warm-up not finished: the decay (if any) starts after warm-up
                 self.plan = dict(self.plan, total=done + remaining)
-        self.scheduler.relay(multiplier(**self.plan), t.lr)
+        self.scheduler.relay(multiplier(**self.plan), self.lr)

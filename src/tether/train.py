@@ -23,6 +23,7 @@ updates old) and scores it, and pushes its weights after each step; K = 0 is the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -40,28 +41,41 @@ from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, over
 from .algo.correction import lr_scale
 from .anchor import make_anchor
 from .checkpoint import checkpoints, load_checkpoint, save_checkpoint
-from .config import Config, apply_async_correction, evaluating, to_dict
+from .config import Config, apply_async_correction, evaluating
 from .config.recipes import describe
 from .errors import ConfigError, GenerationError
 from .logprobs import response_stats
 from .memory import malloc_trim
-from .metrics import MetricsLogger, UpdateStats, peak_memory_mb
+from .metrics import UpdateStats, peak_memory_mb
 from .models import describe_model
 from .optim import make_adamw, optimizer_step, skipped_update_line
 from .passes import Passes, StepBatch, exact_kl_sample, forwarded_positions, head_inputs, idle_backward, micro_batches
-from .plot import plot_runs
 from .rollout import RolloutBatch, SamplingParams
 from .asynchronous.channel import worker_key
 from .asynchronous.feed import RolloutFeed, rank_groups
 from .asynchronous.partial import token_metrics
 from .asynchronous.weights import WeightSyncError
 from .asynchronous.workers import WorkerError
-from .report import HeldOut, Progress, RewardErrorLog, rollout_metrics, sample_rows
-from .rundir import RunDirectory, restore_latest, resume_config
+from .report import HeldOut, RewardErrorLog, rollout_metrics, sample_rows
+from .loop import run_guarded, run_steps
+from .rundir import RunDirectory, resume_config
 from .schedule import LRSchedule
-from .stop import GracefulStop, resume_hint
+from .stop import resume_hint
 from .tasks import Example
 from .tasks.stream import prompt_stream, training_reward
+
+
+class StepProbes:
+    """The trainer's public hook for observing a step: ``Trainer.probes``. ``phase(name)`` is a context manager
+    around each phase of `Trainer.train_step` (rollout, sampler pass, anchor pass, update), ``optimizer_step()`` one
+    around each optimizer step. This one observes nothing; `tether.memory.StepMemory` puts its own on the trainer for
+    one step (the memory of each phase, the gradients before the step and the optimizer state after it)."""
+
+    def phase(self, name: str):
+        return contextlib.nullcontext()
+
+    def optimizer_step(self):
+        return contextlib.nullcontext()
 
 
 class Trainer:
@@ -104,7 +118,9 @@ class Trainer:
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_adamw(self.params, t)
-        self.schedule = LRSchedule(self.optimizer, t)  # a resume that extends the run re-lays it (continue_from)
+        # a resume that extends the run re-lays it (continue_from)
+        self.schedule = LRSchedule(self.optimizer, t.schedule, t.warmup_steps, t.steps, t.lr,
+                                   per_step=t.epochs * t.mini_batches)
         self.scheduler = self.schedule.scheduler
         self.anchor = make_anchor(cfg.algo.anchor, model)
         parts = build_rollout(cfg, model, tokenizer, tools=tools, engine_cfg=self._engine_config())
@@ -126,6 +142,7 @@ class Trainer:
         self._share_grad = t.share_prompt and not dist.enabled()
         self._fwd = dict(temperature=cfg.rollout.temperature, chunk_size=t.logprob_chunk)  # as every pass runs
         self._trim = malloc_trim if t.malloc_trim else (lambda: False)  # after the rollout and the update
+        self.probes = StepProbes()  # observers of each step's phases (tether.memory.StepMemory)
         self.feed: Optional[RolloutFeed] = None  # train.max_staleness >= 1: jobs to the rollout workers, batches back
         if t.max_staleness > 0:  # last in __init__: nothing after the workers start can fail
             self.feed = RolloutFeed(cfg, model, self.data.take, lambda: self.data.position,
@@ -196,16 +213,16 @@ class Trainer:
         rb, examples = rank_groups(got.rb, got.job.examples, self.cfg.rollout.prompts_per_step)
         ex_rows = [examples[int(g)] for g in rb.group]
         rew, cor = self._score(rb, ex_rows)
-        batch, stats = self._step_batch([(rb, ex_rows, rew, cor)], [(rb, rew, cor)], got.agent_metrics)
-        self.passes.on_policy = self._on_policy and staleness == 0  # a stale batch: pi_old recomputed here
+        batch, stats = self._step_batch([(rb, ex_rows, rew, cor)], [(rb, rew, cor)], got.agent_metrics,
+                                        stale=staleness > 0)  # a stale batch: pi_old recomputed by the sampler pass
         stats.update(feed_stats)
         if got.token_version is not None:  # partial rollouts: staleness above is the oldest token's
             stats.update(token_metrics(got, self.step))
         return batch, stats
 
-    def _step_batch(self, kept: list, seen: list, agent_metrics: dict) -> tuple[StepBatch, dict]:
+    def _step_batch(self, kept: list, seen: list, agent_metrics: dict, stale: bool = False) -> tuple[StepBatch, dict]:
         """The StepBatch of the kept (rollout, examples, rewards, correct) with its advantages, and the rollout
-        metrics over every generation round ``seen``."""
+        metrics over every generation round ``seen``; ``stale``: sampled by older weights (StepBatch.stale)."""
         r = self.cfg.rollout
         rb = RolloutBatch.concat([k[0] for k in kept])
         rewards, correct = torch.cat([k[2] for k in kept]), torch.cat([k[3] for k in kept])
@@ -220,7 +237,7 @@ class Trainer:
         stats = rollout_metrics(seen, all_rewards, all_groups, agent_metrics)
         batch = StepBatch(rb=rb.to(self.device), examples=[e for k in kept for e in k[1]], rewards=rewards,
                           correct=correct, adv=adv.to(self.device), loss_mask=loss_mask.to(self.device),
-                          row_offset=offset, global_rows=len(all_rewards))
+                          row_offset=offset, global_rows=len(all_rewards), stale=stale)
         return batch, stats
 
     # ------------------------------------------------------------ update
@@ -292,7 +309,8 @@ class Trainer:
             ess = stats.mini_batch_ess("token" if t.lr_scale == "ess" else "sequence", reduce=dist.all_reduce)
             scale = lr_scale(ess, t.lr_scale_floor, t.lr_scale_power)
             stats.record_lr_scale(scale)
-        gn = optimizer_step(self.params, self.optimizer, self.scheduler, loss, t.grad_clip, lr_scale=scale)
+        with self.probes.optimizer_step():
+            gn = optimizer_step(self.params, self.optimizer, self.scheduler, loss, t.grad_clip, lr_scale=scale)
         if gn is None:
             self.skipped_updates += 1
             self.log(skipped_update_line(self.step + 1, self.skipped_updates))
@@ -303,18 +321,23 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One trainer step; returns its metrics row."""
-        t0 = time.perf_counter()
+        t0, probe = time.perf_counter(), self.probes.phase
         try:
-            b, m = self._rollout()
+            with probe("rollout"):
+                b, m = self._rollout()
         except GenerationError as e:  # non-finite logits, an overlong prompt, a rollout worker: say at which step
             raise type(e)(f"trainer step {self.step + 1}: {e}") from e
         self._trim()  # train.malloc_trim: the rollout's KV cache and generation buffers are freed, return their pages
         t1 = time.perf_counter()
-        self.passes.sampler(b)
+        with probe("sampler pass"):
+            self.passes.sampler(b)
         t2 = time.perf_counter()
-        exact = self._exact_kl(b) if self.passes.anchor_pass(b) else None
+        with probe("anchor pass"):
+            anchored = self.passes.anchor_pass(b)
+        exact = self._exact_kl(b) if anchored else None
         t3 = time.perf_counter()
-        upd = self._update(b)
+        with probe("update"):
+            upd = self._update(b)
         self._trim()  # and those of the gradients and activations
         t4 = time.perf_counter()
         self.step += 1
@@ -372,20 +395,39 @@ class Trainer:
             self.feed.close()
 
     def run(self, resume: bool = False) -> Path:
-        """Train until ``train.steps``; checkpoints every ``run.save_every`` steps and at the end.
+        """Train until ``train.steps`` (`tether.loop.run_steps`); checkpoints every ``run.save_every`` steps and at
+        the end.
 
         SIGINT / SIGTERM stop the run gracefully (``tether.stop``): the step in progress finishes,
         a checkpoint is written, and ``run()`` returns with ``self.stopped_by`` set to the signal's
         name; a second signal aborts at once (``tether.stop.Aborted``).
         """
+        self.stopped_by = None
         try:
-            with GracefulStop(self.run_dir, announce=dist.is_main()) as stop:
-                self._run(resume, stop)
+            self.stopped_by = run_steps(self, self.cfg.train.steps, resume, title=f"tether {self.cfg.recipe}",
+                                        main=dist.is_main(), final_checkpoint=self.cfg.run.final_checkpoint)
         except (WorkerError, WeightSyncError) as e:  # K >= 1: the last completed step is checkpointed, then the error
             raise self._checkpointed(e) from e
         finally:
             self.close()  # the rollout workers end with the run: normally, on an error or a stop signal
+        self.held_out.after(self.run_dir, self.step)  # the before -> after line
         return self.run_dir
+
+    # the evaluations and samples of the run loop (tether.loop.run_steps)
+
+    def evaluate_start(self, resume: bool) -> dict:
+        """The initial policy on the held-out sets (eval.before), logged at step 0; {} when not due."""
+        due = self.held_out.due_before(self.step)
+        return self.held_out.before(self.model, self.agent, self.engine, self.anchor) if due else {}
+
+    def evaluate_step(self) -> dict:
+        """The held-out sets after this step when due (eval.every, eval.after), else {}."""
+        due = self.held_out.due(self.step)
+        return self.held_out.evaluate(self.model, self.agent, self.engine, self.anchor) if due else {}
+
+    def sample_rows(self) -> list:
+        """The last step's first run.log_samples prompts and responses, for samples.jsonl."""
+        return sample_rows(self._last_batch, self.cfg.run.log_samples)
 
     def _checkpointed(self, e: GenerationError) -> GenerationError:
         """``e`` (a rollout worker that failed, or failed sync) with a checkpoint of the last completed step: its
@@ -395,47 +437,6 @@ class Trainer:
         latest = next(iter(checkpoints(self.run_dir)), None)  # run.save_every may have written this step's already
         ckpt = latest if latest is not None and latest.name == f"step-{self.step:06d}" else self.save()
         return type(e)(f"{e}; step {self.step}'s checkpoint: {ckpt} (resume with: {resume_hint(self.run_dir)})")
-
-    def _run(self, resume: bool, stop: GracefulStop) -> None:
-        cfg = self.cfg
-        self.stopped_by = None
-        if resume:
-            ckpt = restore_latest(self.run_dir, self.restore, self.guard, cfg)
-            self.log(f"[tether] resumed from {ckpt} (step {self.step})")
-        main = dist.is_main()  # only rank 0 logs, shows progress and writes samples
-        logger = MetricsLogger(self.run_dir, resume_step=self.step if resume else None,
-                               tensorboard=cfg.run.tensorboard, wandb=cfg.run.wandb,
-                               wandb_project=cfg.run.wandb_project, config=to_dict(cfg)) if main else None
-        bar = Progress(cfg.train.steps, self.step, f"tether {cfg.recipe}", enabled=cfg.run.progress and main)
-        try:
-            if self.held_out.due_before(self.step):  # the initial policy, logged at step 0
-                m = self.held_out.before(self.model, self.agent, self.engine, self.anchor)
-                if logger is not None:
-                    logger.log(0, m)
-            while self.step < cfg.train.steps:
-                m = self.train_step()
-                if self.held_out.due(self.step):
-                    m.update(self.held_out.evaluate(self.model, self.agent, self.engine, self.anchor))
-                if logger is not None:
-                    logger.log(self.step, m)
-                    logger.log_samples(self.step, sample_rows(self._last_batch, cfg.run.log_samples))
-                bar.update(m)
-                saved = None
-                last = self.step == cfg.train.steps and cfg.run.final_checkpoint
-                if (cfg.run.save_every and self.step % cfg.run.save_every == 0) or last:
-                    saved = self.save()
-                # once per step on every rank (an all-reduce under torchrun): all ranks stop at the same step
-                self.stopped_by = stop.poll(self.step, cfg.train.steps, self.save, saved, self.log)
-                if self.stopped_by:
-                    break
-        finally:
-            bar.close()
-            if logger is not None:
-                logger.close()
-        if cfg.run.plot and main:
-            plot_runs([self.run_dir], self.run_dir / "curves.png")
-        self.held_out.after(self.run_dir, self.step)  # the before -> after line
-
 
 def default_run_dir(cfg: Config) -> Path:
     task = Path(cfg.data.task).stem.replace("/", "_")
@@ -469,20 +470,3 @@ def resume(run_dir: Path, overrides: Optional[dict] = None, model=None, tokenize
     dist.init()
     guard = RunDirectory(run_dir, fresh=False, log=log)
     return run_guarded(guard, lambda: Trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard), resume=True)
-
-
-def run_guarded(guard: RunDirectory, make_trainer, resume: bool) -> Path:
-    """Build the trainer (its ``__init__`` opens the guard) and run it; the lock is released however it
-    ends, a fresh run whose trainer cannot be built leaves no directory, and a disk-full or read-only
-    write while training is a `RunError` naming the path."""
-    try:
-        trainer = make_trainer()
-    except BaseException:
-        guard.abandon()
-        raise
-    guard.commit()  # an --overwrite's previous run is deleted only now that the new trainer is built
-    try:
-        with guard.write_errors():
-            return trainer.run(resume=resume)
-    finally:
-        guard.release()

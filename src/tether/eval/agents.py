@@ -17,8 +17,9 @@ from ..errors import EvalError
 from ..search.data import load_search_examples
 from ..search.protocol import OBSERVATION_FORMATS
 from ..search.retrievers import RETRIEVERS
-from ..tasks.benchmarks import Benchmark, slug
+from ..tasks.benchmarks import Benchmark, load_benchmarks, slug
 from ..tasks.rewards import load_reward
+from .model import resolve_eval_spec
 
 __all__ = ["add_agent_arguments", "agent_setup", "format_search_table", "search_setup", "env_setup"]
 
@@ -61,7 +62,7 @@ def add_agent_arguments(e) -> None:
                    "run's env.max_context when --model is a multi-turn run)")
 
 
-def agent_setup(this, args) -> tuple[list, dict[str, Any]]:
+def agent_setup(args) -> tuple[list, dict[str, Any]]:
     """The benchmarks (each fully loaded and checked) and the options of ``args.agent`` (its tools built)."""
     agent = getattr(args, "agent", "single_turn")
     env_keys = [f"--{k.replace('_', '-')}" for k in ("env", "max_turns") if getattr(args, k, None) not in (None, "")]
@@ -81,13 +82,13 @@ def agent_setup(this, args) -> tuple[list, dict[str, Any]]:
             raise EvalError("--agent search scores with the search reward (EM) on the search data dir; "
                             "drop --reward/--split/--data-dir (use --search-data-dir)")
         return search_setup(args)
-    benches = this.load_benchmarks(args.benchmarks, limit=args.limit, data_dir=args.data_dir,
-                                   prompt_key=args.prompt_key, answer_key=args.answer_key, split=args.split,
-                                   reward=args.reward)
-    return benches, env_setup(args, run_env(this, args)) if agent == "multi_turn" else {}
+    benches = load_benchmarks(args.benchmarks, limit=args.limit, data_dir=args.data_dir,
+                              prompt_key=args.prompt_key, answer_key=args.answer_key, split=args.split,
+                              reward=args.reward)
+    return benches, env_setup(args, run_env(args)) if agent == "multi_turn" else {}
 
 
-def run_env(this, args) -> dict[str, Any]:
+def run_env(args) -> dict[str, Any]:
     """The ``env`` section of the run ``--model`` names (a run directory or one of its checkpoints) when that run
     trained with ``rollout.agent=multi_turn``; else ``{}``. A problem with the run is left to the model loading,
     which names it; nothing is loaded here. The resolved spec is kept in ``args.eval_spec`` for the model
@@ -95,7 +96,7 @@ def run_env(this, args) -> dict[str, Any]:
     import dataclasses
 
     try:
-        args.eval_spec = this.resolve_eval_spec(args.model)
+        args.eval_spec = resolve_eval_spec(args.model)
     except EvalError:
         return {}
     run = args.eval_spec.run

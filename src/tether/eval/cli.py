@@ -1,9 +1,7 @@
-"""``tether eval``: what ``--model`` names, loading it, the run directory and the results table.
+"""``tether eval``: the command line, its run directory and the results table.
 
-* :func:`resolve_eval_spec` / :class:`EvalModelSpec` -- classify a ``--model`` argument (a hub
-  id / local dir / GGUF / ``"smollm2"``, a training run directory, or one checkpoint);
-* :func:`load_eval_model` -- load it (a run's latest checkpoint's policy, or with
-  ``anchor=True`` its anchor);
+* :func:`resolve_eval_spec` / :class:`EvalModelSpec` / :func:`load_eval_model` -- what ``--model`` names and
+  loading it (`tether.eval.model`, re-exported here);
 * :func:`add_eval_parser` / :func:`run_eval_cli` -- the command line: writes
   ``OUT/results.json``, ``OUT/<bench>.jsonl`` and prints :func:`format_table`.
 """
@@ -12,148 +10,30 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import sys
-from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .. import __version__
 from ..agents import make_agent
 from ..config import RolloutConfig, check_device
 from ..errors import EvalError, OutputError
 from ..metrics import json_safe, write_json_atomic, write_text_atomic
-from ..models import DTYPES, ModelConfig, ModelLoadError
+from ..models import DTYPES
 from ..owned import MARKER, check_replaceable, write_marker
 from ..rollout import make_engine
-from ..runs import RunCheckpoint, RunDir, check_anchor, is_checkpoint_dir, is_run_dir, load_run_model
 from ..stop import GracefulStop, Interrupted, exit_code
-from ..tasks.benchmarks import load_benchmarks, slug  # noqa: F401  (load_benchmarks: called as this.load_benchmarks)
 from ..tasks.rewards import REWARDS
 from .agents import add_agent_arguments, agent_setup, format_search_table
 from .metrics import default_ks
-from .runner import EvalSettings, check_sampling, evaluate  # noqa: F401  (evaluate: called as this.evaluate)
+from .model import EvalModelSpec, check_run_anchor, load_eval_model, resolve_eval_spec
+from .runner import EvalSettings, check_sampling, evaluate
 from .search import search_metrics
 
 __all__ = ["EvalError", "EvalModelSpec", "add_eval_parser", "format_table", "load_eval_model", "resolve_eval_spec",
            "run_eval_cli"]
-
-
-@dataclass
-class EvalModelSpec:
-    """What a ``--model`` argument names (see :func:`resolve_eval_spec`).
-
-    Attributes:
-        spec: The argument as given.
-        run: For a training run directory or one of its checkpoint directories: the run at the
-            checkpoint used (the newest valid one unless a checkpoint directory was given), a
-            `tether.runs.RunCheckpoint`; None for a model (hub id / local dir / GGUF / smollm2).
-
-    ``kind`` (``"run"`` or ``"model"``) and, for runs, ``run_dir``, ``checkpoint``, ``step``,
-    ``model_config``, ``anchor_kind``, ``recipe`` and ``system_prompt`` read through to ``run``.
-    """
-
-    spec: str
-    run: Optional[RunCheckpoint] = None
-
-    kind = property(lambda self: "model" if self.run is None else "run")
-    run_dir = property(lambda self: self.run and self.run.run_dir)
-    checkpoint = property(lambda self: self.run and self.run.checkpoint)
-    step = property(lambda self: self.run and self.run.step)
-    model_config = property(lambda self: self.run and self.run.model_config)
-    anchor_kind = property(lambda self: self.run and self.run.anchor_kind)
-    recipe = property(lambda self: self.run and self.run.recipe)
-    system_prompt = property(lambda self: self.run.system_prompt if self.run else "")
-
-    @property
-    def name(self) -> str:
-        """A short name for output directories: the run's directory name (with the step), or
-        the model's last path component."""
-        if self.run is not None:
-            return slug(f"{self.run.run_dir.resolve().name}-step{self.run.step}")
-        s = str(self.spec).rstrip("/\\")
-        base = Path(s).name or s
-        for suf in (".gguf", ".GGUF"):
-            if base.endswith(suf):
-                base = base[: -len(suf)]
-        return slug(base)
-
-
-def resolve_eval_spec(spec: str | os.PathLike) -> EvalModelSpec:
-    """Classify a ``--model`` argument without loading any weights.
-
-    * a checkpoint directory (``RUN/checkpoints/step-000010``: ``state.json`` and
-      ``policy.safetensors``) -> that checkpoint of its run, verified against its manifest;
-    * a run directory (``config.yaml`` and no ``config.json``) -> its newest valid checkpoint;
-    * anything else -> a model for :func:`tether.models.load_model` (hub id, local HF
-      directory, ``.gguf`` file, ``smollm2``).
-
-    Runs are read by `tether.runs.RunDir` (as ``tether train --resume`` and ``tether export`` read them).
-
-    Raises:
-        EvalError: a run directory without (valid) checkpoint, a damaged checkpoint directory, or a
-            checkpoint outside a run.
-    """
-    s = os.fspath(spec)
-    p = Path(s).expanduser()
-    if is_checkpoint_dir(p):
-        run = RunDir.of_checkpoint(p, verb="evaluate", error=EvalError).at(p)
-    elif is_run_dir(p):
-        run = RunDir(p, verb="evaluate", error=EvalError).at()
-    else:
-        return EvalModelSpec(spec=s)
-    return EvalModelSpec(spec=s, run=run)
-
-
-def _check_anchor(info: EvalModelSpec) -> None:
-    if info.run is None:
-        raise EvalError(f"--anchor needs a training run directory (or one of its checkpoints); "
-                        f"{info.spec!r} is a plain model")
-    check_anchor(info.run, verb="evaluate", error=EvalError)
-
-
-def load_eval_model(
-    spec: str | os.PathLike | EvalModelSpec,
-    *,
-    anchor: bool = False,
-    dtype: str = "float32",
-    device: str = "cpu",
-    merge_lora: bool = True,
-) -> tuple[Any, Any, str]:
-    """Load a model to evaluate; returns ``(model, tokenizer, description)``.
-
-    * A model spec (hub id, local directory, ``.gguf`` file, ``"smollm2"``) is loaded by
-      :func:`tether.models.load_model` in ``dtype`` on ``device``.
-    * A run directory (``config.yaml`` + ``checkpoints/``) or a checkpoint directory: the run's
-      policy at the checkpoint, or with ``anchor=True`` its anchor, by
-      :func:`tether.runs.load_run_model` (the loader ``tether export`` uses too), in ``dtype`` on
-      ``device``; with LoRA and ``merge_lora`` the adapters are merged into the base weights
-      (faster generation; parameter names then lose the peft prefixes).
-
-    The model is returned in eval mode with gradients off.
-
-    Raises:
-        EvalError: a run without a checkpoint, ``anchor=True`` for a plain model or for a run
-            without anchor tensors (no KL term, or the iterative anchor), anchor tensors that
-            do not match the model, or a base model that cannot be loaded.
-    """
-    from ..models import load_model  # deferred: read at call time (tests patch tether.models.load_model)
-
-    info = spec if isinstance(spec, EvalModelSpec) else resolve_eval_spec(spec)
-    if anchor:
-        _check_anchor(info)
-    if info.run is not None:
-        return load_run_model(info.run, anchor=anchor, dtype=dtype, device=device, merge_lora=merge_lora,
-                              verb="evaluate", error=EvalError)
-    try:
-        model, tok = load_model(ModelConfig(name=info.spec, dtype=dtype, device=device))
-    except ModelLoadError as e:
-        raise EvalError(str(e)) from None
-    model.requires_grad_(False)
-    model.eval()
-    return model, tok, f"model {info.spec}"
 
 
 def _table_columns(n: int, ks: Sequence[int]) -> list[tuple[str, str, Callable[[dict], str]]]:
@@ -255,7 +135,7 @@ def _drop_out(out: Path, created: bool, files: Sequence[str]) -> None:
             out.rmdir()
 
 
-def _evaluate_bench(this, b, agent, out: Path, report: dict, table: dict, stopper, *, search: bool,
+def _evaluate_bench(b, agent, out: Path, report: dict, table: dict, stopper, *, search: bool,
                     settings: EvalSettings, args) -> bool:
     """Evaluate one benchmark with the run's ``agent``; rows go to ``OUT/<bench>.jsonl`` as each batch
     finishes (a kill keeps them), then in problem order with ``results.json``. Returns True if a stop
@@ -267,7 +147,7 @@ def _evaluate_bench(this, b, agent, out: Path, report: dict, table: dict, stoppe
         with open(path, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(json_safe(r), ensure_ascii=False) + "\n" for r in rows)
 
-    res = this.evaluate(agent, b.examples, b.reward_fn, settings, show_progress=args.progress, desc=f"eval {b.name}",
+    res = evaluate(agent, b.examples, b.reward_fn, settings, show_progress=args.progress, desc=f"eval {b.name}",
                         should_stop=lambda: bool(stopper.signum), on_rows=append)
     if search:
         res.metrics.update({f"search/{k}": v for k, v in search_metrics(res.per_problem, b.examples).items()})
@@ -313,17 +193,16 @@ def run_eval_cli(args) -> int:
     """``tether eval``: load and validate every benchmark, then the model, then evaluate each
     benchmark, writing ``OUT/<bench>.jsonl`` and (after every benchmark) ``OUT/results.json``,
     and print the table. Errors in the inputs raise :class:`EvalError` / ``DataError``."""
-    this = sys.modules[__name__]  # look functions up at call time (tests patch them)
     settings = _eval_settings(args)
 
     # 1. every benchmark, fully validated (and the agent's tools: the search corpus, the environment), before any
     # model is touched
     search = getattr(args, "agent", "single_turn") == "search"
-    benches, agent_options = agent_setup(this, args)
+    benches, agent_options = agent_setup(args)
     # 2. the model (cheap checks first: run without checkpoint, anchor without tensors)
-    info = getattr(args, "eval_spec", None) or this.resolve_eval_spec(args.model)  # --agent multi_turn resolved it
+    info = getattr(args, "eval_spec", None) or resolve_eval_spec(args.model)  # --agent multi_turn resolved it
     if args.anchor:
-        _check_anchor(info)
+        check_run_anchor(info)
     system_prompt = args.system_prompt
     if system_prompt is None:
         system_prompt = info.system_prompt if info.kind == "run" else ""
@@ -342,7 +221,7 @@ def run_eval_cli(args) -> int:
                                                           f"problems finished so far are in {out}"))
     try:
         with stopper:
-            table = _run_benches(this, args, benches, info, out, stopper, search=search, agent_options=agent_options,
+            table = _run_benches(args, benches, info, out, stopper, search=search, agent_options=agent_options,
                                  settings=settings, system_prompt=system_prompt)
     except BaseException:
         if not any((out / f).is_file() and (out / f).stat().st_size for f in files):
@@ -376,7 +255,7 @@ def _finish(table: dict, stopper, out: Path, created: bool, files: Sequence[str]
     return 0
 
 
-def _run_benches(this, args, benches, info, out: Path, stopper, *, search: bool, agent_options: dict,
+def _run_benches(args, benches, info, out: Path, stopper, *, search: bool, agent_options: dict,
                  settings: EvalSettings, system_prompt: str) -> dict:
     """Load the model, build its engine (`tether.rollout.make_engine`, transformers, ``--batch-size``
     sequences per generate call) and the agent (`tether.agents.make_agent`: ``--agent``, with the system
@@ -384,7 +263,7 @@ def _run_benches(this, args, benches, info, out: Path, stopper, *, search: bool,
     them until the end or a stop signal. Returns the table (benchmark -> metrics) with the model's
     description under ``"_desc"``."""
     print(f"[tether] loading {args.model!r}{' (anchor)' if args.anchor else ''}", file=sys.stderr)
-    model, tok, desc = this.load_eval_model(info, anchor=args.anchor, dtype=args.dtype, device=args.device)
+    model, tok, desc = load_eval_model(info, anchor=args.anchor, dtype=args.dtype, device=args.device)
     engine = make_engine(RolloutConfig(engine="hf", batch_size=settings.batch_size), model, tok, show_progress=False)
     agent = make_agent(getattr(args, "agent", "single_turn"), engine, tok, system_prompt=system_prompt,
                        **agent_options)
@@ -412,6 +291,6 @@ def _run_benches(this, args, benches, info, out: Path, stopper, *, search: bool,
     }
     table: dict[str, Any] = {"_desc": desc}
     for b in benches:
-        if _evaluate_bench(this, b, agent, out, report, table, stopper, search=search, settings=settings, args=args):
+        if _evaluate_bench(b, agent, out, report, table, stopper, search=search, settings=settings, args=args):
             break
     return table

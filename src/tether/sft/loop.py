@@ -22,7 +22,6 @@ import random
 import time
 from datetime import datetime
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -32,15 +31,12 @@ from ..checkpoint import load_checkpoint, save_checkpoint
 from ..config import flatten, to_dict
 from ..config.sft import FROZEN_ON_RESUME, SFTConfig, load_sft_config
 from ..errors import RunError
-from ..metrics import MetricsLogger, peak_memory_mb
+from ..metrics import peak_memory_mb
 from ..models import describe_model
 from ..optim import make_adamw, optimizer_step, skipped_update_line
-from ..plot import plot_runs
-from ..report import Progress
-from ..rundir import RunDirectory, restore_latest, resumed_values
+from ..loop import run_guarded, run_steps
+from ..rundir import RunDirectory, resumed_values
 from ..schedule import LRSchedule
-from ..stop import GracefulStop
-from ..train import run_guarded
 from .batches import BatchPlan, batch_logp, check_packing, collate, micro_batches
 from .data import ChatEncoder, encode_all, read_conversations, resolve_max_length, split_validation
 
@@ -96,9 +92,7 @@ class SFTTrainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_adamw(self.params, t)
         # the schedule of tether train, over this run's optimizer steps (one per step)
-        horizon = SimpleNamespace(schedule=t.schedule, warmup_steps=t.warmup_steps, steps=self.total, epochs=1,
-                                  mini_batches=1, lr=t.lr)
-        self.schedule = LRSchedule(self.optimizer, horizon)
+        self.schedule = LRSchedule(self.optimizer, t.schedule, t.warmup_steps, self.total, t.lr)
         self.scheduler = self.schedule.scheduler
         self.step, self.skipped_updates = 0, 0
         self.packed = t.batching == "packed"
@@ -193,49 +187,28 @@ class SFTTrainer:
                               f"from it: tether sft model.name={self.run_dir} --data ...") from None
 
     def run(self, resume: bool = False) -> Path:
-        """Train to the last step; checkpoints every ``run.save_every`` steps and after the last one.
+        """Train to the last step (`tether.loop.run_steps`, as tether train does); checkpoints every
+        ``run.save_every`` steps and after the last one.
 
         SIGINT / SIGTERM stop the run gracefully (`tether.stop`): the step in progress finishes, a
         checkpoint is written, ``run()`` returns with ``self.stopped_by`` set.
         """
-        with GracefulStop(self.run_dir) as stop:
-            self._run(resume, stop)
+        self.stopped_by = None
+        # the last step is always saved: it is what tether train model.name=RUN starts from
+        self.stopped_by = run_steps(self, self.total, resume, title="tether sft", samples=False, postfix=_postfix)
         return self.run_dir
 
-    def _due_validation(self) -> bool:
-        every = self.cfg.train.val_every
-        return bool(self.val_set) and (self.step == self.total or (every > 0 and self.step % every == 0))
+    # the evaluations of the run loop (tether.loop.run_steps)
 
-    def _run(self, resume: bool, stop: GracefulStop) -> None:
-        cfg = self.cfg
-        self.stopped_by = None
-        if resume:
-            ckpt = restore_latest(self.run_dir, self.restore, self.guard, cfg)
-            self.log(f"[tether] resumed from {ckpt} (step {self.step} of {self.total})")
-        logger = MetricsLogger(self.run_dir, resume_step=self.step if resume else None, tensorboard=cfg.run.tensorboard,
-                               wandb=cfg.run.wandb, wandb_project=cfg.run.wandb_project, config=to_dict(cfg),
-                               samples=False)
-        bar = Progress(self.total, self.step, "tether sft", enabled=cfg.run.progress, postfix=_postfix)
-        try:
-            if self.val_set and not resume:  # the starting model, logged at step 0
-                logger.log(0, self.validate())
-            while self.step < self.total:
-                m = self.train_step()
-                if self._due_validation():
-                    m.update(self.validate())
-                logger.log(self.step, m)
-                bar.update(m)
-                saved = None
-                if (cfg.run.save_every and self.step % cfg.run.save_every == 0) or self.step == self.total:
-                    saved = self.save()  # the last step always: it is what tether train model.name=RUN starts from
-                self.stopped_by = stop.poll(self.step, self.total, self.save, saved, self.log)
-                if self.stopped_by:
-                    break
-        finally:
-            bar.close()
-            logger.close()
-        if cfg.run.plot:
-            plot_runs([self.run_dir], self.run_dir / "curves.png")
+    def evaluate_start(self, resume: bool) -> dict:
+        """The starting model's validation loss, logged at step 0 (a fresh run with validation rows), else {}."""
+        return self.validate() if self.val_set and not resume else {}
+
+    def evaluate_step(self) -> dict:
+        """The validation loss after this step when due (train.val_every, and the last step), else {}."""
+        every = self.cfg.train.val_every
+        due = bool(self.val_set) and (self.step == self.total or (every > 0 and self.step % every == 0))
+        return self.validate() if due else {}
 
 
 def default_sft_dir(cfg: SFTConfig) -> Path:
