@@ -449,3 +449,34 @@ def sequence_logp(
     st = token_stats_capped(hidden[:, :-1][at], weight, input_ids[:, 1:][at], bias=bias, temperature=1.0,
                             softcap=softcap, topk=0, gather_ids=None, entropy=False, chunk_size=chunk_size)
     return st.logp  # [N]
+
+
+def packing_difference(model, logp, mask=None, *, key: str, fix: str) -> float:
+    """Raise ConfigError unless the packed forward gives the padded forward's log-probs on this model; returns the
+    largest difference.
+
+    ``logp(packed)`` runs the same rows packed (``True``: one row, positions restarting at 0 for each sequence) or
+    padded (``False``); it is called in eval mode without gradients and the results are compared where ``mask``
+    holds (everywhere when None). An attention implementation that ignores the restarting position ids lets packed
+    sequences see each other, which this catches. ``key`` names the option at fault in the error and ``fix`` says
+    what to set instead. Tolerance: 1e-3 in float32 / float64, 1e-1 in half precision.
+    """
+    from .errors import ConfigError
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed, padded = logp(True).double(), logp(False).double()
+    finally:
+        model.train(was_training)
+    d = (packed - padded).abs()
+    if mask is not None:
+        d = d[mask]
+    diff = float(d.max()) if d.numel() else 0.0
+    tol = 1e-3 if next(model.parameters()).dtype in (torch.float32, torch.float64) else 1e-1
+    if not diff <= tol:
+        raise ConfigError(f"{key}: this model's attention does not keep packed sequences apart (log-probs differ "
+                          f"from the padded forward by up to {diff:.3g}; its attention implementation ignores the "
+                          f"restarting position ids); {fix}")
+    return diff

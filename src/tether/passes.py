@@ -26,8 +26,7 @@ import torch
 
 from . import distributed as dist
 from .algo import LossNeeds
-from .errors import ConfigError
-from .logprobs import response_stats
+from .logprobs import packing_difference, response_stats
 from .rollout import RolloutBatch
 
 
@@ -232,31 +231,14 @@ class Passes:
 
 
 def check_packing(model, rb: RolloutBatch, *, temperature: float, chunk_size: int, rows: int = 4) -> float:
-    """Raise ConfigError unless packed rows give the padded rows' log-probs on this model (``train.packing``).
-
-    The first ``rows`` rows of ``rb`` are run both ways, in eval mode without gradients; returns the largest
-    difference of the response log-probs. As `tether.sft.batches.check_packing` for SFT: an attention
-    implementation that ignores the restarting position ids lets packed sequences see each other.
-    """
+    """Raise ConfigError unless packed rows give the padded rows' response log-probs on this model
+    (``train.packing``), on the first ``rows`` rows of ``rb`` (`tether.logprobs.packing_difference`)."""
     mb = rb.select(list(range(min(rows, len(rb)))))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            lp = [response_stats(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                                 temperature=temperature, entropy=False, chunk_size=chunk_size, share_prompt=False,
-                                 packed=packed).logp.double() for packed in (True, False)]
-    finally:
-        model.train(was_training)
-    m = mb.response_mask.bool()
-    diff = float((lp[0] - lp[1])[m].abs().max()) if m.any() else 0.0
-    dtype = next(model.parameters()).dtype
-    tol = 1e-3 if dtype in (torch.float32, torch.float64) else 1e-1
-    if not diff <= tol:
-        raise ConfigError(f"train.packing: this model's attention does not keep packed sequences apart (log-probs "
-                          f"differ from the padded forward by up to {diff:.3g}; its attention implementation "
-                          f"ignores the restarting position ids); set train.packing=false")
-    return diff
+    return packing_difference(
+        model, lambda packed: response_stats(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                                             temperature=temperature, entropy=False, chunk_size=chunk_size,
+                                             share_prompt=False, packed=packed).logp,
+        mb.response_mask.bool(), key="train.packing", fix="set train.packing=false")
 
 
 @torch.no_grad()

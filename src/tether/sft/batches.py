@@ -22,8 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..errors import ConfigError
-from ..logprobs import sequence_logp
+from ..logprobs import packing_difference, sequence_logp
 from .data import Encoded
 
 GROUP_BATCHES = 50  # length_grouped: rows sorted by length within runs of this many batches
@@ -110,20 +109,6 @@ def check_packing(model, encs: Sequence[Encoded], pad_id: int, device, chunk_siz
     probe = [e for e in probe if len(e.ids) > 1]
     if len(probe) < 2:
         return 0.0  # nothing to compare: a single conversation never shares a packed row
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            a = batch_logp(model, collate(probe, True, pad_id, device), chunk_size)
-            b = batch_logp(model, collate(probe, False, pad_id, device), chunk_size)
-    finally:
-        model.train(was_training)
-    diff = float((a.double() - b.double()).abs().max())
-    dtype = next(model.parameters()).dtype
-    tol = 1e-3 if dtype in (torch.float32, torch.float64) else 1e-1
-    if not diff <= tol:
-        raise ConfigError(f"train.batching=packed: this model's attention does not keep packed conversations apart "
-                          f"(log-probs differ from the padded forward by up to {diff:.3g}; its attention "
-                          f"implementation ignores the restarting position ids); use train.batching=padded or "
-                          f"length_grouped")
-    return diff
+    return packing_difference(model, lambda packed: batch_logp(model, collate(probe, packed, pad_id, device),
+                                                               chunk_size),
+                              key="train.batching=packed", fix="use train.batching=padded or length_grouped")
