@@ -1,4 +1,4 @@
-"""Seconds per trainer step: the synchronous loop (train.max_staleness=0) against K = 1 and K = 4 rollout
+"""Seconds per trainer step: the synchronous loop (train.async=none) against K = 1 and K = 4 rollout
 workers (docs/async.md), at the same samples, on this CPU, in one run.
 
 Every run trains the same model with the same recipe (grpo), the same prompts in the same order
@@ -105,7 +105,7 @@ def label(k: int, w: int, a) -> str:
 
 
 def run(a, k: int, w: int, out: Path) -> list[dict]:
-    """The timed steps' metrics of one run with train.max_staleness=k and w rollout workers."""
+    """The timed steps' metrics of one run with train.async.max_staleness=k and w rollout workers."""
     import torch
 
     from tether.config import load_config
@@ -114,12 +114,12 @@ def run(a, k: int, w: int, out: Path) -> list[dict]:
     over = {"model.name": a.model, "rollout.prompts_per_step": a.prompts, "rollout.n": a.n,
             "rollout.max_new_tokens": a.max_new_tokens, "rollout.min_new_tokens": a.max_new_tokens,
             "train.steps": a.steps + a.warmup, "run.progress": False, "run.plot": False, "run.save_every": 0,
-            "run.exact_kl_samples": 0, "eval.before": False, "eval.after": False, "train.max_staleness": k,
+            "run.exact_kl_samples": 0, "eval.before": False, "eval.after": False, "train.async": k,
             "model.device": a.device, "model.dtype": a.dtype}
     if k:
-        over["train.rollout_workers"] = w
+        over["train.async.workers"] = w
         if w > k + 1:
-            over["train.stale_batches"] = "keep"  # every batch trains, as in the synchronous run
+            over["train.async.stale_batches"] = "keep"  # every batch trains, as in the synchronous run
     torch.set_num_threads(a.trainer_threads if k else a.sync_threads)
     os.environ["OMP_NUM_THREADS"] = str(a.worker_threads)  # read by the spawned workers' torch
     t = Trainer(load_config(None, over, recipe_name="grpo"), out / f"k{k}w{w}", log=lambda *x: None)

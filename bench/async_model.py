@@ -1,4 +1,4 @@
-"""A model on paper of the speed-up of asynchronous RL (train.max_staleness K) over the synchronous loop.
+"""A model on paper of the speed-up of asynchronous RL (train.async.max_staleness K) over the synchronous loop.
 
 Inputs are measured times, each on the resources its side has in the run predicted (bench/async.py
 measures them on this CPU; elsewhere, a run's metrics.jsonl:

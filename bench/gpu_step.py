@@ -40,7 +40,7 @@ def run() -> int:
     ov = {**vs_trl._tether_overrides(a, "grpo"), "model.dtype": "bfloat16", "model.device": "cuda",
           "rollout.engine": engine, "data.limit": a.prompts * (steps + 1)}
     if engine == "vllm":
-        ov["rollout.vllm_gpu_memory_utilization"] = 0.3
+        ov["rollout.engine.gpu_memory_utilization"] = 0.3
     cfg = load_config(None, ov, recipe_name="grpo")
     cfg.run.output_dir = tempfile.mkdtemp(prefix=f"gpu-{engine}-")
     trainer = Trainer(cfg, Path(cfg.run.output_dir), log=lambda *x: print(*x, flush=True))

@@ -8,7 +8,7 @@ Each recipe trains 3 steps (2 prompts x 4 samples, 8 new tokens, seed 0, one thr
 random Llama (`tether.testing.make_tiny_model_dir`) with a synthetic digit reward; the rows of
 ``metrics.jsonl`` without their timing keys are kept. Two more cases: ``multi_turn_calculator`` (ema_pg,
 rollout.agent=multi_turn with the calculator environment on the arithmetic task) and ``async_k1`` (ema_pg,
-train.max_staleness=1 with a local rollout worker and the default asynchronous correction). ``--compare``
+train.async.max_staleness=1 with a local rollout worker and the default asynchronous correction). ``--compare``
 reports every value that differs by more than ``--rtol`` (default 1e-6, relative) and every key present on one
 side only.
 """
@@ -33,7 +33,7 @@ EXTRA = {
     "multi_turn_calculator": ("ema_pg", {"data.task": "arithmetic", "data.reward": "auto",
                                          "rollout.agent": "multi_turn", "env.name": "calculator",
                                          "rollout.max_new_tokens": 12, "env.max_context": 1024}),
-    "async_k1": ("ema_pg", {"train.max_staleness": 1}),
+    "async_k1": ("ema_pg", {"train.async.max_staleness": 1}),
 }
 
 

@@ -8,7 +8,7 @@ import sys
 
 from tether.testing import register_scripted_engine
 
-# at import, not under __main__: a rollout worker (train.max_staleness >= 1) is a spawned process that imports
+# at import, not under __main__: a rollout worker (train.async.max_staleness >= 1) is a spawned process that imports
 # this module as __mp_main__ and builds its engine from the config, so it needs the name registered too
 register_scripted_engine()
 

@@ -1,4 +1,4 @@
-"""Asynchronous RL (train.max_staleness K, tether.asynchronous.workers): real worker processes on the tiny model.
+"""Asynchronous RL (train.async.max_staleness K, tether.asynchronous.workers): real worker processes on the tiny model.
 
 K = 0 is the synchronous loop, bit for bit; K >= 1 trains with every consumed batch at most K versions old,
 tagged with the version that sampled it; verified sync catches a corrupted or stale push; LoRA and tied
@@ -63,7 +63,7 @@ def workdir(make_workdir):
 
 
 def asynchronous(k: int, **over) -> dict:
-    return {"train.max_staleness": k, "train.verify_sync": True, **over}
+    return {"train.async.max_staleness": k, "train.async.verify_sync": True, **over}
 
 
 def gone(pid: int, wait_s: float = 10.0) -> bool:
@@ -84,10 +84,10 @@ def gone(pid: int, wait_s: float = 10.0) -> bool:
 
 
 def test_k0_is_the_synchronous_loop_bit_for_bit(workdir, tiny_model_dir, tmp_path):
-    """train.max_staleness=0 is today's loop: the same metrics and weights, to exact equality, as the config
+    """train.async=none is today's loop: the same metrics and weights, to exact equality, as the config
     without the option, and no worker process, no async/* metric."""
     out = []
-    for name, over in (("absent", {}), ("zero", {"train.max_staleness": 0})):
+    for name, over in (("absent", {}), ("none", {"train.async": None})):
         cfg = tiny_config(workdir, tiny_model_dir, "grpo", 3, **{"train.mini_batches": 2, **over})
         t = Trainer(cfg, tmp_path / name, **QUIET)
         assert t.feed is None
@@ -99,13 +99,17 @@ def test_k0_is_the_synchronous_loop_bit_for_bit(workdir, tiny_model_dir, tmp_pat
 
 
 @pytest.mark.parametrize("over,msg", [
-    ({"train.rollout_workers": 2}, "train.rollout_workers only applies with train.max_staleness >= 1"),
-    ({"train.verify_sync": True}, "train.verify_sync only applies with train.max_staleness >= 1"),
-    ({"train.max_staleness": 1, "train.stale_batches": "keep"}, "train.stale_batches has no effect"),
-    ({"train.max_staleness": 1, "train.rollout_workers": 3, "train.stale_batches": "maybe"},
-     "unknown train.stale_batches"),
-    ({"train.max_staleness": -1}, "train.max_staleness must be >= 0"),
-    ({"train.max_staleness": 1, "rollout.dynamic_sampling": True}, "does not support rollout.dynamic_sampling"),
+    ({"train.async.max_staleness": 1, "train.async.stale_batches": "keep"}, "train.async.stale_batches has no effect"),
+    ({"train.async.max_staleness": 1, "train.async.workers": 3, "train.async.stale_batches": "maybe"},
+     "train.async.stale_batches: Input should be 'drop' or 'keep'"),
+    ({"train.async.max_staleness": 0}, r"train.async.max_staleness: Input should be greater than or equal to 1"),
+    ({"train.async": -1}, r"train.async.max_staleness: Input should be greater than or equal to 1"),
+    ({"train.async.workers": 0}, r"train.async.workers: Input should be greater than or equal to 1"),
+    ({"train.async.max_staleness": 1, "rollout.dynamic_sampling": True}, "does not support rollout.dynamic_sampling"),
+    ({"train.async.verify_logp_tol": 0.1}, "verify_logp_tol only applies with train.async.verify_sync=true and "
+                                           "rollout.engine.kind=vllm"),
+    ({"train.async.correction": False, "algo.tis_cap": 2.0}, "train.async.correction=false has no effect"),
+    ({"train.async.transport.kind": "remote"}, "train.async.transport.kind=remote needs train.async.transport.address"),
 ])
 def test_async_options_are_never_silent(over, msg, workdir, tiny_model_dir):
     with pytest.raises(ConfigError, match=msg):
@@ -113,13 +117,13 @@ def test_async_options_are_never_silent(over, msg, workdir, tiny_model_dir):
 
 
 def test_rollout_correction_needs_a_logp_engine_only_when_synchronous(workdir, tiny_model_dir):
-    with pytest.raises(ConfigError, match="train.max_staleness >= 1"):
+    with pytest.raises(ConfigError, match="or train.async: the rollout workers record them"):
         tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"algo.tis_cap": 2.0})
-    tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"algo.tis_cap": 2.0, "train.max_staleness": 1})
+    tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"algo.tis_cap": 2.0, "train.async.max_staleness": 1})
 
 
 def test_asynchronous_training_is_corrected_by_default(workdir, tiny_model_dir, monkeypatch):
-    """train.async_correction (docs/evidence.md, staleness): with K >= 1, an engine whose workers pass log-probs
+    """train.async.correction (docs/evidence.md, staleness): with K >= 1, an engine whose workers pass log-probs
     on and no correction key set, the resolved config carries TIS cap 2 + IcePop [0.5, 5]; false leaves the lag
     uncorrected; a correction set by hand is used as given (and then false is refused as having no effect, as it is
     with K = 0); a Config built in Python gets the same default from the Trainer (apply_async_correction,
@@ -131,17 +135,18 @@ def test_asynchronous_training_is_corrected_by_default(workdir, tiny_model_dir, 
 
     assert corr(tiny_config(workdir, tiny_model_dir, "grpo", 2)) == (0.0, 0.0, 0.0)
     assert corr(tiny_config(workdir, tiny_model_dir, "grpo", 2, **asynchronous(1))) == (2.0, 0.5, 5.0)
-    off = tiny_config(workdir, tiny_model_dir, "grpo", 2, **asynchronous(1, **{"train.async_correction": False}))
+    off = tiny_config(workdir, tiny_model_dir, "grpo", 2, **asynchronous(1, **{"train.async.correction": False}))
     assert corr(off) == (0.0, 0.0, 0.0)
     own = tiny_config(workdir, tiny_model_dir, "grpo", 2, **asynchronous(2, **{"algo.tis_cap": math.inf}))
     assert corr(own) == (math.inf, 0.0, 0.0)
     sampler = tiny_config(workdir, tiny_model_dir, "rpg_fkl", 2, **asynchronous(1, **{"algo.kl_sampler": "mu"}))
     assert corr(sampler) == (0.0, 0.0, 0.0) and sampler.algo.kl_sampler == "mu"
-    with pytest.raises(ConfigError, match="train.async_correction=false has no effect: a rollout correction is set"):
+    with pytest.raises(ConfigError, match="train.async.correction=false has no effect: a rollout correction is set"):
         tiny_config(workdir, tiny_model_dir, "grpo", 2,
-                    **asynchronous(1, **{"train.async_correction": False, "algo.tis_cap": 2.0}))
-    with pytest.raises(ConfigError, match="train.async_correction only applies with train.max_staleness >= 1"):
-        tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"train.async_correction": False})
+                    **asynchronous(1, **{"train.async.correction": False, "algo.tis_cap": 2.0}))
+    # a key of the async section turns it on, with its defaults (K = 1): nothing is set without effect
+    on = tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"train.async.correction": False})
+    assert on.train.max_staleness == 1 and corr(on) == (0.0, 0.0, 0.0)
     # an engine whose workers pass no log-probs on (a registered test engine): no default, and a correction set
     # by hand is refused before the run rather than failing at its first update
     # (registered for this test only: the registry is global, and docs/config.md lists its engines)
@@ -151,11 +156,11 @@ def test_asynchronous_training_is_corrected_by_default(workdir, tiny_model_dir, 
     monkeypatch.setitem(ENGINES._meta, "scripted", {"reports_logp": False})
     assert corr(tiny_config(workdir, tiny_model_dir, "grpo", 2, **asynchronous(1, **{"rollout.engine": "scripted"}))) \
         == (0.0, 0.0, 0.0)
-    with pytest.raises(ConfigError, match="rollout workers' rollout.engine=scripted passes none on"):
+    with pytest.raises(ConfigError, match="rollout workers' rollout.engine.kind=scripted passes none on"):
         tiny_config(workdir, tiny_model_dir, "grpo", 2,
                     **asynchronous(1, **{"rollout.engine": "scripted", "algo.tis_cap": 2.0}))
     py = Config()
-    py.train.max_staleness = 1
+    py.train.async_ = 1  # the shorthand, as in a YAML file
     assert corr(apply_async_correction(py)) == (2.0, 0.5, 5.0) and corr(apply_async_correction(py)) == (2.0, 0.5, 5.0)
     py.algo.tis_cap = 3.0  # set by hand after resolution: kept
     assert corr(apply_async_correction(py)) == (3.0, 0.5, 5.0)
@@ -179,7 +184,7 @@ def drop_logp(engine, tokenizer, **options):
 
 def test_an_agent_that_drops_the_log_probs_is_a_named_error(workdir, tiny_model_dir, tmp_path):
     """The default correction with a user agent that does not pass the engine's log-probs on: the first update
-    stops with a ConfigError naming the agent and the way out (train.async_correction=false), not a ValueError
+    stops with a ConfigError naming the agent and the way out (train.async.correction=false), not a ValueError
     from inside the loss."""
     (tmp_path / "drop.py").write_text(DROP_LOGP_AGENT)
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", 2,
@@ -187,7 +192,7 @@ def test_an_agent_that_drops_the_log_probs_is_a_named_error(workdir, tiny_model_
     t = Trainer(cfg, tmp_path / "run", **QUIET)
     try:
         with pytest.raises(ConfigError, match=r"rollout.agent=.*drop.py:drop_logp did not pass them on \(or "
-                                              r"train.async_correction=false"):
+                                              r"train.async.correction=false"):
             t.train_step()
     finally:
         t.close()
@@ -196,7 +201,7 @@ def test_an_agent_that_drops_the_log_probs_is_a_named_error(workdir, tiny_model_
 # ---------------------------------------------------------------- K >= 1 trains, staleness <= K
 
 
-@pytest.mark.parametrize("k,over", [(1, {"algo.tis_cap": 2.0}), (2, {}), (1, {"train.rollout_workers": 3}),
+@pytest.mark.parametrize("k,over", [(1, {"algo.tis_cap": 2.0}), (2, {}), (1, {"train.async.workers": 3}),
                                     (2, {"train.lr_scale": "ess"})])
 def test_async_trains_with_staleness_at_most_k(k, over, workdir, tiny_model_dir, tmp_path):
     """Every consumed batch is at most K versions old (or dropped, with more than K + 1 workers), tagged with
@@ -223,7 +228,7 @@ def test_async_trains_with_staleness_at_most_k(k, over, workdir, tiny_model_dir,
         if "train.lr_scale" in over:  # one mini-batch: the step's ESS
             assert m["lr_scale"] == pytest.approx(m["rollout_corr/ess_frac"], rel=1e-12)
     last = ms[-1]
-    hist = [last[f"async/staleness_{s}"] for s in range(max(k + 1, cfg.train.rollout_workers))]
+    hist = [last[f"async/staleness_{s}"] for s in range(max(k + 1, cfg.train.async_.workers))]
     assert sum(hist) == steps and hist == [sum(m["async/staleness"] == s for m in ms) for s in range(len(hist))]
     assert all(hist[s] == 0 for s in range(k + 1, len(hist)))
     assert t.feed.consumed == steps + last["async/dropped"]
@@ -240,10 +245,10 @@ def test_async_at_staleness_0_is_the_synchronous_loop_bit_for_bit(workdir, tiny_
     steps, over = 3, {"train.mini_batches": 2, "algo.anchor.every": 2}
     sync = Trainer(tiny_config(workdir, tiny_model_dir, "ema_pg", steps, **over), tmp_path / "sync", **QUIET)
     ms = [strip(sync.train_step()) for _ in range(steps)]
-    # uncorrected (train.async_correction=false): the default correction re-weights by pi_old / mu, which at the
+    # uncorrected (train.async.correction=false): the default correction re-weights by pi_old / mu, which at the
     # current version is 1 only up to the engine's numerics, so it would not be bit for bit
     t = Trainer(tiny_config(workdir, tiny_model_dir, "ema_pg", steps,
-                            **asynchronous(1, **over, **{"train.async_correction": False})), tmp_path / "k1", **QUIET)
+                            **asynchronous(1, **over, **{"train.async.correction": False})), tmp_path / "k1", **QUIET)
     t.feed.pool.lookahead = 1
     try:
         ma = [strip(t.train_step()) for _ in range(steps)]
@@ -450,8 +455,8 @@ def test_a_batch_older_than_k_is_dropped_or_kept(policy, workdir, tiny_model_dir
 
     monkeypatch.setattr(ScriptedWorkers, "VERSIONS", [0, 0, 0, 2, 2])
     monkeypatch.setattr(feed, "RolloutWorkers", ScriptedWorkers)
-    # scripted batches carry no engine log-probs: uncorrected (train.async_correction=false)
-    over = {"train.rollout_workers": 3, "train.stale_batches": policy, "train.async_correction": False}
+    # scripted batches carry no engine log-probs: uncorrected (train.async.correction=false)
+    over = {"train.async.workers": 3, "train.async.stale_batches": policy, "train.async.correction": False}
     t = Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 3, **asynchronous(1, **over)), tmp_path / "r", **QUIET)
     t.feed.pool.agent = t.agent
     sampled = []  # per step: the batch was stale, and the sampler pass recomputed pi_old

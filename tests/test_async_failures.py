@@ -1,5 +1,5 @@
 """Failures of asynchronous RL with real processes (docs/async.md, "Stopping, failures, resume"): a rollout
-worker killed with ``kill -9`` mid-run is restarted and the job it held resubmitted (``train.worker_restarts``),
+worker killed with ``kill -9`` mid-run is restarted and the job it held resubmitted (``train.async.worker_restarts``),
 or, with no restart left, the run stops with one error line after a checkpoint of its last completed step,
 from which ``--resume`` continues; a remote worker killed is replaced by the next ``tether worker`` that
 connects; a resume pushes the checkpoint's step as the first version and continues the data stream where
@@ -31,7 +31,8 @@ def workdir(make_workdir):
 
 
 def asynchronous(k: int, **over) -> dict:
-    return {"train.max_staleness": k, "train.verify_sync": True, "eval.before": False, "eval.after": False, **over}
+    return {"train.async.max_staleness": k, "train.async.verify_sync": True, "eval.before": False, "eval.after": False,
+            **over}
 
 
 def ids(t) -> list:
@@ -57,7 +58,7 @@ def test_a_killed_local_worker_is_restarted_and_its_job_resubmitted(workdir, tin
         t.close()
     assert new != old and ms[-1]["async/restarts"] == 1
     assert any(f"rollout worker 0 (pid {old}) died with exit code -9" in ln and "restarting it (restart 1 of "
-               "train.worker_restarts=2)" in ln for ln in logs), logs
+               "train.async.worker_restarts=2)" in ln for ln in logs), logs
     for step, m in enumerate(ms):
         assert 0 <= m["async/staleness"] <= 1 and m["async/version"] == step - m["async/staleness"]
     assert t.feed.consumed == steps and t.state()["data_position"] == cfg.rollout.prompts_per_step * steps
@@ -107,13 +108,14 @@ def test_resume_pushes_the_checkpoint_version_and_continues_the_stream(workdir, 
 
 @pytest.mark.slow  # about 24 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_kill_9_without_restarts_stops_with_a_checkpoint_and_resumes(workdir, tiny_model_dir, tmp_path):
-    """`tether train` with train.worker_restarts=0; its worker is killed (kill -9) after the first step: exit 2,
+    """`tether train` with train.async.worker_restarts=0; its worker is killed (kill -9) after the first step: exit 2,
     one `tether: error:` naming the worker, the exit code and the checkpoint of the last completed step, which
     `--resume` continues (to two steps further: the run is planned far longer than the kill can take to land,
     since on a fast machine 8 tiny steps finished between the first metrics row and the kill)."""
     run, log = tmp_path / "run", tmp_path / "train.log"
     planned = 10_000
-    args = cli_args(workdir, tiny_model_dir, run, planned, "grpo", **asynchronous(1, **{"train.worker_restarts": 0}))
+    args = cli_args(workdir, tiny_model_dir, run, planned, "grpo",
+                    **asynchronous(1, **{"train.async.worker_restarts": 0}))
     env = subprocess_env(OMP_NUM_THREADS="1")
     with open(log, "w") as out:
         p = subprocess.Popen([TETHER, *args], stdout=out, stderr=subprocess.STDOUT, env=env)

@@ -1,4 +1,5 @@
-"""Partial rollouts (train.partial_rollout_tokens, tether.asynchronous.partial): a worker samples in segments and takes
+"""Partial rollouts (train.async.partial_rollout_tokens, tether.asynchronous.partial): a worker samples in segments and
+takes
 newer weights between them, recording each token's version.
 
 With one version throughout, segmenting changes nothing (greedy ids, finish reasons, texts equal the unsegmented
@@ -96,10 +97,11 @@ def test_each_token_is_sampled_and_scored_by_its_segments_version(policy):
 
 
 @pytest.mark.parametrize("over,msg", [
-    ({"train.partial_rollout_tokens": 4}, "train.partial_rollout_tokens only applies with train.max_staleness >= 1"),
-    ({"train.max_staleness": 1, "train.partial_rollout_tokens": 8}, "has no effect: a response has at most"),
-    ({"train.max_staleness": 1, "train.partial_rollout_tokens": -1}, "must be >= 0"),
-    ({"train.max_staleness": 1, "train.partial_rollout_tokens": 4, "rollout.agent": "multi_turn"},
+    ({"train.async.partial_rollout_tokens": -1}, "train.async.partial_rollout_tokens: Input should be greater than or "
+                                                 "equal to 0"),
+    ({"train.async.max_staleness": 1, "train.async.partial_rollout_tokens": 8},
+     "has no effect: a response has at most"),
+    ({"train.async.max_staleness": 1, "train.async.partial_rollout_tokens": 4, "rollout.agent": "multi_turn"},
      "supports rollout.agent=single_turn only"),
 ])
 def test_partial_rollout_options(over, msg, workdir, tiny_model_dir):
@@ -112,7 +114,8 @@ def test_a_trainer_with_partial_rollouts(workdir, tiny_model_dir, tmp_path):
     batch's version and the trainer's, verified checksums of every version used (mid-job ones included)."""
     steps = 5
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", steps, **{
-        "train.max_staleness": 1, "train.verify_sync": True, "train.partial_rollout_tokens": 3, "algo.tis_cap": 2.0})
+        "train.async.max_staleness": 1, "train.async.verify_sync": True, "train.async.partial_rollout_tokens": 3,
+        "algo.tis_cap": 2.0})
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     try:
         ms = [t.train_step() for _ in range(steps)]

@@ -1,7 +1,7 @@
-"""Remote rollout workers (train.worker_address, `tether worker`; tether.asynchronous.remote) on loopback: the
+"""Remote rollout workers (train.async.transport.address, `tether worker`; tether.asynchronous.remote) on loopback: the
 trainer and a worker are two `tether` processes started separately, as on two nodes. A run trains with
 staleness <= K and verified checksums and both exit 0; a worker killed or frozen mid-run is a
-`tether: error:` in the trainer (closed connection at once, silence after train.worker_timeout_s), never a
+`tether: error:` in the trainer (closed connection at once, silence after train.async.transport.timeout_s), never a
 hang; a wrong key or a missing one is refused.
 """
 
@@ -46,7 +46,8 @@ def start(args: list, log: Path, **env) -> subprocess.Popen:
 
 def remote_run(workdir, model_dir, run, address: str, steps: int, **over) -> list:
     return cli_args(workdir, model_dir, run, steps, "grpo",
-                    **{"train.max_staleness": 1, "train.verify_sync": True, "train.worker_address": address,
+                    **{"train.async.max_staleness": 1, "train.async.verify_sync": True,
+                       "train.async.transport.kind": "remote", "train.async.transport.address": address,
                        "eval.before": False, "eval.after": False, **over})
 
 
@@ -97,13 +98,13 @@ def torchrun(nproc: int, *args) -> list:
 
 def test_the_two_node_layout_under_torchrun_on_loopback(workdir, tiny_model_dir, tmp_path):
     """docs/async.md's layout, both sides launched by torchrun: 2 FSDP trainer ranks listening on
-    train.worker_address and `torchrun --nproc_per_node 2 -m tether worker` (2 workers, one per process). Both
+    train.async.transport.address and `torchrun --nproc_per_node 2 -m tether worker` (2 workers, one per process). Both
     exit 0; both workers sampled; every batch within K with verified checksums."""
     addr, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
     env = subprocess_env(OMP_NUM_THREADS="1", TETHER_WORKER_KEY=KEY)
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    args = remote_run(workdir, tiny_model_dir, run, addr, 4, **{"train.rollout_workers": 2})
+    args = remote_run(workdir, tiny_model_dir, run, addr, 4, **{"train.async.workers": 2})
     with open(tmp_path / "t.log", "w") as tl, open(tmp_path / "w.log", "w") as wl:
         trainer = subprocess.Popen(torchrun(2, *args), stdout=tl, stderr=subprocess.STDOUT, env=env)
         workers = subprocess.Popen(torchrun(2, "worker", addr, "--wait", 300), stdout=wl, stderr=subprocess.STDOUT,
@@ -124,12 +125,13 @@ def test_the_two_node_layout_under_torchrun_on_loopback(workdir, tiny_model_dir,
 @pytest.mark.parametrize("fault", ["killed", "frozen"])
 def test_a_remote_worker_that_dies_or_freezes_is_an_error_not_a_hang(fault, workdir, tiny_model_dir, tmp_path):
     """SIGKILL: the closed connection stops the trainer at its next batch. SIGSTOP: the connection stays open
-    and silent; the trainer stops after train.worker_timeout_s. Either way one `tether: error:` line, exit 2."""
+    and silent; the trainer stops after train.async.transport.timeout_s. Either way one `tether: error:` line,
+    exit 2."""
     addr, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
     key = dict(TETHER_WORKER_KEY=KEY)
     worker = start(["worker", addr, "--wait", "300"], tmp_path / "w.log", **key)  # first: it waits for the trainer
-    trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 5000, **{"train.worker_timeout_s": 20,
-                                                                           "train.worker_restarts": 0}),
+    trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 5000, **{"train.async.transport.timeout_s": 20,
+                                                                           "train.async.worker_restarts": 0}),
                     tmp_path / "t.log", **key)
     try:
         wait_for(lambda: (run / "metrics.jsonl").exists() and rows(run), "the first step", [trainer, worker])
@@ -144,19 +146,20 @@ def test_a_remote_worker_that_dies_or_freezes_is_an_error_not_a_hang(fault, work
     if fault == "killed":
         assert "closed the connection" in tlog and "(it died, or its node went away)" in tlog, tlog[-3000:]
     else:
-        assert "sent nothing (not even a heartbeat)" in tlog and "train.worker_timeout_s=20" in tlog, tlog[-3000:]
+        assert "sent nothing (not even a heartbeat)" in tlog, tlog[-3000:]
+        assert "train.async.transport.timeout_s=20" in tlog, tlog[-3000:]
         assert waited >= 15
     done = len(rows(run))
     assert done < 5000 and f"step {done}'s checkpoint: " in tlog and "tether train --resume" in tlog, tlog[-3000:]
 
 
 def test_a_killed_remote_worker_is_replaced_by_the_next_that_connects(workdir, tiny_model_dir, tmp_path):
-    """train.worker_restarts (default 2): the trainer waits for a new `tether worker` (as a supervisor loop on the
+    """train.async.worker_restarts (default 2): the trainer waits for a new `tether worker` (as a supervisor loop on the
     worker's node would start it), gives it the dead one's rank, the newest version and the jobs it held."""
     addr, run = f"127.0.0.1:{free_port()}", tmp_path / "run"
     key = dict(TETHER_WORKER_KEY=KEY)
     worker = start(["worker", addr, "--wait", "300"], tmp_path / "w.log", **key)
-    trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 40, **{"train.worker_timeout_s": 120}),
+    trainer = start(remote_run(workdir, tiny_model_dir, run, addr, 40, **{"train.async.transport.timeout_s": 120}),
                     tmp_path / "t.log", **key)
     second = None
     try:
@@ -177,22 +180,26 @@ def test_a_killed_remote_worker_is_replaced_by_the_next_that_connects(workdir, t
 
 def test_keys_and_addresses(workdir, tiny_model_dir, tmp_path, monkeypatch):
     """No key: a config error before anything starts; a worker with the wrong key is refused (exit 2) and the
-    trainer, still waiting, says so and gives up after train.worker_timeout_s; bad addresses are config errors."""
+    trainer, still waiting, says so and gives up after train.async.transport.timeout_s; bad addresses are config
+    errors."""
     from tether.errors import ConfigError
     from tether.cli import main
 
-    with pytest.raises(ConfigError, match="train.worker_address must be HOST:PORT"):
-        tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"train.max_staleness": 1, "train.worker_address": "x"})
-    with pytest.raises(ConfigError, match="train.worker_timeout_s only applies with train.worker_address"):
-        tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"train.max_staleness": 1, "train.worker_timeout_s": 5})
-    with pytest.raises(ConfigError, match="train.worker_address only applies with train.max_staleness >= 1"):
-        tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"train.worker_address": "127.0.0.1:1"})
+    remote = {"train.async.transport.kind": "remote"}
+    with pytest.raises(ConfigError, match="train.async.transport.address: Value error, must be HOST:PORT"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 2, **remote, **{"train.async.transport.address": "x"})
+    with pytest.raises(ConfigError, match="train.async.transport.timeout_s is a key of train.async.transport.kind="
+                                          "remote, and train.async.transport.kind is 'local'"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"train.async.max_staleness": 1,
+                                                           "train.async.transport.timeout_s": 5})
+    with pytest.raises(ConfigError, match="train.async.transport.kind=remote needs train.async.transport.address"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 2, **remote)
     monkeypatch.delenv("TETHER_WORKER_KEY", raising=False)
     assert main(["worker", "127.0.0.1:1", "--wait", "0"]) == 2
 
     addr = f"127.0.0.1:{free_port()}"
-    trainer = start(remote_run(workdir, tiny_model_dir, tmp_path / "run", addr, 2, **{"train.worker_timeout_s": 60}),
-                    tmp_path / "t.log", TETHER_WORKER_KEY=KEY)
+    trainer = start(remote_run(workdir, tiny_model_dir, tmp_path / "run", addr, 2,
+                               **{"train.async.transport.timeout_s": 60}), tmp_path / "t.log", TETHER_WORKER_KEY=KEY)
     try:
         wait_for(lambda: "waiting for 1 rollout worker" in (tmp_path / "t.log").read_text(), "the trainer", [trainer])
         bad = subprocess.run([TETHER, "worker", addr, "--wait", "10"], capture_output=True, text=True, timeout=120,

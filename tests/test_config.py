@@ -18,32 +18,58 @@ import tether.config
 from helpers import DIGITS, tiny_config
 from tether.config import (Config, ConfigError, coerce_value, flatten, load_config, parse_overrides, reference,
                            save_config, to_dict)
+from tether.sections import Section
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "config.md"
 
 
+def _fields(obj) -> list[tuple[str, str]]:
+    """(attribute, key a user writes) of a section's fields: pydantic's model_fields (with aliases) or a
+    dataclass's fields (``algo.region``)."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    if hasattr(cls, "model_fields"):
+        return [(n, f.alias or n) for n, f in cls.model_fields.items()]
+    return [(f.name, f.name) for f in dataclasses.fields(cls)]
+
+
+def _is_section(value) -> bool:
+    return hasattr(type(value), "model_fields") or (dataclasses.is_dataclass(value) and not isinstance(value, type))
+
+
 def leaf_keys(obj=None, prefix: str = "") -> list[str]:
-    """Every key of ``Config`` at any depth, walked from the dataclass fields (independently of
-    ``tether.config.reference``)."""
+    """Every key of a config instance at any depth (default: ``Config()``), walked from its fields
+    (independently of ``tether.config.reference``); an optional section that is off is one leaf."""
     obj = Config() if obj is None else obj
     out = []
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            out += leaf_keys(value, f"{prefix}{f.name}.")
-        else:
-            out.append(prefix + f.name)
+    for name, key in _fields(obj):
+        value = getattr(obj, name)
+        out += leaf_keys(value, f"{prefix}{key}.") if _is_section(value) else [prefix + key]
     return out
+
+
+def every_key() -> set[str]:
+    """Every key any config can have: the default's, each engine kind's, train.async's and each transport's."""
+    from tether.config import AsyncConfig, RemoteTransport, VLLMEngineConfig
+
+    keys = set(leaf_keys())
+    keys |= {"rollout.engine", "train.async"}  # a chosen and an optional section are keys too (a whole mapping)
+    keys |= set(leaf_keys(VLLMEngineConfig(), "rollout.engine."))
+    keys |= set(leaf_keys(AsyncConfig(), "train.async."))
+    keys |= set(leaf_keys(RemoteTransport(address="h:1"), "train.async.transport."))
+    keys |= {"train.async.transport"}
+    return keys
 
 
 # ---------------------------------------------------------------- docs/config.md
 
 
 def test_every_config_field_at_any_depth_is_in_docs_config_md():
-    documented = set(re.findall(r"^\| `([\w.]+)` \|", DOC.read_text(), flags=re.MULTILINE))
-    keys = leaf_keys()
+    tables = DOC.read_text().split("## Keys of the earlier flat layout")[0]  # not the old keys' table
+    documented = set(re.findall(r"^\| `([\w.]+)` \|", tables, flags=re.MULTILINE))
+    keys = every_key()
     assert len(keys) > 100 and "algo.anchor.every" in keys and "recipe" in keys  # the walk went deep
+    assert {"rollout.engine.dtype", "train.async.workers", "train.async.transport.address"} <= keys
     missing = [k for k in keys if k not in documented]
     assert not missing, f"keys missing from docs/config.md (tether config --reference > docs/config.md): {missing}"
     stale = sorted(documented - set(keys))
@@ -70,18 +96,18 @@ def test_anchor_every_is_documented_in_trainer_steps():
     assert "every N trainer steps" in row, row
 
 
-@dataclasses.dataclass
-class _Undocumented:
-    """A section with a key declared without a comment."""
+class _Undocumented(Section):
+    """A section with a key declared without a docstring."""
 
-    fine: int = 1  # documented
+    fine: int = 1
+    """documented"""
     bare: int = 2
 
 
-def test_a_key_declared_without_a_comment_is_refused():
+def test_a_key_declared_without_a_docstring_is_refused():
     from tether.config.reference import keys
 
-    with pytest.raises(AssertionError, match="config key bare has no comment"):
+    with pytest.raises(AssertionError, match="config key bare has no docstring"):
         keys(_Undocumented)
 
 
@@ -94,6 +120,8 @@ CONFIGS = [
      None),
     ({"recipe": "rpg_fkl", "model.lora_r": 8, "model.lora_target_modules": ["q_proj", "v_proj"]}, None),
     ({}, "search"),
+    ({"train.async": {"max_staleness": 2, "workers": 3, "transport": {"kind": "remote", "address": "10.0.0.5:29600"}},
+      "rollout.engine.prune_every": 0}, None),
 ]
 
 
@@ -242,7 +270,7 @@ def test_reward_timeout_and_prompt_overflow_are_validated(workdir, tiny_model_di
 
 
 def test_rollout_correction_config_errors(workdir, tiny_model_dir):
-    with pytest.raises(ConfigError, match="rollout.engine=hf reports none"):
+    with pytest.raises(ConfigError, match="rollout.engine.kind=hf reports none"):
         tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"algo.tis_cap": 2.0})
     with pytest.raises(ConfigError, match="tis_mode has no effect"):
         tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"algo.tis_mode": "sequence"})
@@ -253,19 +281,24 @@ def test_rollout_correction_config_errors(workdir, tiny_model_dir):
 def test_vllm_options_are_validated(workdir, tiny_model_dir):
     import importlib.util
 
-    with pytest.raises(ConfigError, match="rollout.vllm_sleep only applies with rollout.engine=vllm"):
-        tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"rollout.vllm_sleep": True})
-    bad = {"rollout.engine": "vllm", "rollout.vllm_dtype": "fp8", "rollout.vllm_gpu_memory_utilization": 1.5,
-           "rollout.vllm_sync_bucket_mb": 0, "rollout.vllm_kv_cache_gb": -1, "rollout.prune_every": 8}
+    with pytest.raises(ConfigError, match="rollout.engine.sleep is a key of rollout.engine.kind=vllm, and "
+                                          "rollout.engine.kind is 'hf'"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"rollout.engine.sleep": True})
+    bad = {"rollout.engine": "vllm", "rollout.engine.dtype": "fp8", "rollout.engine.gpu_memory_utilization": 1.5,
+           "rollout.engine.sync_bucket_mb": 0, "rollout.engine.kv_cache_gb": -1, "rollout.engine.prune_every": 8}
     with pytest.raises(ConfigError) as e:
         tiny_config(workdir, tiny_model_dir, "grpo", 1, **bad)
-    for msg in ("vllm_dtype", "vllm_gpu_memory_utilization must be in (0, 1]", "vllm_sync_bucket_mb must be >= 1",
-                "vllm_kv_cache_gb must be >= 0", "prune_every is an option of engine hf"):
-        assert msg in str(e.value)
-    if importlib.util.find_spec("vllm") is None:
-        assert "bash scripts/setup.sh --vllm" in str(e.value)
-    with pytest.raises(ConfigError, match="model.trust_remote_code=true with rollout.engine=vllm: vLLM samples from a "
-                                          "snapshot"):
+    for msg in ("rollout.engine.dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16' (got 'fp8')",
+                "rollout.engine.gpu_memory_utilization: Input should be less than or equal to 1 (got 1.5)",
+                "rollout.engine.sync_bucket_mb: Input should be greater than or equal to 1 (got 0)",
+                "rollout.engine.kv_cache_gb: Input should be greater than or equal to 0 (got -1)",
+                "rollout.engine.prune_every is a key of rollout.engine.kind=hf"):
+        assert msg in str(e.value)  # every problem at once, each naming its key
+    with pytest.raises(ConfigError, match="rollout.engine.kind=vllm needs vLLM" if importlib.util.find_spec("vllm")
+                       is None else "nothing"):
+        tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"rollout.engine": "vllm"})
+    with pytest.raises(ConfigError, match="model.trust_remote_code=true with rollout.engine.kind=vllm: vLLM samples "
+                                          "from a snapshot"):
         tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"rollout.engine": "vllm", "model.trust_remote_code": True})
 
 

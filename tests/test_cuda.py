@@ -138,7 +138,7 @@ def test_tether_train_with_vllm_on_cuda(gpu_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "tether", "train", "--recipe", "grpo", f"model.name={gpu_model_dir}",
            f"data.task={data}", "model.device=cuda", "model.dtype=bfloat16", "train.steps=2",
            "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "rollout.engine=vllm",
-           "rollout.vllm_gpu_memory_utilization=0.3", "rollout.vllm_max_model_len=256", "algo.tis_cap=2",
+           "rollout.engine.gpu_memory_utilization=0.3", "rollout.engine.max_model_len=256", "algo.tis_cap=2",
            "run.progress=false", "run.plot=false", f"run.output_dir={out}"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=subprocess_env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -198,7 +198,8 @@ def test_async_workers_sample_on_cuda_with_the_trainers_weights(kind, workdir, g
     from tether.asynchronous.workers import Job
     from tether.train import Trainer
 
-    over = {"model.dtype": "bfloat16", "model.device": "cuda", "train.max_staleness": 1, "train.verify_sync": True,
+    over = {"model.dtype": "bfloat16", "model.device": "cuda", "train.async.max_staleness": 1,
+            "train.async.verify_sync": True,
             "algo.tis_cap": 2.0}
     model_dir = gpu_tied_model_dir if kind == "tied" else gpu_model_dir
     if kind == "lora":
@@ -250,7 +251,7 @@ def test_async_cli_on_cuda_survives_a_worker_killed_mid_run(workdir, gpu_model_d
     cmd = [sys.executable, "-m", "tether", "train", "--recipe", "grpo", f"model.name={gpu_model_dir}",
            f"data.task={workdir / 'prompts.jsonl'}", f"data.reward={workdir / 'rew.py'}:digits",
            "model.device=cuda", "model.dtype=bfloat16", "train.steps=10000", "rollout.prompts_per_step=2",
-           "rollout.n=2", "rollout.max_new_tokens=8", "train.max_staleness=1", "train.verify_sync=true",
+           "rollout.n=2", "rollout.max_new_tokens=8", "train.async.max_staleness=1", "train.async.verify_sync=true",
            "run.progress=false", "run.plot=false", "run.save_every=0", "eval.before=false", "eval.after=false",
            f"run.output_dir={out}"]
 

@@ -201,3 +201,16 @@ def test_tether_demos_refuses_a_directory_and_an_empty_result(tmp_path):
     r = run_module("demos", "calculator", "--data", data, "--out", tmp_path / "out.jsonl")
     assert_clean_error(r.returncode, r.stderr, "no demonstration could be built")
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_demos_and_training_build_one_environment():
+    """`tether demos` builds its environment with tether.agents.build.build_env from the keys training sets, so a
+    demonstration's observations are the ones training shows; an agent without an environment is refused."""
+    from tether.agents.build import build_env
+    from tether.config import ConfigError, load_config
+    from tether.envs.calculator import CalculatorEnv
+
+    env = build_env(load_config(None, {"rollout.agent": "multi_turn", "env.max_turns": 3}))
+    assert isinstance(env, CalculatorEnv) and env.max_turns == 3
+    with pytest.raises(ConfigError, match="rollout.agent=single_turn runs no environment"):
+        build_env(load_config(None, {}))

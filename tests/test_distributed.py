@@ -167,15 +167,15 @@ def test_matches_single_process(runs):
 
 @pytest.mark.slow  # about 35 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_async_staleness_1_matches_single_process(runs, work, tiny_model_dir):
-    """train.max_staleness=1 on 2 ranks: rank 0's rollout worker (a spawned process) samples each whole step,
+    """train.async.max_staleness=1 on 2 ranks: rank 0's rollout worker (a spawned process) samples each whole step,
     every rank trains on its share of the prompts. The scripted engine's responses depend only on the prompt,
     not on the weights that sample them, so the run lands where the synchronous single process did, whatever
     the staleness (logged once, at most 1), with verified sync (the checksum of the gathered FSDP2 weights must
     leave them freeable); the checkpoint records the jobs consumed, and a resume from step 1
     continues the stream where it was."""
     one, _ = runs
-    out = _run(_torchrun(2, *_train_args(work, tiny_model_dir, "two_async", **{"train.max_staleness": 1,
-                                                                               "train.verify_sync": True})), work)
+    out = _run(_torchrun(2, *_train_args(work, tiny_model_dir, "two_async", **{"train.async.max_staleness": 1,
+                                                                               "train.async.verify_sync": True})), work)
     assert "rollout worker 0 started" in out and out.count("rollout worker 0 started") == 1, out[-3000:]
     _assert_close(one, work / "two_async")
     r1, r2 = rows(one), rows(work / "two_async")
@@ -215,7 +215,7 @@ def test_async_worker_failure_stops_every_rank_after_a_checkpoint(work, tiny_mod
     on a collective rank 0 never reaches), after step 1's checkpoint, and the worker is gone."""
     (work / "crash_second.py").write_text(CRASH_SECOND)
     args = _train_args(work, tiny_model_dir, "two_async_crash", steps=3, **{
-        "train.max_staleness": 1, "rollout.agent": f"{work / 'crash_second.py'}:crash_second"})
+        "train.async.max_staleness": 1, "rollout.agent": f"{work / 'crash_second.py'}:crash_second"})
     p = _start(_torchrun(2, *args), work)
     try:
         out, _ = p.communicate(timeout=TIMEOUT)

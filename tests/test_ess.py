@@ -247,10 +247,11 @@ def test_options_are_never_silent(workdir, tiny_model_dir, shifted):
     def cfg(**over):
         return tiny_config(workdir, tiny_model_dir, "grpo", 2, **over)
 
-    with pytest.raises(ConfigError, match="lr_scale=ess has no effect here.*max_staleness=0 and rollout.engine=hf"):
+    with pytest.raises(ConfigError, match="lr_scale=ess has no effect here.*train.async none and "
+                                          "rollout.engine.kind=hf"):
         cfg(**{"train.lr_scale": "ess"})
     with pytest.raises(ConfigError, match="unknown train.lr_scale"):
-        cfg(**{"train.lr_scale": "ESS", "train.max_staleness": 1})
+        cfg(**{"train.lr_scale": "ESS", "train.async.max_staleness": 1})
     with pytest.raises(ConfigError, match="train.lr_scale_floor only applies with train.lr_scale"):
         cfg(**{"train.lr_scale_floor": 0.1})
     with pytest.raises(ConfigError, match="train.lr_scale_power only applies with train.lr_scale"):
@@ -259,7 +260,7 @@ def test_options_are_never_silent(workdir, tiny_model_dir, shifted):
         cfg(**{"train.lr_scale": "ess", "rollout.engine": "shifted", "train.lr_scale_floor": 1.0})
     with pytest.raises(ConfigError, match=r"train.lr_scale_power must be in \(0, 1\]"):
         cfg(**{"train.lr_scale": "seq_ess", "rollout.engine": "shifted", "train.lr_scale_power": 2.0})
-    cfg(**{"train.lr_scale": "ess", "train.max_staleness": 1})  # the workers report mu
+    cfg(**{"train.lr_scale": "ess", "train.async.max_staleness": 1})  # the workers report mu
     cfg(**{"train.lr_scale": "seq_ess", "rollout.engine": "shifted", "train.lr_scale_floor": 0.2,
            "train.lr_scale_power": 0.5})
 

@@ -261,10 +261,10 @@ def test_cli_custom_benchmark_greedy(work, tiny_model_dir, tmp_path, capsys):
     assert [r["responses"] for r in rows2] == [r["responses"] for r in rows]
 
 
-def test_eval_generates_through_make_engine_and_make_agent(work, tiny, tiny_model_dir, tmp_path, monkeypatch):
-    """`tether eval` builds the engine with tether.rollout.make_engine and the agent with
-    tether.agents.make_agent once per run (the seam a search agent plugs into), and evaluate() runs
-    every episode through the agent it is given."""
+def test_eval_generates_through_the_rollout_builder(work, tiny, tiny_model_dir, tmp_path, monkeypatch):
+    """`tether eval` builds the engine (tether.rollout.ENGINES) and the agent (tether.agents.AGENTS) once per run
+    with tether.agents.build.build_rollout, from the config its flags make (as training builds them: the agent
+    gets the same options), and evaluate() runs every episode through the agent it is given."""
     import tether.agents
     import tether.rollout
     from tether.agents import SingleTurnAgent
@@ -277,8 +277,8 @@ def test_eval_generates_through_make_engine_and_make_agent(work, tiny, tiny_mode
         return real_hf(cfg, model, tokenizer, **overrides)
 
     class CountingAgent(SingleTurnAgent):
-        def __init__(self, engine, tokenizer, system_prompt="", tag="default"):
-            super().__init__(engine, tokenizer, system_prompt)
+        def __init__(self, engine, tokenizer, system_prompt="", prompt_overflow="error", tag="default"):
+            super().__init__(engine, tokenizer, system_prompt, prompt_overflow)
             self.tag, self.episodes = tag, 0
             calls["system_prompts"].append(system_prompt)
 

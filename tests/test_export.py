@@ -5,7 +5,6 @@ errors; the export is accepted back by `tether train` / `tether eval`."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -25,7 +24,7 @@ from tether.cli import main
 from tether.config import load_config
 from tether.export import ExportError, export_run, plain_contiguous, resolve_run_checkpoint
 from tether.models import ModelConfig, load_model
-from tether.runs import load_run_model
+from tether.eval.run import load_run_model
 from tether.testing import TINY_CHAT_TEMPLATE, make_tiny_model_dir
 from tether.train import train
 
@@ -119,7 +118,7 @@ def tether_logits(run_dir, ids, *, anchor=False, step=None, base_only=False):
     and for the anchor an Anchor restored from the checkpoint and `applied`)."""
     rc = resolve_run_checkpoint(run_dir, step)
     cfg = load_config(str(Path(run_dir) / "config.yaml"))
-    model, _ = load_model(dataclasses.replace(cfg.model, device="cpu", dtype="float32"))
+    model, _ = load_model(cfg.model.model_copy(update={"device": "cpu", "dtype": "float32"}))
     if not base_only:
         load_policy_weights(rc.checkpoint, model)
     model.eval()

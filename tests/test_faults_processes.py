@@ -41,12 +41,12 @@ def _reader(p: subprocess.Popen, lines: list) -> threading.Thread:
 
 
 def test_a_killed_worker_without_restarts_leaks_no_semaphore(work, tiny_model_dir, tmp_path):
-    """`train.worker_restarts=0` and its rollout worker killed (kill -9) after the first step: the one error line,
+    """`train.async.worker_restarts=0` and its rollout worker killed (kill -9) after the first step: the one error line,
     and no `resource_tracker: ... leaked semaphore` warning after it (the worker's model-load progress bar made a
     multiprocessing lock, a named semaphore a killed process never unlinks)."""
     run = tmp_path / "run"
     args = cli_args(work, tiny_model_dir, run, 10_000, "grpo", **{
-        "train.max_staleness": 1, "train.worker_restarts": 0, "eval.before": False, "eval.after": False})
+        "train.async.max_staleness": 1, "train.async.worker_restarts": 0, "eval.before": False, "eval.after": False})
     p = subprocess.Popen([sys.executable, "-m", "tether", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, env=subprocess_env(OMP_NUM_THREADS="1"))
     lines: list[str] = []

@@ -104,9 +104,10 @@ def test_a_frame_altered_after_the_handshake_is_refused_before_unpickling(attack
 
 def fake_cfg(address: str, timeout_s: float):
     """What `RemoteWorkers` reads of a run's config (picklable: it is sent to the worker as its setup)."""
-    return SimpleNamespace(train=SimpleNamespace(worker_address=address, worker_timeout_s=timeout_s,
-                                                 worker_restarts=0, verify_logp_tol=1e-3),
-                           rollout=SimpleNamespace(engine="hf"))
+    transport = SimpleNamespace(kind="remote", address=address, timeout_s=timeout_s, key_env="TETHER_WORKER_KEY")
+    return SimpleNamespace(train=SimpleNamespace(async_=SimpleNamespace(transport=transport, worker_restarts=0,
+                                                                        verify_logp_tol=1e-3)),
+                           rollout=SimpleNamespace(engine=SimpleNamespace(kind="hf")))
 
 
 def start_pool(address: str, log: list, timeout_s: float = BOUND_S):
@@ -265,11 +266,12 @@ def workdir(make_workdir):
 
 @pytest.mark.parametrize("key", [None, "short-secret"])
 def test_the_trainer_refuses_a_missing_or_weak_key_before_the_model_loads(key, workdir, tiny_model_dir, tmp_path):
-    """`tether train ... train.worker_address=...` with $TETHER_WORKER_KEY unset or short: one `tether: error:`
+    """`tether train ... train.async.transport.address=...` with $TETHER_WORKER_KEY unset or short: one `tether: error:`
     line, exit 2, before the model loads (no "loading model" line) and before a run directory exists."""
     run = tmp_path / "run"
     args = cli_args(workdir, tiny_model_dir, run, 2, "grpo", **{
-        "train.max_staleness": 1, "train.worker_address": f"127.0.0.1:{free_port()}", "train.worker_timeout_s": 5,
+        "train.async.max_staleness": 1, "train.async.transport.kind": "remote",
+        "train.async.transport.address": f"127.0.0.1:{free_port()}", "train.async.transport.timeout_s": 5,
         "eval.before": False, "eval.after": False})
     env = subprocess_env(OMP_NUM_THREADS="1")
     env.pop("TETHER_WORKER_KEY", None)

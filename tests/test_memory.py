@@ -77,8 +77,9 @@ def test_saved_activations_are_what_autograd_keeps_without_the_parameters():
 
 def _memory_trainer(workdir, tiny_model_dir, tmp_path, **over):
     """The tiny grpo run (fixed anchor, k3), responses of exactly 8 tokens, one generate call per step."""
-    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 3, **{"rollout.min_new_tokens": 8, "rollout.share_prompt": False,
-                                                             "rollout.prune_every": 0, **over})
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 3, **{"rollout.min_new_tokens": 8,
+                                                             "rollout.engine.share_prompt": False,
+                                                             "rollout.engine.prune_every": 0, **over})
     return Trainer(cfg, tmp_path / "run", log=lambda *a: None)
 
 

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tether.agents import agent_from_config, agent_tools, make_agent
+from tether.agents import agent_from_config, agent_tools
 from tether.errors import ConfigError
 from tether.config import load_config
 from tether.rollout import SamplingParams
@@ -148,13 +148,14 @@ def test_eval_flags_reach_the_http_retriever(tmp_path, tok, stub):
     srv, url, corpus = stub
     args = _eval_args(tmp_path, "--retriever", "http", "--url", url, "--timeout", "7.5", "--retries", "0",
                       "--corpus", str(corpus), "--observation-format", "clean", "--topk", "2")
-    _, options = _search_setup(args)
-    r = options["retriever"]
+    _, cfg, tools = _search_setup(args)
+    r = tools["retriever"]
     assert isinstance(r, HTTPRetriever) and (r.timeout, r.retries, len(r.corpus)) == (7.5, 0, 6)
-    assert options["observation_format"] == "clean" and options["topk"] == 2
+    assert cfg.search.observation_format == "clean" and cfg.search.topk == 2
     # one episode through the agent: the server's id-less documents get their corpus ids back (gold recall)
     eng = _script(tok)
-    agent = make_agent("search", eng, tok, **{**options, "max_obs_tokens": 10_000})
+    cfg.search.max_obs_tokens = 10_000
+    agent = agent_from_config(cfg, eng, tok, tools)
     rb = agent.rollout([EX], SamplingParams(n=1, max_new_tokens=64))
     assert srv.requests == [("/retrieve", {"queries": ["first q"], "topk": 2, "return_scores": True})]
     assert rb.info[0]["retrieved"] == ["p0", "p1"]
@@ -162,14 +163,14 @@ def test_eval_flags_reach_the_http_retriever(tmp_path, tok, stub):
     assert obs.startswith("\n\n<information>Doc 1(Title: Entry 0) The ")  # clean: no quotes
     # --retries 1: a failing server is asked twice; --retries 0 and --timeout: one attempt that times out
     srv.mode = "500"
-    r1 = _search_setup(_eval_args(tmp_path, "--retriever", "http", "--url", url, "--retries", "1"))[1]["retriever"]
+    r1 = _search_setup(_eval_args(tmp_path, "--retriever", "http", "--url", url, "--retries", "1"))[2]["retriever"]
     r1.backoff = 0.0
     with pytest.raises(RetrievalError, match="HTTP 500") as e:
         r1.search(["q"], 1)
     assert e.value.attempts == 2 and len(srv.requests) == 3
     srv.mode = "hang"
     r0 = _search_setup(_eval_args(tmp_path, "--retriever", "http", "--url", url, "--retries", "0",
-                                  "--timeout", "0.2"))[1]["retriever"]
+                                  "--timeout", "0.2"))[2]["retriever"]
     with pytest.raises(RetrievalError, match="timed out") as e:
         r0.search(["q"], 1)
     assert e.value.attempts == 1 and len(srv.requests) == 4

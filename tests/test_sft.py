@@ -186,12 +186,13 @@ def test_overwrite_replaces_only_an_sft_run(data, tiny_model_dir, tmp_path):
 
 def test_lora_sft_run_loads_as_a_merged_model(data, tiny_model_dir, tmp_path):
     """model.name=<a LoRA SFT run>: the base model with the run's adapters merged in computes what the adapters do."""
-    from tether.runs import RunDir, load_run_model
+    from tether.eval.run import checkpoint_at, load_run_model
+    from tether.runs import RunDir
 
     lora = {"model.lora_r": 4, "model.lora_target_modules": ["q_proj", "v_proj"], "train.steps": 2}
     run = sft(config(data, tiny_model_dir, **lora), tmp_path / "lora", log=lambda *a: None)
     merged, tok = load_model(ModelConfig(name=str(run)))
-    adapters, _, _ = load_run_model(RunDir(run).at(), merge_lora=False)
+    adapters, _, _ = load_run_model(checkpoint_at(RunDir(run)), merge_lora=False)
     base, _ = load_model(ModelConfig(name=str(tiny_model_dir)))
     assert any("lora_" in n for n, _ in adapters.named_parameters())
     assert not any("lora_" in n for n, _ in merged.named_parameters())

@@ -414,7 +414,7 @@ def test_shared_prompt_training_equals_unshared(recipe, workdir, tiny_model_dir,
         # temperature 1: a rounding-level difference in the logits can flip a sampled token, and at the
         # default 0.7 one does at step 3 (steps 1-2 agree exactly); at 1.0 the 3 steps sample the same tokens
         cfg = tiny_config(workdir, tiny_model_dir, recipe, 3, **{"train.share_prompt": share,
-                                                               "rollout.share_prompt": share,
+                                                               "rollout.engine.share_prompt": share,
                                                                "train.micro_batch_size": 4, "rollout.temperature": 1.0})
         runs[share] = rows(train(cfg, tmp_path / f"share-{share}", log=lambda *a: None))
     for a, b in zip(runs[True], runs[False]):

@@ -234,8 +234,8 @@ def test_tether_train_with_vllm(tmp_path_factory, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "tether", "train", "--recipe", "grpo", f"model.name={d}", f"data.task={data}",
            "train.steps=2", "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8",
-           "rollout.engine=vllm", "rollout.vllm_enforce_eager=true", "rollout.vllm_kv_cache_gb=1",
-           "rollout.vllm_max_model_len=256", "algo.tis_cap=2", "run.progress=false", "run.plot=false",
+           "rollout.engine=vllm", "rollout.engine.enforce_eager=true", "rollout.engine.kv_cache_gb=1",
+           "rollout.engine.max_model_len=256", "algo.tis_cap=2", "run.progress=false", "run.plot=false",
            f"run.output_dir={out}"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -308,7 +308,7 @@ def test_vllm_probe_reads_back_what_the_engine_samples_with(setup):
     eng.sync_weights(model)
     fresh = gap()
     print(f"probe mean |dlogp|: synced {same:.2e}, after an unsynced step {stale:.3f}, synced again {fresh:.2e}")
-    assert same < 1e-4 and fresh < 1e-4 and stale > 0.02  # the default train.verify_logp_tol separates them
+    assert same < 1e-4 and fresh < 1e-4 and stale > 0.02  # the default train.async.verify_logp_tol separates them
 
 
 DIGITS_REWARD = '''
@@ -325,14 +325,15 @@ def _async_cmd(d, tmp_path, out, *extra):
     return [sys.executable, "-m", "tether", "train", "--recipe", "grpo", f"model.name={d}", f"data.task={data}",
             f"data.reward={tmp_path / 'rew.py'}:digits", "rollout.prompts_per_step=2", "rollout.n=2",
             "rollout.max_new_tokens=8", "train.lr=1e-2",
-            "rollout.engine=vllm", "rollout.vllm_enforce_eager=true", "rollout.vllm_kv_cache_gb=1",
-            "rollout.vllm_max_model_len=256", "train.max_staleness=1", "train.verify_sync=true",
+            "rollout.engine=vllm", "rollout.engine.enforce_eager=true", "rollout.engine.kv_cache_gb=1",
+            "rollout.engine.max_model_len=256", "train.async.max_staleness=1", "train.async.verify_sync=true",
             "eval.before=false", "eval.after=false", "run.progress=false", "run.plot=false",
             f"run.output_dir={out}", *extra]
 
 
 def test_async_training_with_vllm_workers(tmp_path_factory, tmp_path):
-    """`tether train rollout.engine=vllm train.max_staleness=1 train.verify_sync=true`: a vLLM engine in the rollout
+    """`tether train rollout.engine=vllm train.async.max_staleness=1 train.async.verify_sync=true`: a vLLM engine in the
+    rollout
     worker, reloaded for every version (checksums and the probe agree), staleness <= 1, mu = vLLM's log-probs (the
     rollout correction's ratio is 1 on a batch of the current version)."""
     d = _model_dir(tmp_path_factory, True)
@@ -364,7 +365,7 @@ def test_a_vllm_worker_that_keeps_old_weights_is_caught(tmp_path_factory, tmp_pa
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert "tether: error: trainer step" in r.stderr and "vLLM engine does not sample with version" in r.stderr, \
         r.stderr[-3000:]
-    assert "> train.verify_logp_tol=0.02" in r.stderr
+    assert "> train.async.verify_logp_tol=0.02" in r.stderr
 
 
 def test_partial_rollout_segments_on_vllm(setup):
@@ -389,7 +390,8 @@ def test_partial_rollout_segments_on_vllm(setup):
 
 def test_a_remote_vllm_worker_on_loopback(tmp_path_factory, tmp_path):
     """`tether worker` with rollout.engine=vllm, connected over TCP (127.0.0.1) to a `tether train` with
-    train.worker_address: verified sync (checksums and the vLLM probe) across the connection, staleness <= 1, both
+    train.async.transport (remote): verified sync (checksums and the vLLM probe) across the connection, staleness <= 1,
+    both
     processes exit 0."""
     import socket
 
@@ -399,7 +401,8 @@ def test_a_remote_vllm_worker_on_loopback(tmp_path_factory, tmp_path):
     d, out = _model_dir(tmp_path_factory, False), tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TETHER_WORKER_KEY": "vllm-loopback-secret-0123456789abcdef"}
     with open(tmp_path / "t.log", "w") as tl, open(tmp_path / "w.log", "w") as wl:
-        trainer = subprocess.Popen(_async_cmd(d, tmp_path, out, "train.steps=3", f"train.worker_address={addr}"),
+        trainer = subprocess.Popen(_async_cmd(d, tmp_path, out, "train.steps=3", "train.async.transport.kind=remote",
+                                              f"train.async.transport.address={addr}"),
                                    stdout=tl, stderr=subprocess.STDOUT, env=env)
         worker = subprocess.Popen([sys.executable, "-m", "tether", "worker", addr, "--wait", "300"], stdout=wl,
                                   stderr=subprocess.STDOUT, env=env)

@@ -35,7 +35,7 @@ in the KL and its gradient.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -43,8 +43,9 @@ from torch import nn
 from . import distributed as dist
 from .algo.anchors import ANCHOR_KINDS
 
-if TYPE_CHECKING:  # the config section, for annotations only (tether.config sits above this module)
-    from .config.recipes import AnchorConfig
+# ``cfg`` below is the ``algo.anchor`` section (``tether.config.recipes.AnchorConfig``; the config sits above this
+# module, so it is read by its keys: kind, eta, every, kappa, kl_smoothing, dtype)
+AnchorSection = Any
 
 
 def tracked_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -58,7 +59,7 @@ def tracked_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 class Anchor:
     """An anchor over a module's tracked parameters. ``needs_forward`` is False for the iterative anchor."""
 
-    def __init__(self, cfg: AnchorConfig, model: Optional[nn.Module] = None):
+    def __init__(self, cfg: AnchorSection, model: Optional[nn.Module] = None):
         self.needs_forward = ANCHOR_KINDS.meta(cfg.kind)["needs_forward"]  # an unknown kind: the did-you-mean error
         self.cfg = cfg
         self.kind = cfg.kind
@@ -200,6 +201,6 @@ class Anchor:
         self._sync_compute(None if model is None else [dist.local(p) for p in self._params(model)])
 
 
-def make_anchor(cfg: AnchorConfig, model: nn.Module) -> Optional[Anchor]:
+def make_anchor(cfg: AnchorSection, model: nn.Module) -> Optional[Anchor]:
     """The anchor for ``cfg`` (None when there is no KL term)."""
     return None if cfg.kind == "none" else Anchor(cfg, model)

@@ -106,7 +106,7 @@ def _worker(args) -> int:
     if "LOCAL_RANK" in os.environ and torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 
-    return serve(args.address, wait_s=args.wait)
+    return serve(args.address, wait_s=args.wait, key_env=args.key_env)
 
 
 def _plot(args) -> int:
@@ -215,17 +215,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_worker_parser(sub) -> None:
-    w = sub.add_parser("worker", help="a remote rollout worker for a trainer with train.worker_address (docs/async.md)",
-                       description="Connect to a trainer started with train.max_staleness >= 1 and "
-                       "train.worker_address=HOST:PORT, and generate its rollouts: the run's config (model, engine, "
+    w = sub.add_parser("worker", help="a remote rollout worker for a trainer with train.async.transport.kind=remote "
+                       "(docs/async.md)",
+                       description="Connect to a trainer started with train.async.transport: {kind: remote, "
+                       "address: HOST:PORT}, and generate its rollouts: the run's config (model, engine, "
                        "agent) comes from the trainer, weights after each update, jobs as they are due. The secret "
-                       "in $TETHER_WORKER_KEY must equal the trainer's. model.name and any agent / environment files "
-                       "must exist on this node under the same names.",
+                       "in $TETHER_WORKER_KEY (or --key-env) must equal the trainer's. model.name and any agent / "
+                       "environment files must exist on this node under the same names.",
                        epilog="One worker per GPU on a node: torchrun --nproc_per_node 8 -m tether worker HOST:PORT "
                        "(each process one worker on GPU LOCAL_RANK). Exit 0: the trainer ended the run; 2: no trainer "
                        "answered within --wait, a wrong key, the trainer lost, or an error in this worker (also "
                        "reported to the trainer).")
-    w.add_argument("address", help="the trainer's train.worker_address as reachable from here, HOST:PORT")
+    w.add_argument("address", help="the trainer's train.async.transport.address as reachable from here, HOST:PORT")
+    w.add_argument("--key-env", default="TETHER_WORKER_KEY", metavar="NAME", help="the environment variable holding "
+                   "the shared secret (default TETHER_WORKER_KEY; the trainer's train.async.transport.key_env)")
     w.add_argument("--wait", type=float, default=600.0, help="seconds to keep retrying while no trainer listens "
                    "yet (default 600)")
     w.set_defaults(fn=_worker)

@@ -48,7 +48,8 @@ from .export_card import render_card
 from .models import EMBEDDED_MODEL_NAME
 from .owned import check_replaceable, write_marker
 from .rundir import WRITE_ERRNOS
-from .runs import RunCheckpoint, RunDir, check_anchor, load_run_model
+from .eval.run import RunCheckpoint, check_anchor, checkpoint_at, load_run_model
+from .runs import RunDir
 
 #: ``--dtype`` names -> torch dtypes (long forms accepted too).
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -74,7 +75,7 @@ def resolve_run_checkpoint(run_dir: str | os.PathLike, step: Optional[int] = Non
         ExportError: no run directory / ``config.yaml``, no (valid) checkpoint, no checkpoint at ``step``
             (the message lists the available steps), or a damaged checkpoint at ``step``.
     """
-    return RunDir(run_dir, verb="export", error=ExportError).at(step)
+    return checkpoint_at(RunDir(run_dir, verb="export", error=ExportError), step)
 
 
 def plain_contiguous(model: torch.nn.Module) -> int:
@@ -294,7 +295,7 @@ def export_run(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: 
         ``out_dir``.
 
     Raises:
-        ExportError: see `resolve_run_checkpoint`, `tether.runs.check_anchor`, `check_target`; ``lora="adapter"``
+        ExportError: see `resolve_run_checkpoint`, `tether.eval.run.check_anchor`, `check_target`; ``lora="adapter"``
             without LoRA; an unknown ``lora`` or dtype.
     """
     log = log or (lambda *a: None)

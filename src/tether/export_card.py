@@ -8,16 +8,16 @@ the base model is a Hub id is decided by the caller), so it sits low in the laye
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from . import __version__
+from .sections import as_dict
 
 if TYPE_CHECKING:
-    from .runs import RunCheckpoint
+    from .eval.run import RunCheckpoint
 
 
 def _git_commit() -> Optional[str]:
@@ -69,7 +69,7 @@ def render_card(rc: RunCheckpoint, *, anchor: bool, fmt: str, dtype: str, base_r
     mc = rc.model_config
     cfg = rc.config
     if rc.kind == "sft":
-        train = (cfg.get("train") or {}) if isinstance(cfg, dict) else dataclasses.asdict(cfg.train)
+        train = (cfg.get("train") or {}) if isinstance(cfg, dict) else as_dict(cfg.train)
         algo = "supervised fine-tuning on assistant tokens (tether sft)"
         total = train.get("steps") or f"{train.get('epochs', '?')} epoch(s)"
     elif isinstance(cfg, dict):

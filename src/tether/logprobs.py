@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .errors import ConfigError
 from .logprobs_chunked import TokenStats, compute_dtype, token_stats_capped, token_stats
 
 __all__ = ["TokenStats", "token_stats", "response_stats", "sequence_logp"]
@@ -461,8 +462,6 @@ def packing_difference(model, logp, mask=None, *, key: str, fix: str) -> float:
     sequences see each other, which this catches. ``key`` names the option at fault in the error and ``fix`` says
     what to set instead. Tolerance: 1e-3 in float32 / float64, 1e-1 in half precision.
     """
-    from .errors import ConfigError
-
     was_training = model.training
     model.eval()
     try:

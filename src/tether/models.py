@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from dataclasses import dataclass
+from .sections import Section
 from pathlib import Path
 from typing import Any
 
@@ -52,22 +52,31 @@ _DTYPES = {
 DTYPES = tuple(_DTYPES)
 
 
-@dataclass
-class ModelConfig:
+class ModelConfig(Section):
     """What model to load and how to prepare it for training."""
 
-    name: str = EMBEDDED_MODEL_NAME  # "smollm2" (embedded default) | "organism" (built on first use, docs/organism.md)
-    # | hub id | local dir | path to .gguf | a tether
-    # run directory (tether sft / tether train: the policy of its newest checkpoint) or RUN/checkpoints/step-N
-    dtype: str = "float32"  # parameter dtype: float32 | bfloat16 | float16
-    device: str = "cpu"  # cpu | cuda | cuda:N | auto (cuda if available, else cpu)
-    gradient_checkpointing: bool = False  # recompute activations in backward (saves memory, costs ~30% time)
-    lora_r: int = 0  # 0 = full fine-tuning; >0 = LoRA via peft with this rank
-    lora_alpha: int = 16  # LoRA scaling numerator (scale = alpha / r)
-    lora_dropout: float = 0.0  # dropout on the LoRA branch input
-    lora_target_modules: list[str] | str = "all-linear"  # peft target_modules ("all-linear" = every linear but lm_head)
-    cache_dir: str | None = None  # cache for dequantized GGUF models; default $TETHER_CACHE or ~/.cache/tether
-    trust_remote_code: bool = False  # allow custom modeling code from hub repos / local dirs
+    name: str = EMBEDDED_MODEL_NAME
+    """"smollm2" (embedded default) | "organism" (built on first use, docs/organism.md) | hub id | local dir | path
+    to .gguf | a tether run directory (tether sft / tether train: the policy of its newest checkpoint) or
+    RUN/checkpoints/step-N"""
+    dtype: str = "float32"
+    """parameter dtype: float32 | bfloat16 | float16"""
+    device: str = "cpu"
+    """cpu | cuda | cuda:N | auto (cuda if available, else cpu)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward (saves memory, costs ~30% time)"""
+    lora_r: int = 0
+    """0 = full fine-tuning; >0 = LoRA via peft with this rank"""
+    lora_alpha: int = 16
+    """LoRA scaling numerator (scale = alpha / r)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch input"""
+    lora_target_modules: list[str] | str = "all-linear"
+    """peft target_modules ("all-linear" = every linear but lm_head)"""
+    cache_dir: str | None = None
+    """cache for dequantized GGUF models; default $TETHER_CACHE or ~/.cache/tether"""
+    trust_remote_code: bool = False
+    """allow custom modeling code from hub repos / local dirs"""
 
 
 
@@ -384,8 +393,6 @@ def run_source(name: str) -> tuple[Path, Path] | None:
 
 def _run_model_config(run_dir: Path) -> ModelConfig:
     """The ``model`` section of ``RUN/config.yaml`` (its known keys): the run's base model."""
-    import dataclasses
-
     import yaml
 
     path = Path(run_dir) / "config.yaml"
@@ -396,8 +403,7 @@ def _run_model_config(run_dir: Path) -> ModelConfig:
     section = raw.get("model") if isinstance(raw, dict) else None
     if not isinstance(section, dict) or not section.get("name"):
         raise ModelLoadError(f"{path} names no base model (model.name)")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in section.items() if k in known})
+    return ModelConfig(**{k: v for k, v in section.items() if k in ModelConfig.model_fields})
 
 
 def _load_run_policy(cfg: ModelConfig, run_dir: Path, ckpt: Path) -> tuple[Any, Any]:
@@ -408,7 +414,6 @@ def _load_run_policy(cfg: ModelConfig, run_dir: Path, ckpt: Path) -> tuple[Any, 
     tensors are copied in (`tether.checkpoint.load_policy_weights`) and LoRA adapters merged into
     the weights (in float32, then cast). ``cfg``'s own gradient checkpointing and LoRA apply after.
     """
-    import dataclasses
 
     from safetensors import SafetensorError
 
@@ -416,8 +421,8 @@ def _load_run_policy(cfg: ModelConfig, run_dir: Path, ckpt: Path) -> tuple[Any, 
     if Path(base.name).expanduser().resolve() == Path(run_dir).resolve():
         raise ModelLoadError(f"run {run_dir} names itself as its base model (model.name in its config.yaml)")
     merge = base.lora_r > 0
-    base = dataclasses.replace(base, dtype="float32" if merge else cfg.dtype, device=cfg.device,
-                               gradient_checkpointing=False, cache_dir=cfg.cache_dir or base.cache_dir)
+    base = base.model_copy(update=dict(dtype="float32" if merge else cfg.dtype, device=cfg.device,
+                                       gradient_checkpointing=False, cache_dir=cfg.cache_dir or base.cache_dir))
     model, tokenizer = load_model(base)
     try:
         load_policy_weights(ckpt, model)

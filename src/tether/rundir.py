@@ -35,7 +35,6 @@ What ``tether.train.train`` / ``resume`` do with a run directory ``RUN`` (throug
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import fcntl
 import json
@@ -49,6 +48,7 @@ from typing import Any, Callable, Optional
 from . import distributed as dist
 from .checkpoint import checkpoints, pid_alive
 from .config import DEFAULT_RECIPE, flatten, load_config, save_config
+from .config.migration import migrate_saved
 from .errors import ConfigError, EnvError, OutputError, RunError, loads_json
 from .metrics import warn
 from .owned import MARKER, RUN_KINDS, check_replaceable, run_kind, write_marker
@@ -267,7 +267,7 @@ class RunDirectory:
         action on the directory, and a rerun of the saved config must not delete the run."""
         if not dist.is_main():
             return
-        save_config(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, overwrite=False)),
+        save_config(cfg.model_copy(update={"run": cfg.run.model_copy(update={"overwrite": False})}),
                     self.path / "config.yaml")
         self._wrote_config = True
 
@@ -360,7 +360,7 @@ def resume_config(run_dir: Path, overrides: Optional[dict] = None):
         raise ConfigError(f"recipe={overrides['recipe']} cannot apply to --resume {run_dir}: the run continues "
                           f"with its own recipe ({name}) and its checkpointed state; start a new run for another "
                           f"recipe (tether train --recipe {overrides['recipe']} ...), or change single algo.* keys")
-    vals = flatten(saved)
+    vals = migrate_saved(flatten(saved))  # a run saved in the earlier flat layout resumes in the nested one
     vals.pop("run.overwrite", None)
     vals.update(overrides)
     return load_config(None, vals, recipe_name=name)

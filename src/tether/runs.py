@@ -2,82 +2,27 @@
 --resume`` (`tether.rundir.resume_config`), ``tether eval`` and ``tether export``.
 
 * `RunDir` -- one run directory ``RUN``: checked (:meth:`RunDir.open`: it exists and has a
-  ``config.yaml``), its saved config (:meth:`~RunDir.raw_config`, :meth:`~RunDir.config`), its
-  checkpoints (:meth:`~RunDir.steps`) and the one to use (:meth:`~RunDir.checkpoint`): the
-  newest that passes its manifest (`tether.checkpoint.latest_checkpoint`), or a named step or
-  checkpoint directory, verified against its manifest (`tether.checkpoint.verify_checkpoint`).
-* `RunCheckpoint` -- a run at one checkpoint, resolved without loading weights (:meth:`RunDir.at`).
-* `check_anchor`, `load_run_model` -- the run's model at that checkpoint, policy or anchor.
+  ``config.yaml``), its saved config as written (:meth:`~RunDir.raw_config`; resolved:
+  `tether.config.saved.saved_config`), its checkpoints (:meth:`~RunDir.steps`) and the one to use
+  (:meth:`~RunDir.checkpoint`): the newest that passes its manifest (`tether.checkpoint.latest_checkpoint`),
+  or a named step or checkpoint directory, verified against its manifest (`tether.checkpoint.verify_checkpoint`).
+* The run at one checkpoint, with its config and its model: `tether.eval.run`.
 
 Every problem is raised as the caller's error class (``error``: `RunError` for a resume,
 `EvalError` for eval, ``ExportError`` for export), in words that name the directory and what the
 caller was doing (``verb``), so the three commands report the same problem the same way.
 
-Nothing here imports torch or the config at import time: ``tether eval`` classifies its
-``--model`` argument with `is_run_dir` / `is_checkpoint_dir` while the parser is built.
+Nothing here imports torch or the config: ``tether eval`` classifies its ``--model`` argument with
+`is_run_dir` / `is_checkpoint_dir` while the parser is built.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .errors import ConfigError, RunError, loads_json
 from .owned import RUN_KINDS, is_checkpoint_dir, is_run_dir, run_kind  # noqa: F401  (is_*: re-exported for tether eval)
-
-
-@dataclass
-class RunCheckpoint:
-    """A run directory at one of its checkpoints, resolved without loading weights (`RunDir.at`).
-
-    Attributes:
-        run_dir: the run directory.
-        checkpoint: the checkpoint directory ``RUN/checkpoints/step-N``.
-        step: its step (from its ``state.json``; else from its name; -1 if neither says).
-        config: the run's `tether.config.Config`, or the raw YAML mapping when the saved config
-            no longer validates here (e.g. it asked for wandb, which this environment lacks).
-        model_config: the run's `tether.models.ModelConfig` (base model, dtype, LoRA).
-        kind: ``"run"`` (``tether train``) or ``"sft"`` (``tether sft``: its config is a
-            `tether.config.sft.SFTConfig`, it has no recipe and no anchor).
-    """
-
-    run_dir: Path
-    checkpoint: Path
-    step: int
-    config: Any
-    model_config: Any
-    kind: str = "run"
-
-    def _raw(self, section: str) -> dict:
-        return self.config.get(section) or {}
-
-    @property
-    def lora(self) -> bool:
-        return int(getattr(self.model_config, "lora_r", 0) or 0) > 0
-
-    @property
-    def anchor_kind(self) -> str:
-        if self.kind == "sft":
-            return "none"
-        if isinstance(self.config, dict):
-            return str((self._raw("algo").get("anchor") or {}).get("kind", "none"))
-        return self.config.algo.anchor.kind
-
-    @property
-    def recipe(self) -> str:
-        if self.kind == "sft":
-            return "sft"
-        return str(self.config.get("recipe", "?")) if isinstance(self.config, dict) else self.config.recipe
-
-    @property
-    def system_prompt(self) -> str:
-        if self.kind == "sft":  # each conversation carries its own system message, if any
-            return ""
-        if isinstance(self.config, dict):
-            return str(self._raw("data").get("system_prompt") or "")
-        return self.config.data.system_prompt
+from .yamlfile import read_yaml_mapping
 
 
 class RunDir:
@@ -118,28 +63,10 @@ class RunDir:
 
     def raw_config(self) -> dict:
         """``config.yaml`` as a mapping (unreadable, not UTF-8, not YAML, not a mapping: ``error`` with the line)."""
-        from .config import read_yaml_mapping  # deferred: pulls in torch
-
         try:
             return read_yaml_mapping(self.path / "config.yaml")
         except ConfigError as e:
             raise self.error(f"cannot {self.verb} {self.path}: {e}") from None
-
-    def config(self) -> tuple[Any, Any]:
-        """``(Config or SFTConfig or raw dict, ModelConfig)``: the validated config, or, when the saved
-        config no longer validates here, the raw YAML and the ``model`` section's known keys."""
-        from .config import load_config  # deferred: pulls in torch
-        from .config.sft import load_sft_config  # deferred: pulls in torch
-        from .models import ModelConfig  # deferred: pulls in torch
-
-        try:
-            cfg = (load_sft_config if self.kind == "sft" else load_config)(str(self.path / "config.yaml"))
-            return cfg, cfg.model
-        except ConfigError:
-            pass
-        raw = self.raw_config()
-        known = {f.name for f in dataclasses.fields(ModelConfig)}
-        return raw, ModelConfig(**{k: v for k, v in (raw.get("model") or {}).items() if k in known})
 
     # ------------------------------------------------------------------ which checkpoint
 
@@ -205,15 +132,6 @@ class RunDir:
             warn(f"checkpoint {ckpt} {note}")
         return ckpt
 
-    def at(self, which: int | Path | None = None) -> RunCheckpoint:
-        """The run at checkpoint ``which`` (see :meth:`checkpoint`) with its config; checks the directory first."""
-        self.open()
-        ckpt = self.checkpoint(which)
-        cfg, mc = self.config()
-        return RunCheckpoint(run_dir=self.path, checkpoint=ckpt, step=checkpoint_step(ckpt), config=cfg,
-                             model_config=mc, kind=self.kind)
-
-
 def checkpoint_step(ckpt: Path) -> int:
     """The step a checkpoint was saved at: its ``state.json``'s, else its name's (``step-N``), else -1."""
     from .checkpoint import step_of  # deferred: pulls in torch
@@ -225,66 +143,3 @@ def checkpoint_step(ckpt: Path) -> int:
         return -1 if n is None else n
 
 
-# ---------------------------------------------------------------------------- the model at a checkpoint
-
-
-def check_anchor(rc: RunCheckpoint, *, verb: str = "use", error: type[Exception] = RunError) -> None:
-    """Raise ``error`` unless the checkpoint holds anchor tensors (EMA / fixed / reset / kl_reset)."""
-    kind = rc.anchor_kind
-    if rc.kind == "sft":
-        raise error(f"run {rc.run_dir} is a supervised fine-tuning run (tether sft): it has no anchor to {verb}")
-    if kind in ("none", "iterative"):
-        why = ("it has no KL term (algo.anchor.kind = none)" if kind == "none" else
-               "its anchor is iterative (the sampler itself), so it keeps no anchor weights")
-        raise error(f"run {rc.run_dir} ({rc.recipe}) has no anchor to {verb}: {why}")
-    if not (rc.checkpoint / "anchor.safetensors").is_file():
-        raise error(f"checkpoint {rc.checkpoint} holds no anchor tensors (anchor.safetensors); "
-                    f"the run's anchor kind is {kind!r}")
-
-
-def load_run_model(rc: RunCheckpoint, *, anchor: bool = False, dtype: str = "float32", device: str = "cpu",
-                   merge_lora: bool = True, verb: str = "use",
-                   error: type[Exception] = RunError) -> tuple[Any, Any, str]:
-    """The run's model at ``rc``: ``(model, tokenizer, description)``, in eval mode with gradients off.
-
-    The base model is built from the run's ``model`` section (LoRA included; gradient
-    checkpointing off; ``dtype`` / ``device`` from the arguments), then the checkpoint's policy
-    tensors are loaded (`tether.checkpoint.load_policy_weights`). With ``anchor=True`` the
-    checkpoint's anchor tensors theta_a (the EMA / fixed / reset anchor, fp32 on disk) are then
-    copied into the same named parameters, so the model computes pi_a: with LoRA the policy
-    tensors are loaded first for the structure and the anchor replaces the adapters. With LoRA and
-    ``merge_lora`` the adapters are merged into the base weights afterwards (parameter names then
-    lose the peft prefixes).
-
-    Raises ``error``: ``anchor=True`` for a run without anchor tensors (`check_anchor`), a base
-    model that cannot be loaded, tensors that do not match the model.
-    """
-    from .checkpoint import copy_named_tensors, load_anchor_tensors, load_policy_weights  # deferred: pulls in torch
-    from .models import ModelLoadError, load_model  # deferred: pulls in torch
-
-    if anchor:
-        check_anchor(rc, verb=verb, error=error)
-    mc = dataclasses.replace(rc.model_config, dtype=dtype, device=device, gradient_checkpointing=False)
-    try:
-        model, tok = load_model(mc)
-    except ModelLoadError as e:
-        raise error(f"run {rc.run_dir}: cannot load its base model {mc.name!r} "
-                    f"(from {rc.run_dir / 'config.yaml'}): {e}") from None
-    try:
-        load_policy_weights(rc.checkpoint, model)
-    except ValueError as e:
-        raise error(f"{e} (base model {mc.name!r}, lora_r={mc.lora_r})") from None
-    what = "policy"
-    if anchor:
-        try:
-            copy_named_tensors(load_anchor_tensors(rc.checkpoint), model, f"{rc.checkpoint} anchor")
-        except ValueError as e:
-            raise error(str(e)) from None
-        what = f"anchor ({rc.anchor_kind})"
-    lora = f", LoRA r={mc.lora_r}" if mc.lora_r else ""
-    desc = f"run {rc.run_dir} [{rc.recipe}] step {rc.step} {what}; base {mc.name}{lora}"
-    if merge_lora and callable(getattr(model, "merge_and_unload", None)):
-        model = model.merge_and_unload()
-    model.requires_grad_(False)
-    model.eval()
-    return model, tok, desc

@@ -6,7 +6,7 @@
              --passes (no grad)--> old / anchor log-probs, KL heads (tether.passes: what runs is algo.loss_needs)
              --update--> epochs x mini-batches x micro-batches      (_update: compute_loss, tether.schedule's LR)
              --anchor update--> EMA / reset / kl_reset              (tether.anchor)
-             --push--> the new weights version to the rollout workers (train.max_staleness >= 1)
+             --push--> the new weights version to the rollout workers (train.async.max_staleness >= 1)
              --log--> metrics.jsonl, samples.jsonl, checkpoint      (tether.report, tether.metrics, tether.checkpoint)
 
 `Trainer` builds a run's pieces from its config and calls them in this order; it moves tensors
@@ -14,8 +14,9 @@ between them and decides nothing they own (docs/architecture.md names each arrow
 mathematics lives in ``tether.algo`` and ``tether.anchor``. Under ``torchrun`` the policy is
 sharded with FSDP2 and rollouts are data-parallel: the loop calls ``tether.distributed``'s helpers
 (``rank_share``, ``lockstep``, ``gathered``, ``all_reduce``...), no-ops in a single process.
-With ``train.max_staleness`` K >= 1 the rollout arrow runs ahead in worker processes (``tether.asynchronous``:
-``feed``, the trainer's side; ``workers``; on other nodes with ``train.worker_address``, ``remote``; docs/async.md):
+With ``train.async`` (max_staleness K >= 1) the rollout arrow runs ahead in worker processes
+(``tether.asynchronous``: ``feed``, the trainer's side; ``workers``; on other nodes with
+``train.async.transport.kind=remote``, ``remote``; docs/async.md):
 the trainer submits each step's examples as a job, takes the batch of the oldest job (sampled by weights at most K
 updates old) and scores it, and pushes its weights after each step; K = 0 is the synchronous loop, unchanged.
 `train` / `resume` run a Trainer inside its locked run directory (``tether.rundir``).
@@ -24,7 +25,6 @@ updates old) and scores it, and pushes its weights after each step; K = 0 is the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import random
 import time
@@ -42,6 +42,7 @@ from .algo.correction import lr_scale
 from .anchor import make_anchor
 from .checkpoint import checkpoints, load_checkpoint, save_checkpoint
 from .config import Config, apply_async_correction, evaluating
+from .sections import replace
 from .config.recipes import describe
 from .errors import ConfigError, GenerationError
 from .logprobs import response_stats
@@ -97,14 +98,16 @@ class Trainer:
         self.log = log if dist.is_main() else (lambda *a, **k: None)
         self.guard = run_guard
         t = cfg.train
-        dist.check_supported(cfg.rollout.prompts_per_step, cfg.rollout.dynamic_sampling)
-        if t.max_staleness > 0 and t.worker_address:  # remote workers: a missing or weak key, before anything loads
-            worker_key()
         random.seed(t.seed)
         torch.manual_seed(t.seed)
-        self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row before the (slow) model load
-        tools = agent_tools(cfg)  # e.g. the search agent's retriever: its corpus is checked before the model load
-        self.score_rewards = training_reward(cfg, self.data, env_reward(tools))  # a bad reward spec fails here, too
+        # the cheap checks, before the (slow) model load and before a run directory is made
+        if t.async_ is not None and t.async_.transport.kind == "remote":  # a missing or weak key
+            worker_key(t.async_.transport.key_env)
+        tools = agent_tools(cfg)  # e.g. the search agent's retriever: its corpus is checked
+        own_reward = env_reward(tools)  # the environment's reward, if it has one
+        self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row
+        self.score_rewards = training_reward(cfg, self.data, own_reward)  # a bad reward spec fails here, too
+        dist.check_supported(cfg.rollout.prompts_per_step, cfg.rollout.dynamic_sampling)
         if run_guard is not None:
             run_guard.open(cfg)  # after the cheap checks (a bad config leaves no directory), before the model load
         else:
@@ -117,12 +120,12 @@ class Trainer:
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.anchor = make_anchor(cfg.algo.anchor, model)
         self.optimizer = make_adamw(self.params, t)
         # a resume that extends the run re-lays it (continue_from)
         self.schedule = LRSchedule(self.optimizer, t.schedule, t.warmup_steps, t.steps, t.lr,
                                    per_step=t.epochs * t.mini_batches)
         self.scheduler = self.schedule.scheduler
-        self.anchor = make_anchor(cfg.algo.anchor, model)
         parts = build_rollout(cfg, model, tokenizer, tools=tools, engine_cfg=self._engine_config())
         self.engine, self.agent = parts.engine, parts.agent
         prompts = getattr(self.agent, "prompts", None)  # the agent's PromptEncoder (tether.tasks.prompts)
@@ -130,20 +133,20 @@ class Trainer:
             prompts.check(self.data.examples, cfg.rollout.max_new_tokens)
         self.step, self.skipped_updates = 0, 0
         self.reward_errors = RewardErrorLog(self.run_dir, self.log)  # counted; the first of each kind logged
+        self.held_out = HeldOut(cfg, self.log)  # tether.report: eval.* sets (none when the run does not evaluate)
         self.needs = loss_needs(cfg.algo, model.get_output_embeddings().weight.shape[0])
         self._on_policy = t.epochs == 1 and t.mini_batches == 1  # one optimizer step per (fresh) rollout
         self.passes = Passes(model, self.anchor, self.needs, on_policy=self._on_policy,
                              temperature=cfg.rollout.temperature, micro_batch_size=t.micro_batch_size,
                              chunk_size=t.logprob_chunk, share_prompt=t.share_prompt,
                              micro_batch_tokens=t.micro_batch_tokens, packed=t.packing)
-        self.held_out = HeldOut(cfg, self.log)  # tether.report: eval.* sets (none when the run does not evaluate)
         # Under FSDP all ranks must make the same forward calls with gradients: the shared-prompt forward
         # makes two when a micro-batch repeats a prompt (data-dependent), so only no-grad passes share.
         self._share_grad = t.share_prompt and not dist.enabled()
         self._fwd = dict(temperature=cfg.rollout.temperature, chunk_size=t.logprob_chunk)  # as every pass runs
         self._trim = malloc_trim if t.malloc_trim else (lambda: False)  # after the rollout and the update
         self.probes = StepProbes()  # observers of each step's phases (tether.memory.StepMemory)
-        self.feed: Optional[RolloutFeed] = None  # train.max_staleness >= 1: jobs to the rollout workers, batches back
+        self.feed: Optional[RolloutFeed] = None  # train.async: jobs to the rollout workers, batches back
         if t.max_staleness > 0:  # last in __init__: nothing after the workers start can fail
             self.feed = RolloutFeed(cfg, model, self.data.take, lambda: self.data.position,
                                     lambda job: self._sampling(0, step=job), self.step, self.log, tokenizer)
@@ -153,8 +156,8 @@ class Trainer:
         the held-out evaluation (and its agent encodes prompts), so a run that does not evaluate gives the trainer
         the hf engine on its own model, not a second vLLM copy of the weights reloaded every step."""
         r = self.cfg.rollout
-        if self.cfg.train.max_staleness > 0 and r.engine != "hf" and not evaluating(self.cfg):
-            return dataclasses.replace(r, engine="hf")
+        if self.cfg.train.max_staleness > 0 and r.engine.kind != "hf" and not evaluating(self.cfg):
+            return replace(r, engine="hf")
         return r
 
     # ------------------------------------------------------------ rollout and rewards
@@ -274,7 +277,7 @@ class Trainer:
                               f"step {self.step + 1}'s batch has none (rollout.agent={self.cfg.rollout.agent} did not "
                               f"pass them on)")
         if self.needs.sampler_logp and b.rb.sampler_logp is None:
-            off = " (or train.async_correction=false: the lag uncorrected)" if t.max_staleness else ""
+            off = " (or train.async.correction=false: the lag uncorrected)" if t.max_staleness else ""
             raise ConfigError(f"the rollout correction (algo.tis_cap / algo.mask_* / algo.kl_sampler=mu) needs the "
                               f"engine's log-probs of the sampled tokens, and step {self.step + 1}'s batch has none: "
                               f"rollout.agent={self.cfg.rollout.agent} did not pass them on{off}")

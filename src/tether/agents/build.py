@@ -3,8 +3,10 @@
     parts = build_rollout(cfg, model, tokenizer)      # parts.engine, parts.agent, parts.tools
     batch = parts.agent.rollout(examples, params)
 
-The trainer (``tether.train``) and an asynchronous rollout worker (``tether.asynchronous.workers``) both
-build their sampler here, so the two cannot drift apart. The tools (the environment, a retriever that loads
+`build_env` makes the environment alone, for ``tether demos``.
+The trainer (``tether.train``), an asynchronous rollout worker (``tether.asynchronous.workers``) and
+``tether eval`` (whose flags are the same ``rollout`` / ``env`` / ``search`` keys, `tether.eval.agents`) all
+build their sampler here, so they cannot drift apart. The tools (the environment, a retriever that loads
 and checks its corpus) can be built first with ``tether.agents.agent_tools``, before the slow model load, and handed
 in; ``wrap`` puts an engine wrapper between the agent and the engine (partial rollouts).
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from ..envs.search import SearchEnv
+from ..errors import ConfigError
 from ..rollout import Engine, make_engine
 from . import Agent, agent_from_config, agent_tools
 
@@ -28,21 +32,39 @@ class RolloutParts:
 
 
 def build_rollout(cfg, model, tokenizer, *, tools: Optional[dict[str, Any]] = None, engine_cfg=None,
-                  record_logp: bool = False, wrap: Optional[Callable[[Engine], Engine]] = None) -> RolloutParts:
+                  record_logp: bool = False, wrap: Optional[Callable[[Engine], Engine]] = None,
+                  engine_options: Optional[dict[str, Any]] = None) -> RolloutParts:
     """The engine ``rollout.engine`` names on ``model`` and the agent ``rollout.agent`` names driving it.
 
     Args:
         cfg: a ``tether.config.Config``.
         tools: the agent's tools if already built (``agent_tools(cfg)``); None builds them here.
         engine_cfg: the ``rollout`` section the engine is built from (default ``cfg.rollout``; the trainer of an
-            asynchronous run that samples nothing itself passes one with ``engine=hf``).
+            asynchronous run that samples nothing itself passes one with the hf engine).
         record_logp: ask the engine to record the sampled tokens' log-probs (a rollout worker's mu): passed
             to every engine but vLLM, which reports them anyway and takes no such option.
         wrap: an engine wrapper the agent drives instead of the engine itself (``wrap(engine)``).
+        engine_options: single engine options the config does not hold (``tether eval``: ``show_progress``).
     """
     rollout = cfg.rollout if engine_cfg is None else engine_cfg
-    extra = {"record_logp": True} if record_logp and rollout.engine != "vllm" else {}
+    extra = {"record_logp": True} if record_logp and rollout.engine.kind != "vllm" else {}
+    extra.update(engine_options or {})
     engine = make_engine(rollout, model, tokenizer, **extra)
     tools = agent_tools(cfg) if tools is None else tools
     agent = agent_from_config(cfg, wrap(engine) if wrap else engine, tokenizer, tools)
     return RolloutParts(engine=engine, agent=agent, tools=tools)
+
+
+def build_env(cfg, tools: Optional[dict[str, Any]] = None):
+    """The environment the agent ``rollout.agent`` runs, without a model or an engine (``tether demos``: its
+    teacher's turns are answered by exactly the environment training uses): ``multi_turn``: ``env.name``
+    (``env.*``); ``search``: the search environment over ``search.retriever`` (``search.*``). ``tools``: the
+    agent's tools if already built. Raises ConfigError for an agent that runs no environment."""
+    tools = agent_tools(cfg) if tools is None else tools
+    if cfg.rollout.agent == "search":
+        s = cfg.search
+        return SearchEnv(tools["retriever"], topk=s.topk, max_searches=s.max_searches,
+                         observation_format=s.observation_format)
+    if "env" not in tools:
+        raise ConfigError(f"rollout.agent={cfg.rollout.agent} runs no environment (multi_turn and search do)")
+    return tools["env"]

@@ -25,7 +25,7 @@ Budgets: ``params.max_new_tokens`` new tokens per policy turn; ``max_obs_tokens`
 (raw format: cut keeping the environment's ``observation_tail`` and the final-turn note; chat format:
 the observation's text is cut and the template closes its turn); ``max_context`` tokens of prompt +
 response in all, at most the model's context and the engine's (``engine.max_model_len`` when it has
-one, e.g. ``rollout.vllm_max_model_len``); a larger one is lowered to it, with a warning. A turn that
+one, e.g. ``rollout.engine.max_model_len``); a larger one is lowered to it, with a warning. A turn that
 fills the context is the episode's last (``env.cut``: no tool runs on it); an observation that
 fills it ends the episode. Either way the finish reason is ``"length"``. An episode the
 environment ends on its own terms (an answer) finishes ``"stop"``; one whose turn budget ran out

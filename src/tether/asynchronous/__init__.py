@@ -1,4 +1,4 @@
-"""Asynchronous RL (``train.max_staleness`` K >= 1, docs/async.md): rollout workers sample while the trainer
+"""Asynchronous RL (``train.async.max_staleness`` K >= 1, docs/async.md): rollout workers sample while the trainer
 updates, each batch from weights at most K updates old.
 
     feed.py     the trainer's side: jobs out, version-tagged batches back, staleness bounded and counted

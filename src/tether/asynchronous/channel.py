@@ -59,24 +59,26 @@ class IntegrityError(ConnectionError):
     """A frame whose tags do not verify: altered, injected, replayed or reordered on the way."""
 
 
-def check_key(key: Optional[str]) -> bytes:
+def check_key(key: Optional[str], env: str = KEY_ENV) -> bytes:
     """The key's bytes; a missing or guessable one is a `ConfigError` naming the rule. The rule: at least 32
     characters, at least 8 of them different (``secrets.token_hex(16)`` and longer pass; a word, a short
     password, a repeated pattern do not). Length is what protects the handshake against offline guessing."""
-    how = (f"generate one with: export {KEY_ENV}=$({MAKE_KEY}), and give the trainer and every `tether worker` the "
+    how = (f"generate one with: export {env}=$({MAKE_KEY}), and give the trainer and every `tether worker` the "
            f"same value")
     if not key:
-        raise ConfigError(f"remote rollout workers (train.worker_address, tether worker) need a shared secret in "
-                          f"${KEY_ENV}: {how}")
+        raise ConfigError(f"remote rollout workers (train.async.transport.kind=remote, tether worker) need a shared "
+                          f"secret in ${env}: {how}")
     if len(key) < MIN_KEY_CHARS or len(set(key)) < MIN_KEY_DISTINCT:
-        raise ConfigError(f"${KEY_ENV} is too weak ({len(key)} characters, {len(set(key))} different): it needs at "
+        raise ConfigError(f"${env} is too weak ({len(key)} characters, {len(set(key))} different): it needs at "
                           f"least {MIN_KEY_CHARS} characters, {MIN_KEY_DISTINCT} of them different; {how}")
     return key.encode()
 
 
-def worker_key() -> bytes:
-    """``$TETHER_WORKER_KEY`` checked by `check_key` (trainer and worker, before anything loads)."""
-    return check_key(os.environ.get(KEY_ENV))
+def worker_key(env: str = KEY_ENV) -> bytes:
+    """The shared secret in environment variable ``env`` (``train.async.transport.key_env``, `tether worker
+    --key-env`; default ``$TETHER_WORKER_KEY``) checked by `check_key` (trainer and worker, before anything
+    loads)."""
+    return check_key(os.environ.get(env), env)
 
 
 def _mac(key: bytes, *parts) -> bytes:
@@ -198,7 +200,7 @@ def connect(sock: socket.socket, key: bytes, first_s: float, name: str = "") -> 
     peer = name or _peer(sock)
     got = _Deadline(sock, max(first_s, HANDSHAKE_S)).read(
         len(MAGIC) + NONCE, f"the trainer at {peer} accepted the connection but did not begin the handshake "
-                            f"(it has all its train.rollout_workers workers?)")
+                            f"(it has all its train.async.workers workers?)")
     if got[:len(MAGIC)] != MAGIC:
         raise HandshakeError(f"the server at {peer} does not speak {MAGIC.strip().decode()} (not a tether "
                              f"trainer of this version)")

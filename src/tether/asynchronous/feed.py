@@ -1,8 +1,8 @@
-"""The trainer's side of asynchronous rollouts (``train.max_staleness`` K >= 1; docs/async.md).
+"""The trainer's side of asynchronous rollouts (``train.async.max_staleness`` K >= 1; docs/async.md).
 
 `RolloutFeed` hands the rollout workers (`tether.asynchronous.workers`, or `tether.asynchronous.remote` on other nodes)
 each step's examples as a job, takes back the batch of the oldest job, drops or keeps one older than K
-versions (``train.stale_batches``), and keeps what a checkpoint needs: the jobs consumed, the data position
+versions (``train.async.stale_batches``), and keeps what a checkpoint needs: the jobs consumed, the data position
 after the last consumed job, the dropped batches, the staleness histogram.
 
 Under torchrun the workers belong to rank 0: it reads the data stream, submits the jobs and takes each batch,
@@ -51,27 +51,27 @@ class RolloutFeed:
 
     def __init__(self, cfg, model, take: Callable[[int], list[Example]], position: Callable[[], int],
                  sampling: Callable[[int], SamplingParams], version: int, log: Callable, tokenizer):
-        t = cfg.train
+        a = cfg.train.async_
         self.cfg, self.take, self.where, self.sampling = cfg, take, position, sampling
         self.submitted = self.consumed = 0  # job ids; no drops: job i trains step i + 1
         self.position = position()  # the data position after the last consumed job
         self.dropped = self.restarts = 0
-        self.staleness_counts = [0] * max(t.max_staleness + 1, t.rollout_workers)  # index: staleness
+        self.staleness_counts = [0] * max(a.max_staleness + 1, a.workers)  # index: staleness
         self.pool = None  # rank 0's workers
         pool = RolloutWorkers  # local processes, weights through shared memory
-        if t.worker_address:  # `tether worker` processes on other nodes, over TCP
+        if a.transport.kind == "remote":  # `tether worker` processes on other nodes, over TCP
             pool = RemoteWorkers
 
         def start():
-            self.pool = pool(cfg, model, n=t.rollout_workers, lookahead=max(t.max_staleness + 1, t.rollout_workers),
-                             verify=t.verify_sync, version=version, log=log, tokenizer=tokenizer)
+            self.pool = pool(cfg, model, n=a.workers, lookahead=max(a.max_staleness + 1, a.workers),
+                             verify=a.verify_sync, version=version, log=log, tokenizer=tokenizer)
 
         with dist.gathered(model):
             dist.on_main(start)
 
     def next(self, step: int) -> tuple[Rollout, int, dict]:
         """Top the jobs up, take the oldest job's batch; one more than K versions older than ``step`` is dropped
-        (its prompts skipped) and the next taken, or kept (``train.stale_batches``). Returns the rollout, its
+        (its prompts skipped) and the next taken, or kept (``train.async.stale_batches``). Returns the rollout, its
         staleness and the ``async/*`` metrics."""
         got, staleness, wait, self.submitted, self.consumed, self.position, self.dropped, self.restarts = \
             dist.on_main(lambda: self._take(step))
@@ -83,7 +83,7 @@ class RolloutFeed:
         return got, staleness, stats
 
     def _take(self, step: int) -> tuple:
-        t, wait = self.cfg.train, 0.0
+        a, wait = self.cfg.train.async_, 0.0
         while True:
             while self.pool.wants_job():  # one step's examples and seed per job
                 examples = self.take(self.cfg.rollout.prompts_per_step)
@@ -94,7 +94,7 @@ class RolloutFeed:
             wait += time.perf_counter() - w0
             self.consumed, self.position = got.job.id + 1, got.job.position
             staleness = step - got.version
-            if staleness <= t.max_staleness or t.stale_batches == "keep":
+            if staleness <= a.max_staleness or a.stale_batches == "keep":
                 break
             self.dropped += 1  # (counted at once: a failure at the next batch checkpoints the job count with it)
         return (got, staleness, wait, self.submitted, self.consumed, self.position, self.dropped,

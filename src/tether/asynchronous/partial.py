@@ -1,4 +1,4 @@
-"""Partial rollouts (``train.partial_rollout_tokens`` S; docs/async.md): a rollout worker samples in segments
+"""Partial rollouts (``train.async.partial_rollout_tokens`` S; docs/async.md): a rollout worker samples in segments
 of S tokens and takes the newest pushed weights between segments, recording the version of every token.
 
     segment 0: engine.generate(prompts, n, max_new_tokens=S)            version v0 (loaded before the job)

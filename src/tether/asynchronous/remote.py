@@ -1,11 +1,11 @@
-"""Remote rollout workers over TCP (``train.worker_address``; docs/async.md): the network transport of
+"""Remote rollout workers over TCP (``train.async.transport.address``; docs/async.md): the network transport of
 `tether.asynchronous.workers`.
 
-    node A: tether train ... train.max_staleness=1 train.worker_address=10.0.0.5:29600  (listens)
+    node A: tether train ... train.async.max_staleness=1 train.async.transport.address=10.0.0.5:29600  (listens)
     node B: tether worker 10.0.0.5:29600                                                (connects)
 
 The trainer (`RemoteWorkers`, the `WorkerPool` interface the trainer uses for local workers too) listens
-on ``train.worker_address`` and waits up to ``train.worker_timeout_s`` for ``train.rollout_workers``
+on ``train.async.transport.address`` and waits up to ``train.async.transport.timeout_s`` for ``train.async.workers``
 workers. A worker (`serve`, the ``tether worker`` command) connects, and is sent the run's config, its
 rank, whether to verify and the probe's ids; it builds model, engine (``hf`` or ``vllm``) and agent from
 the config as a local worker does (`Sampler`), so ``model.name``, a custom agent's module and an
@@ -28,7 +28,7 @@ one is pushed is skipped) and a receiver thread. A weights message precedes, on 
 every job submitted after that push, and a worker loads the newest version it has received before each
 job, so the staleness argument of the local workers holds unchanged. Jobs go to the worker with the
 fewest jobs in flight. A closed connection (the worker died) is an error at once, a worker silent for
-``train.worker_timeout_s`` (hung, or its node gone) one after that time: both `WorkerError`, which the
+``train.async.transport.timeout_s`` (hung, or its node gone) one after that time: both `WorkerError`, which the
 CLI prints as ``tether: error: trainer step N: remote rollout worker i (host, pid P) ...``.
 """
 
@@ -122,16 +122,18 @@ class _Link:
 class RemoteWorkers(WorkerPool):
     """``n`` remote ``tether worker`` processes for the trainer (the `RolloutWorkers` interface).
 
-    Listens on ``cfg.train.worker_address`` and returns once ``n`` workers have connected (authenticated
+    Listens on ``cfg.train.async.transport.address`` and returns once ``n`` workers have connected (authenticated
     with ``$TETHER_WORKER_KEY``) and version ``version`` of ``model`` is queued for them; raises
-    `WorkerError` if they have not within ``train.worker_timeout_s``.
+    `WorkerError` if they have not within ``train.async.transport.timeout_s``.
     """
 
     def __init__(self, cfg, model, n: int, lookahead: int, verify: bool, version: int = 0,
                  log: Callable = print, tokenizer=None):
         super().__init__(cfg, n, lookahead, verify, tokenizer, log)
-        self.key, self.address = worker_key(), cfg.train.worker_address
-        self.timeout = cfg.train.worker_timeout_s
+        transport = cfg.train.async_.transport
+        self.key_env = transport.key_env
+        self.key, self.address = worker_key(self.key_env), transport.address
+        self.timeout = transport.timeout_s
         self.heartbeat_s = max(0.2, min(5.0, self.timeout / 5))
         self.inbox: queue.Queue = queue.Queue()
         self.links: list[_Link] = []
@@ -141,10 +143,11 @@ class RemoteWorkers(WorkerPool):
         try:
             self.server = socket.create_server((host, port))
         except OSError as e:
-            raise WorkerError(f"cannot listen for rollout workers on {self.address} (train.worker_address): {e}") from e
+            raise WorkerError(f"cannot listen for rollout workers on {self.address} (train.async.transport.address): "
+                              f"{e}") from e
         if host in ("0.0.0.0", "::", ""):
-            log(f"[tether] warning: train.worker_address={self.address} listens on every interface: any host that "
-                f"reaches the port can try the handshake; {PRIVATE}")
+            log(f"[tether] warning: train.async.transport.address={self.address} listens on every interface: any "
+                f"host that reaches the port can try the handshake; {PRIVATE}")
         try:
             self.setup = dict(cfg=cfg, verify=verify, probe=self.probe, heartbeat_s=self.heartbeat_s)
             for rank, (conn, info) in enumerate(self._accept(n, self.key, log)):
@@ -160,7 +163,7 @@ class RemoteWorkers(WorkerPool):
         by `channel.HANDSHAKE_S`, so that a peer that connects and says nothing holds neither the trainer nor,
         for longer than that, a thread and a socket; one that finishes after ``n`` others did is closed."""
         log(f"[tether] waiting for {n} rollout worker(s) on {self.address}: run `tether worker {self.address}` on "
-            f"the rollout nodes with ${KEY_ENV} set (train.worker_timeout_s={self.timeout:g})")
+            f"the rollout nodes with ${self.key_env} set (train.async.transport.timeout_s={self.timeout:g})")
         deadline = time.monotonic() + self.timeout
         done: queue.Queue = queue.Queue()
         got, over = [], threading.Event()
@@ -187,8 +190,8 @@ class RemoteWorkers(WorkerPool):
                     for conn, _ in got:
                         conn.close()
                     raise WorkerError(f"{len(got)} of {n} rollout worker(s) connected to {self.address} within "
-                                      f"train.worker_timeout_s={self.timeout:g} s (start `tether worker "
-                                      f"{self.address}` with ${KEY_ENV} on each rollout node)")
+                                      f"train.async.transport.timeout_s={self.timeout:g} s (start `tether worker "
+                                      f"{self.address}` with ${self.key_env} on each rollout node)")
                 try:
                     sock, (host, port, *_) = self.server.accept()
                     threading.Thread(target=handshake, args=(sock, f"{host}:{port}"), daemon=True,
@@ -216,7 +219,8 @@ class RemoteWorkers(WorkerPool):
 
     def _restart(self, rank: int) -> None:
         """A replacement for a lost worker: the next ``tether worker`` that connects (within
-        ``train.worker_timeout_s``; something on its node restarts it) takes its rank and the newest version."""
+        ``train.async.transport.timeout_s``; something on its node restarts it) takes its rank and the newest
+        version."""
         self.links[rank].conn.close()
         (conn, info), = self._accept(1, self.key, self.log)
         self._connect(rank, conn, info)
@@ -247,8 +251,8 @@ class RemoteWorkers(WorkerPool):
         for link in self.links:
             if now - link.last_seen > self.timeout:
                 self._lost(link.rank, f"sent nothing (not even a heartbeat) for {now - link.last_seen:.0f} s > "
-                                      f"train.worker_timeout_s={self.timeout:g}: hung, or its node or the network "
-                                      f"is gone")
+                                      f"train.async.transport.timeout_s={self.timeout:g}: hung, or its node or "
+                                      f"the network is gone")
 
     def _publish(self, weights: dict, version: int) -> None:
         stored, alias = unique_weights(weights)
@@ -288,7 +292,7 @@ def _connect(address: str, key: bytes, wait_s: float, log: Callable) -> Channel:
         except OSError as e:  # refused, unreachable, an unknown host: retried until the deadline
             if time.monotonic() > deadline:
                 raise WorkerError(f"no trainer answered at {address} within {wait_s:g} s ({e}); is "
-                                  f"train.worker_address={address} set there, and the port reachable?") from e
+                                  f"train.async.transport.address={address} set there, and the port reachable?") from e
             if not said:
                 log(f"[tether] waiting for the trainer at {address} ...")
                 said = True
@@ -311,7 +315,7 @@ def _hello(conn: Channel, address: str) -> dict:
         kind, setup = pickle.loads(conn.recv_bytes())
     except EOFError:
         raise WorkerError(f"the trainer at {address} closed the connection before sending the run's config "
-                          f"(it already has its train.rollout_workers workers?)") from None
+                          f"(it already has its train.async.workers workers?)") from None
     except OSError as e:
         raise WorkerError(f"lost the trainer at {address} before the run's config: {type(e).__name__}: {e}") from None
     return setup
@@ -324,12 +328,13 @@ def _check_arguments(address: str, wait_s: float) -> None:
         raise WorkerError(f"--wait must be a number of seconds >= 0, got {wait_s}")
 
 
-def serve(address: str, wait_s: float = 600.0, log: Callable = print) -> int:
+def serve(address: str, wait_s: float = 600.0, log: Callable = print, key_env: str = KEY_ENV) -> int:
     """``tether worker ADDRESS``: connect to the trainer listening at ``address`` (retrying for ``wait_s``
     seconds while it starts), build the model, engine and agent from the run's config it sends, and answer
-    its jobs with rollouts until it says stop (returns 0). A lost trainer ends the process (exit 2)."""
+    its jobs with rollouts until it says stop (returns 0). A lost trainer ends the process (exit 2). The shared
+    secret is read from environment variable ``key_env`` (the trainer's ``train.async.transport.key_env``)."""
     _check_arguments(address, wait_s)
-    key = worker_key()  # a missing or weak key: refused before anything connects or loads
+    key = worker_key(key_env)  # a missing or weak key: refused before anything connects or loads
     conn = _connect(address, key, wait_s, log)
     setup = _hello(conn, address)
     rank = setup["rank"]
@@ -378,7 +383,7 @@ def serve(address: str, wait_s: float = 600.0, log: Callable = print) -> int:
     threading.Thread(target=receive, name="tether-worker-receive", daemon=True).start()
     try:
         s = Sampler(setup["cfg"], rank, setup["verify"], setup["probe"])
-        log(f"[tether] rollout worker {rank} ready ({setup['cfg'].rollout.engine} engine)")
+        log(f"[tether] rollout worker {rank} ready ({setup['cfg'].rollout.engine.kind} engine)")
         while True:
             job: Optional[Job] = jobs.get()
             if job is None:

@@ -1,4 +1,4 @@
-"""Rollout workers of asynchronous training (``train.max_staleness`` K >= 1; docs/async.md).
+"""Rollout workers of asynchronous training (``train.async.max_staleness`` K >= 1; docs/async.md).
 
     trainer                                     worker i (its own process and model copy)
       submit(Job: examples, seed) --jobs-->       load the newest weights version v (SharedWeights)
@@ -8,7 +8,7 @@
 The trainer owns the data stream: a `Job` is one trainer step's examples and its sampling seed.
 Workers take jobs in order, load the newest pushed weights before each job (never during one: a
 batch, multi-turn episodes included, is sampled by one version; except with partial rollouts,
-``train.partial_rollout_tokens``, `tether.asynchronous.partial`: between segments too, each token's
+``train.async.partial_rollout_tokens``, `tether.asynchronous.partial`: between segments too, each token's
 version recorded) and send back a `Rollout` tagged with that version (the oldest). `next_batch`
 returns rollouts in job order. How far ahead the trainer submits (``lookahead``) bounds how old a
 batch can be: a job submitted at version v is sampled with weights >= v, and the trainer consumes at
@@ -21,7 +21,7 @@ the workers' models are plain copies. With ``verify`` each version is checksumme
 worker's read back from its model), and for ``rollout.engine=vllm``, whose engine keeps its own copy
 (reloaded after each load, ``VLLMEngine.sync_weights``), the worker's `Sampler` also reports the engine's
 log-probs of a fixed probe text; `next_batch` compares both with the trainer's at that version and raises
-`WeightSyncError` when they differ (``train.verify_logp_tol``), so stale or corrupted weights are an
+`WeightSyncError` when they differ (``train.async.verify_logp_tol``), so stale or corrupted weights are an
 error, not a silent off-policy bias.
 
 Transports: `WorkerPool` holds what does not depend on where the workers run (jobs in flight, job order,
@@ -38,7 +38,6 @@ a worker also exits when its parent is gone. A worker that raises (or dies) beco
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 import os
 import queue
@@ -54,6 +53,7 @@ import torch
 
 from ..agents.build import build_rollout
 from ..errors import GenerationError
+from ..sections import replace
 from ..rollout.base import RolloutBatch, SamplingParams
 from .partial import Segmented
 from .weights import (SharedWeights, WeightSyncError, checksum, effective_weights, engine_probe_logp,
@@ -87,7 +87,7 @@ class Rollout:
     gen_s: float = 0.0  # seconds the worker spent generating the batch
     load_s: float = 0.0  # seconds it spent loading (and checksumming) new weights before it
     probe_logp: Optional[list] = None  # verify, rollout.engine=vllm: the engine's log-probs of the probe (PROBE_TEXT)
-    # partial rollouts (train.partial_rollout_tokens): each response token's version [B, T] (-1 on padding; the
+    # partial rollouts (train.async.partial_rollout_tokens): each response token's version [B, T] (-1 on padding; the
     # oldest is ``version``), the newer versions taken between segments and their (checksum, probe_logp) (verify)
     token_version: Optional[torch.Tensor] = None
     later: dict = field(default_factory=dict)
@@ -102,17 +102,17 @@ class Sampler:
     (recording its log-probs), ``rollout.engine=vllm`` builds a vLLM engine from it and reloads the engine
     from it after each weights load (``VLLMEngine.sync_weights``). ``run`` answers a job: ``pull()`` (the
     transport's: load the newest pushed version if it is newer, through `load`) before it, and, with partial
-    rollouts (``train.partial_rollout_tokens``, `tether.asynchronous.partial`), between its segments.
+    rollouts (``train.async.partial_rollout_tokens``, `tether.asynchronous.partial`), between its segments.
     """
 
     def __init__(self, cfg, rank: int, verify: bool, probe: list[int]):
         from ..models import load_model  # deferred: read at call time (tests patch tether.models.load_model)
 
         self.rank, self.verify, self.probe = rank, verify, probe
-        self.model, tokenizer = load_model(dataclasses.replace(cfg.model, lora_r=0, gradient_checkpointing=False))
+        self.model, tokenizer = load_model(replace(cfg.model, lora_r=0, gradient_checkpointing=False))
         self.model.requires_grad_(False)
-        self.vllm = cfg.rollout.engine == "vllm"
-        S = cfg.train.partial_rollout_tokens
+        self.vllm = cfg.rollout.engine.kind == "vllm"
+        S = cfg.train.async_.partial_rollout_tokens
         self.segmented: Optional[Segmented] = None
 
         def segment(engine):  # partial rollouts: the agent drives the engine through Segmented
@@ -226,7 +226,7 @@ class WorkerPool:
     """What every transport shares (`RolloutWorkers`: local processes; `tether.asynchronous.remote.RemoteWorkers`:
     ``tether worker`` processes over TCP): jobs in flight, rollouts in job order, the versions pushed and
     their checksums (and, for vLLM workers, the trainer's log-probs of the probe), and the checks of
-    `next_batch`, and the restart of a dead worker (`_lost`: ``train.worker_restarts``). A transport implements
+    `next_batch`, and the restart of a dead worker (`_lost`: ``train.async.worker_restarts``). A transport implements
     ``_send(job, rank=None) -> rank``, ``_receive(timeout) -> message or None``, ``_check_alive()`` (calls
     `_lost` for a dead worker), ``_restart(rank)``, ``_publish(weights, version)``, ``close()`` and
     ``describe(rank)``.
@@ -234,10 +234,10 @@ class WorkerPool:
 
     def __init__(self, cfg, n: int, lookahead: int, verify: bool, tokenizer, log: Callable = print):
         self.n, self.lookahead, self.verify, self.log = n, lookahead, verify, log
-        self.max_restarts, self.restarts = cfg.train.worker_restarts, 0  # restarts of dead workers (the run's)
+        self.max_restarts, self.restarts = cfg.train.async_.worker_restarts, 0  # restarts of dead workers (the run's)
         self._held: dict[int, tuple[int, Job]] = {}  # job id -> (rank, job): sent to a worker, its batch not arrived
-        self.vllm = cfg.rollout.engine == "vllm"
-        self.logp_tol = cfg.train.verify_logp_tol
+        self.vllm = cfg.rollout.engine.kind == "vllm"
+        self.logp_tol = cfg.train.async_.verify_logp_tol
         self.probe = probe_ids(tokenizer) if verify and self.vllm else []
         self.checksums: dict[int, str] = {}  # version -> checksum of what was pushed (verify)
         self.probes: dict[int, list] = {}  # version -> the trainer's log-probs of the probe (verify, vLLM)
@@ -298,8 +298,8 @@ class WorkerPool:
                 raise WeightSyncError(
                     f"{who}'s vLLM engine does not sample with version {version}'s weights: its log-probs of "
                     f"the probe text differ from the trainer's by {d:.3g} per token on average (> "
-                    f"train.verify_logp_tol={self.logp_tol:g}) though the weights it was given match (job "
-                    f"{r.job.id}). At version 0 this is the engine's numerics (raise train.verify_logp_tol, "
+                    f"train.async.verify_logp_tol={self.logp_tol:g}) though the weights it was given match (job "
+                    f"{r.job.id}). At version 0 this is the engine's numerics (raise train.async.verify_logp_tol, "
                     f"e.g. for bfloat16); later, the engine kept older weights")
 
     def _take(self, msg) -> None:
@@ -315,15 +315,15 @@ class WorkerPool:
 
     def _lost(self, rank: int, what: str) -> None:
         """Worker ``rank`` died (or went silent): restart it, the jobs it held resubmitted to it in order
-        (``train.worker_restarts`` left), else raise `WorkerError`. Resubmitted jobs keep their id, examples
+        (``train.async.worker_restarts`` left), else raise `WorkerError`. Resubmitted jobs keep their id, examples
         and seed; the new worker loads the newest pushed version before each, so the staleness bound holds."""
         who = f"{self.describe(rank)} {what}"
         if self.restarts >= self.max_restarts:
-            used = f" (train.worker_restarts={self.max_restarts} restart(s) used)" if self.max_restarts else ""
+            used = f" (train.async.worker_restarts={self.max_restarts} restart(s) used)" if self.max_restarts else ""
             raise WorkerError(who + used)
         self.restarts += 1
         jobs = sorted((j for r, j in self._held.values() if r == rank), key=lambda j: j.id)
-        self.log(f"[tether] {who}; restarting it (restart {self.restarts} of train.worker_restarts="
+        self.log(f"[tether] {who}; restarting it (restart {self.restarts} of train.async.worker_restarts="
                  f"{self.max_restarts}), its job(s) {[j.id for j in jobs]} resubmitted")
         try:
             self._restart(rank)
@@ -379,7 +379,7 @@ class RolloutWorkers(WorkerPool):
 
     Each worker has its own job queue and result queue, so the trainer knows which jobs a worker holds and a
     worker killed mid-write (``kill -9``) corrupts no other worker's pipe: a dead worker is restarted with
-    new queues and its jobs resubmitted (``train.worker_restarts``), or the run stops with a `WorkerError`.
+    new queues and its jobs resubmitted (``train.async.worker_restarts``), or the run stops with a `WorkerError`.
 
     Args:
         cfg: the run's `tether.config.Config` (the workers build model, engine and agent from it).

@@ -27,20 +27,24 @@ from .recipes import RECIPES, AlgoConfig, AnchorConfig, KLConfig, describe, reci
 from ..errors import ConfigError
 from ..models import ModelConfig
 from .load import load_config
-from .overrides import coerce_value, flatten, parse_overrides, section_fields, set_key
+from .overrides import apply_keys, coerce_value, flatten, parse_overrides, set_key
 from .presets import RECIPE_TRAINER_DEFAULTS, TASK_PRESETS
 from .reference import reference
 from .schema import (DEFAULT_RECIPE, HELD_OUT, Config, DataConfig, EvalConfig, RolloutConfig, RunConfig,
                      SearchConfig, EnvConfig, TrainConfig, eval_benchmarks, evaluating, to_dict)
-from .validate import VLLM_DTYPES, check, check_device
+from .engine import VLLM_DTYPES, EngineConfig, HFEngineConfig, OtherEngineConfig, VLLMEngineConfig
+from .train_async import AsyncConfig, LocalTransport, RemoteTransport
+from .validate import check, check_device
 from .validate_train import apply_async_correction
 from .yaml_io import read_yaml_mapping, save_config
 
 __all__ = [
-    "DEFAULT_RECIPE", "HELD_OUT", "RECIPES", "RECIPE_TRAINER_DEFAULTS", "TASK_PRESETS", "VLLM_DTYPES", "AlgoConfig",
+    "DEFAULT_RECIPE", "HELD_OUT", "AsyncConfig", "EngineConfig", "HFEngineConfig", "LocalTransport",
+    "OtherEngineConfig", "RemoteTransport", "VLLMEngineConfig", "RECIPES", "RECIPE_TRAINER_DEFAULTS", "TASK_PRESETS",
+    "VLLM_DTYPES", "AlgoConfig",
     "AnchorConfig", "Config", "KLConfig", "describe", "recipe",
     "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "RolloutConfig", "RunConfig", "SearchConfig",
     "EnvConfig", "TrainConfig", "apply_async_correction", "check", "check_device", "eval_benchmarks", "evaluating",
-    "load_config", "coerce_value", "flatten", "parse_overrides", "section_fields", "set_key", "read_yaml_mapping",
+    "load_config", "apply_keys", "coerce_value", "flatten", "parse_overrides", "set_key", "read_yaml_mapping",
     "reference", "save_config", "to_dict",
 ]

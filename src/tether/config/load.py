@@ -1,15 +1,15 @@
 """Resolving a run's config: recipe -> task preset -> YAML file -> dotted overrides -> the asynchronous default
-correction (``train.async_correction``) -> ``check``."""
+correction (``train.async.correction``) -> ``check``."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
 from .recipes import RECIPES, recipe
 from ..errors import ConfigError
 from ..algo.registry import unknown_choice
-from .overrides import flatten, set_key
+from ..sections import replace
+from .overrides import apply_keys, flatten, set_key
 from .presets import RECIPE_TRAINER_DEFAULTS, TASK_PRESETS
 from .schema import DEFAULT_RECIPE, Config
 from .validate import check
@@ -38,13 +38,11 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
         for k, v in TASK_PRESETS[task].items():
             set_key(cfg, k, v)
     for source, vals in ((path or "config file", file_vals), ("override", overrides)):
-        for k, v in vals.items():
-            try:
-                set_key(cfg, k, v)
-            except ConfigError as e:
-                raise ConfigError(f"{source}: {e}") from None
-    # algo.name names the recipe, +custom when an algo.* key changed it (algo.name itself set by hand does not count)
-    base = recipe(name)
-    customized = dataclasses.replace(cfg.algo, name=base.name) != base
+        apply_keys(cfg, vals, source)
+    # algo.name names the recipe, +custom when an algo.* key changed it (algo.name itself set by hand does not count,
+    # nor the correction train.async.correction brings: a saved config, which holds it, resolves to the same name)
+    cfg = apply_async_correction(cfg)
+    base = apply_async_correction(Config(recipe=name, algo=recipe(name), rollout=cfg.rollout, train=cfg.train)).algo
+    customized = replace(cfg.algo, name=base.name) != base
     cfg.algo.name = f"{name}+custom" if customized else name
-    return check(apply_async_correction(cfg))
+    return check(cfg)

@@ -6,7 +6,6 @@ with a did-you-mean (``set_key``).
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import types
 import typing
@@ -15,10 +14,9 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-
-
-def section_fields(obj) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(obj)}
+from ..sections import (ValidationError, annotation, field_for_key, key_name, keys_of, kind_of, optional,
+                        validation_problems, variants)
+from .migration import moved_key
 
 
 def coerce_value(value: Any, tp: Any, key: str) -> Any:
@@ -88,28 +86,91 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string (quote it in
 
 
 def set_key(obj, dotted: str, value: Any, prefix: str = "") -> None:
+    """Set the dotted key ``dotted`` of section ``obj`` to ``value`` (converted to the key's declared type and
+    validated). A key of a section chosen by its kind (``rollout.engine.dtype``) needs that kind; ``kind`` itself
+    replaces the section by a fresh one of the new kind; a key of an optional section that is off
+    (``train.async.workers`` while ``train.async`` is none) turns it on with its defaults. Unknown keys are a
+    ConfigError with a did-you-mean, naming the key's new place if it is a key of the earlier flat layout."""
     head, _, rest = dotted.partition(".")
-    fields = section_fields(obj)
     full = prefix + head
-    if head not in fields:
-        close = difflib.get_close_matches(head, list(fields), n=1)
-        hint = f" Did you mean {prefix + close[0]!r}?" if close else ""
-        valid = ", ".join(prefix + f for f in fields)
-        raise ConfigError(f"unknown config key {full!r}.{hint} Valid keys here: {valid}")
-    cur = getattr(obj, head)
-    hints = typing.get_type_hints(type(obj))
-    if dataclasses.is_dataclass(cur):
+    name = field_for_key(obj, head)
+    if name is None:
+        raise ConfigError(unknown_key(obj, full, prefix))
+    tp = annotation(obj, name)
+    choices = variants(tp)
+    if not choices:  # a plain value
         if rest:
-            set_key(cur, rest, value, full + ".")
-            return
-        if not isinstance(value, dict):
-            raise ConfigError(f"{full!r} is a section; set its keys ({full}.<key>=...) or give a mapping")
-        for k, v in value.items():
-            set_key(cur, str(k), v, full + ".")
+            raise ConfigError(f"{full!r} is not a section (cannot set {prefix + dotted!r})")
+        _assign(obj, name, coerce_value(value, tp, full), full)
         return
-    if rest:
-        raise ConfigError(f"{full!r} is not a section (cannot set {prefix + dotted!r})")
-    setattr(obj, head, coerce_value(value, hints[head], full))
+    cur = getattr(obj, name)
+    if not rest:
+        if isinstance(value, dict) and cur is not None and not ("kind" in value and len(choices) > 1):
+            for k, v in sorted(value.items(), key=lambda kv: str(kv[0]) != "kind"):
+                set_key(cur, str(k), v, full + ".")
+            return
+        if value is None or isinstance(value, (dict, str, int, float)) and (len(choices) > 1 or optional(tp)):
+            _assign(obj, name, value, full)  # a whole section: the shorthand or the mapping, validated
+            return
+        raise ConfigError(f"{full!r} is a section; set its keys ({full}.<key>=...) or give a mapping")
+    if cur is None:  # an optional section that is off: on, with its defaults
+        _assign(obj, name, {}, full)
+        cur = getattr(obj, name)
+    key, _, _ = rest.partition(".")
+    if key == "kind" and len(choices) > 1 and "." not in rest:
+        if value != getattr(cur, "kind", None):
+            _assign(obj, name, {"kind": value}, full)
+        return
+    if field_for_key(cur, key) is None and len(choices) > 1:
+        owners = [kind_of(c) for c in choices if field_for_key(c, key) is not None]
+        if owners:
+            raise ConfigError(f"{full}.{key} is a key of {full}.kind={' or '.join(map(str, owners))}, and {full}.kind "
+                              f"is {getattr(cur, 'kind', None)!r}: set {full}.kind={owners[0]} first (or give "
+                              f"{full} as a mapping with its kind)")
+    set_key(cur, rest, value, full + ".")
+
+
+def _assign(obj, name: str, value: Any, full: str) -> None:
+    """``setattr`` with pydantic's validation, whose errors become a ConfigError naming the key."""
+    try:
+        setattr(obj, name, value)
+    except ValidationError as e:
+        raise ConfigError("; ".join(validation_problems(e, full, name))) from None
+
+
+def unknown_key(obj, full: str, prefix: str) -> str:
+    """The message for an unknown key ``full`` of section ``obj``: its new place if the earlier flat layout had
+    it (`tether.config.migration`), else a did-you-mean and the valid keys there."""
+    moved = moved_key(full)
+    if moved:
+        return moved
+    head = full[len(prefix):]
+    names = [key_name(obj, n) for n in keys_of(obj)]
+    close = difflib.get_close_matches(head, names, n=1)
+    hint = f" Did you mean {prefix + close[0]!r}?" if close else ""
+    return f"unknown config key {full!r}.{hint} Valid keys here: {', '.join(prefix + n for n in names)}"
+
+
+def apply_keys(cfg, vals: dict[str, Any], source: str) -> None:
+    """Set every dotted key of ``vals`` on ``cfg`` (``source`` names where they come from in errors: the config
+    file, or "override"). The ``kind`` of a chosen section is set before its other keys, whatever their order;
+    keys of the earlier flat layout are refused together, one line each naming its new place, and so are the other
+    keys at fault."""
+    moved = [moved_key(k) for k in vals if moved_key(k)]
+    if moved:
+        many = f"{len(moved)} keys of the earlier flat layout:\n  - " + "\n  - ".join(moved)
+        raise ConfigError(f"{source}: " + (moved[0] if len(moved) == 1 else many))
+    # a section's choice first: its kind, or the section given whole (rollout.engine=vllm before rollout.engine.dtype)
+    first = {k for k in vals if k.endswith(".kind") or any(o.startswith(k + ".") for o in vals)}
+    errs = []
+    for k, v in sorted(vals.items(), key=lambda kv: kv[0] not in first):
+        try:
+            set_key(cfg, k, v)
+        except ConfigError as e:
+            errs.append(str(e))
+    if errs:  # every key at fault at once, each naming itself
+        raise ConfigError(f"{source}: " + (errs[0] if len(errs) == 1 else f"{len(errs)} problems:\n  - "
+                                           + "\n  - ".join(errs)))
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:

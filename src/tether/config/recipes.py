@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from pydantic import Field
+
+from ..sections import Section, default
 
 from ..algo.advantages import ADVANTAGES
 from ..algo.anchors import ANCHOR_KINDS
@@ -29,71 +31,96 @@ KL_SAMPLERS = ("pi_old", "mu")  # AlgoConfig.kl_sampler
 ANCHOR_DTYPES = ("policy", "bfloat16")  # AnchorConfig.dtype
 
 
-@dataclass
-class KLConfig:
+class KLConfig(Section):
     """The KL term that ties the policy to the anchor (see tether.algo.kl for every estimator's equation)."""
 
-    estimator: str = "none"  # none | k1 | k2 | k3 | k3pp | k4 | k5 | exact_rev | exact_fwd | topk_rev | topk_fwd |
-    # topk_*_centered (per-sample gradient 0 at the anchor) | topk_*_legacy | grpo_k3 | grpo_k3_corrected | rpg_fkl |
-    # rpg_rkl | rpg_ufkl | rpg_urkl
-    beta: float = 0.0  # KL coefficient (> 0 whenever estimator != none)
-    placement: str = "loss"  # loss: + beta*KL in the loss | reward: per-token penalty-to-go in the advantage |
-    # advantage: RPG's A' = A - beta*C_KL (rpg_rkl/rpg_urkl)
-    topk: int = 32  # top-k estimators: head size k (EMA-PG: 32); 0 = pure sampled tail; >= |V| = exact
-    truncated: bool = False  # top-k estimators: drop the tail, KL over the head only (a biased, distillation-style KL)
-    s_min: float = 0.0  # sampled and top-k estimators (their sampled tail; not with truncated): lower clip of
-    # s = sg(pi/pi_old) (0 = none; a documented bias)
-    s_max: float = 0.0  # sampled and top-k estimators (their sampled tail; not with truncated): upper clip of s (0 =
-    # none; a documented bias)
+    estimator: str = "none"
+    """none | k1 | k2 | k3 | k3pp | k4 | k5 | exact_rev | exact_fwd | topk_rev | topk_fwd | topk_*_centered
+    (per-sample gradient 0 at the anchor) | topk_*_legacy | grpo_k3 | grpo_k3_corrected | rpg_fkl | rpg_rkl |
+    rpg_ufkl | rpg_urkl"""
+    beta: float = 0.0
+    """KL coefficient (> 0 whenever estimator != none)"""
+    placement: str = "loss"
+    """loss: + beta*KL in the loss | reward: per-token penalty-to-go in the advantage | advantage: RPG's A' = A -
+    beta*C_KL (rpg_rkl/rpg_urkl)"""
+    topk: int = 32
+    """top-k estimators: head size k (EMA-PG: 32); 0 = pure sampled tail; >= |V| = exact"""
+    truncated: bool = False
+    """top-k estimators: drop the tail, KL over the head only (a biased, distillation-style KL)"""
+    s_min: float = 0.0
+    """sampled and top-k estimators (their sampled tail; not with truncated): lower clip of s = sg(pi/pi_old) (0 =
+    none; a documented bias)"""
+    s_max: float = 0.0
+    """sampled and top-k estimators (their sampled tail; not with truncated): upper clip of s (0 = none; a
+    documented bias)"""
 
 
-@dataclass
-class AnchorConfig:
+class AnchorConfig(Section):
     """Which policy the KL term ties to, and how it moves (tether.anchor)."""
 
-    kind: str = "none"  # none (no KL) | fixed (initial policy; GRPO) | ema (EMA-PG) | iterative (= sampler; RPG) |
-    # reset (copy every N) | kl_reset (copy when KL > kappa)
-    eta: float = 0.95  # ema: theta_a <- eta*theta_a + (1-eta)*theta (EMA-PG: 0.9-0.95)
-    every: int = 10  # ema, reset: update every N trainer steps (one rollout + its update;
-    # not optimizer steps; EMA-PG: 10)
-    kappa: float = 0.0  # kl_reset: reset when the moving average of the token KL exceeds kappa (> 0)
-    kl_smoothing: float = 0.9  # kl_reset: the moving average's factor m in kl_ma <- m*kl_ma + (1-m)*kl
-    dtype: str = "policy"  # fixed: the stored anchor's dtype. policy (the policy's) | bfloat16 (an fp32 policy's
-    # anchor held at half the bytes, upcast for its forward pass only; the anchor is then the bf16-rounded
-    # initial policy: tests/test_memory.py bounds the change of the KL and its gradient)
+    kind: str = "none"
+    """none (no KL) | fixed (initial policy; GRPO) | ema (EMA-PG) | iterative (= sampler; RPG) | reset (copy every
+    N) | kl_reset (copy when KL > kappa)"""
+    eta: float = 0.95
+    """ema: theta_a <- eta*theta_a + (1-eta)*theta (EMA-PG: 0.9-0.95)"""
+    every: int = 10
+    """ema, reset: update every N trainer steps (one rollout + its update; not optimizer steps; EMA-PG: 10)"""
+    kappa: float = 0.0
+    """kl_reset: reset when the moving average of the token KL exceeds kappa (> 0)"""
+    kl_smoothing: float = 0.9
+    """kl_reset: the moving average's factor m in kl_ma <- m*kl_ma + (1-m)*kl"""
+    dtype: str = "policy"
+    """fixed: the stored anchor's dtype. policy (the policy's) | bfloat16 (an fp32 policy's anchor held at half the
+    bytes, upcast for its forward pass only; the anchor is then the bf16-rounded initial policy:
+    tests/test_memory.py bounds the change of the KL and its gradient)"""
 
 
-@dataclass
-class AlgoConfig:
+class AlgoConfig(Section):
     """One point in the design space. Named recipes are instances; every field can be overridden."""
 
-    name: str = "custom"  # recipe name, for logs
-    advantage: str = "grpo"  # grpo | dr_grpo | group_mean | batch_mean | rloo | reinforce_pp | reinforce_pp_baseline
-    adv_eps: float = 1e-6  # grpo, reinforce_pp*: epsilon added to the std
-    surrogate: str = "ratio"  # ratio: -A*rho (PPO) | reinforce: -sg(A*rho)*log pi (RPG, CISPO); same gradient
-    region: RegionConfig = field(default_factory=RegionConfig)  # the trust region (tether.algo.trust_region)
-    kl: KLConfig = field(default_factory=KLConfig)
-    anchor: AnchorConfig = field(default_factory=AnchorConfig)
-    aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
-    agg_max_len: int = 0  # seq-mean-token-sum-norm: the fixed length L (0 = the rollout's max_new_tokens)
-    tis_cap: float = 0.0  # rollout correction (tether.algo.correction) for an engine that reports its log-probs
-    # (vLLM, async workers): tokens drawn by mu, r_t = pi_old/mu, pi_old recomputed by the trainer; the pg term is
-    # weighted by w_t = W_t * M_t. W: the IS weight, truncated at C (TIS); inf = untruncated (tis_mode token + a
-    # ratio region = AReaL's decoupled PPO); 0 = no IS weight; else >= 1. M: the mask_* below (each 0/none = off)
-    tis_mode: str = "token"  # tis_cap > 0: token (W_t = min(r_t, C)) | sequence
-    # (W = min(prod_t r_t, C) on the whole response; exact IS as C -> inf)
-    # | mask (token, and responses whose geometric-mean ratio exceeds C are masked)
-    mask_token_low: float = 0.0  # mask tokens with r_t < a, 0 < a < 1 (IcePop's alpha: 0.5)
-    mask_token_high: float = 0.0  # mask tokens with r_t > b > 1 (token MIS's cap, with tis_cap inf; IcePop's beta: 5)
-    mask_seq_high: float = 0.0  # mask responses with prod_t r_t > C > 1 (sequence MIS, with tis_mode sequence)
-    mask_geo: float = 0.0  # mask responses whose geometric-mean ratio exp(mean_t log r_t) is outside [1/C, C], C > 1
-    mask_kl: str = "none"  # none | k1 | k2 | k3: mask responses whose mean_t k_t, an estimate of
-    # KL(mu, pi_old) = E_mu[log mu/pi_old], exceeds mask_kl_max (k1 = -log r, k2 = (log r)^2/2, k3 = r - 1 - log r)
-    mask_kl_max: float = 0.0  # mask_kl: the threshold (> 0)
-    mask_opsm: float = 0.0  # OPSM (DeepSeek-V3.2): delta > 0; mask the A < 0 tokens of responses whose
-    # mean_t log(mu/pi) > delta, pi the current policy (detached)
-    kl_sampler: str = "pi_old"  # pi_old | mu: the distribution the KL term's sampling weights (s, rho, c of
-    # tether.algo.kl) divide by; mu (the engine's log-probs) keeps RPG's KL gradients exact when mu != pi_old
+    name: str = "custom"
+    """recipe name, for logs"""
+    advantage: str = "grpo"
+    """grpo | dr_grpo | group_mean | batch_mean | rloo | reinforce_pp | reinforce_pp_baseline"""
+    adv_eps: float = 1e-6
+    """grpo, reinforce_pp*: epsilon added to the std"""
+    surrogate: str = "ratio"
+    """ratio: -A*rho (PPO) | reinforce: -sg(A*rho)*log pi (RPG, CISPO); same gradient"""
+    region: RegionConfig = Field(default_factory=RegionConfig)
+    """the trust region (tether.algo.trust_region)"""
+    kl: KLConfig = Field(default_factory=KLConfig)
+    anchor: AnchorConfig = Field(default_factory=AnchorConfig)
+    aggregation: str = "token-mean"
+    """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm"""
+    agg_max_len: int = 0
+    """seq-mean-token-sum-norm: the fixed length L (0 = the rollout's max_new_tokens)"""
+    tis_cap: float = 0.0
+    """rollout correction (tether.algo.correction) for an engine that reports its log-probs (vLLM, async workers):
+    tokens drawn by mu, r_t = pi_old/mu, pi_old recomputed by the trainer; the pg term is weighted by w_t = W_t
+    * M_t. W: the IS weight, truncated at C (TIS); inf = untruncated (tis_mode token + a ratio region = AReaL's
+    decoupled PPO); 0 = no IS weight; else >= 1. M: the mask_* below (each 0/none = off)"""
+    tis_mode: str = "token"
+    """tis_cap > 0: token (W_t = min(r_t, C)) | sequence (W = min(prod_t r_t, C) on the whole response; exact IS as
+    C -> inf) | mask (token, and responses whose geometric-mean ratio exceeds C are masked)"""
+    mask_token_low: float = 0.0
+    """mask tokens with r_t < a, 0 < a < 1 (IcePop's alpha: 0.5)"""
+    mask_token_high: float = 0.0
+    """mask tokens with r_t > b > 1 (token MIS's cap, with tis_cap inf; IcePop's beta: 5)"""
+    mask_seq_high: float = 0.0
+    """mask responses with prod_t r_t > C > 1 (sequence MIS, with tis_mode sequence)"""
+    mask_geo: float = 0.0
+    """mask responses whose geometric-mean ratio exp(mean_t log r_t) is outside [1/C, C], C > 1"""
+    mask_kl: str = "none"
+    """none | k1 | k2 | k3: mask responses whose mean_t k_t, an estimate of KL(mu, pi_old) = E_mu[log mu/pi_old],
+    exceeds mask_kl_max (k1 = -log r, k2 = (log r)^2/2, k3 = r - 1 - log r)"""
+    mask_kl_max: float = 0.0
+    """mask_kl: the threshold (> 0)"""
+    mask_opsm: float = 0.0
+    """OPSM (DeepSeek-V3.2): delta > 0; mask the A < 0 tokens of responses whose mean_t log(mu/pi) > delta, pi the
+    current policy (detached)"""
+    kl_sampler: str = "pi_old"
+    """pi_old | mu: the distribution the KL term's sampling weights (s, rho, c of tether.algo.kl) divide by; mu
+    (the engine's log-probs) keeps RPG's KL gradients exact when mu != pi_old"""
 
     def copy(self) -> "AlgoConfig":
         return copy.deepcopy(self)
@@ -121,7 +148,8 @@ def _top_level_errors(cfg: AlgoConfig) -> list[str]:
         errs.append(unknown_choice("surrogate", cfg.surrogate, SURROGATES))
     if cfg.aggregation not in AGGREGATIONS:
         errs.append(unknown_choice("aggregation", cfg.aggregation, AGGREGATIONS))
-    if cfg.adv_eps != AlgoConfig.adv_eps and cfg.advantage not in ("grpo", "reinforce_pp", "reinforce_pp_baseline"):
+    if (cfg.adv_eps != default(AlgoConfig, "adv_eps")
+            and cfg.advantage not in ("grpo", "reinforce_pp", "reinforce_pp_baseline")):
         errs.append(f"adv_eps has no effect with advantage {cfg.advantage!r} (no std normalization)")
     if cfg.agg_max_len and cfg.aggregation != "seq-mean-token-sum-norm":
         errs.append("agg_max_len only applies to aggregation seq-mean-token-sum-norm")
@@ -132,7 +160,7 @@ def _correction_errors(cfg: AlgoConfig) -> list[str]:
     """The rollout correction's ranges (tis_cap, mask_*), and settings that have no effect."""
     bad = check_correction(cfg.tis_cap, cfg.tis_mode)
     errs = [bad] if bad else []
-    if not bad and cfg.tis_cap == 0 and cfg.tis_mode != AlgoConfig.tis_mode:
+    if not bad and cfg.tis_cap == 0 and cfg.tis_mode != default(AlgoConfig, "tis_mode"):
         errs.append("tis_mode has no effect while tis_cap is 0 (no IS weight)")
     if cfg.mask_token_low and not 0 < cfg.mask_token_low < 1:
         errs.append(f"mask_token_low must be 0 (off) or in (0, 1) (IcePop: 0.5), got {cfg.mask_token_low}")

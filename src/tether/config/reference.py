@@ -1,19 +1,25 @@
 """The reference of every config key (docs/config.md, ``tether config --reference``), generated from
-the dataclasses themselves: ``Config`` is walked field by field at every depth, and each key is
-documented by the comment where it is declared (a key without one is an error)."""
+the sections themselves: ``Config`` is walked field by field at every depth (each kind of a chosen section,
+``rollout.engine``, and each optional section, ``train.async``, in a table of its own), and each key is
+documented by the docstring under its declaration (a key without one is an error). The trust region
+(``algo.region``, a dataclass of `tether.algo`, which imports only torch) is documented by the comments at its
+fields' declarations."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import re
+
+from pydantic_core import PydanticUndefined
 
 from ..agents import AGENTS
 from ..algo.anchors import ANCHOR_KINDS
 from ..rollout import ENGINES
 from ..search.retrievers import RETRIEVERS
+from ..sections import annotation, doc, key_name, keys_of, kind_of, variants
 from ..tasks.registry import TASKS
 from ..tasks.rewards import REWARDS
+from .migration import MOVED
 from .schema import Config
 
 # `name: type = default  # meaning` at a dataclass field's declaration; the meaning may go on over the
@@ -23,7 +29,8 @@ _CONTINUATION = re.compile(r"^\s+#\s*(.+)$")
 
 
 def declaration_comments(section: type) -> dict[str, str]:
-    """field name -> the comment at its declaration in ``section``'s source (continuation lines joined)."""
+    """field name -> the comment at its declaration in dataclass ``section``'s source (continuation lines
+    joined)."""
     out: dict[str, str] = {}
     last = None
     for line in inspect.getsource(section).splitlines():
@@ -41,34 +48,55 @@ def declaration_comments(section: type) -> dict[str, str]:
 
 
 def sections(cls: type = Config, prefix: str = "") -> list[tuple[str, type]]:
-    """``(prefix, dataclass)`` of ``cls`` and of every section under it, depth first in declaration
-    order; ``prefix`` is the dotted path with its trailing dot (``""`` for the top level)."""
+    """``(prefix, section class)`` of ``cls`` and of every section under it, depth first in declaration order
+    (a chosen section once per kind); ``prefix`` is the dotted path with its trailing dot (``""`` at the top)."""
     out = [(prefix, cls)]
-    default = cls()
-    for f in dataclasses.fields(cls):
-        value = getattr(default, f.name)
-        if dataclasses.is_dataclass(value):
-            out += sections(type(value), f"{prefix}{f.name}.")
+    for name in keys_of(cls):
+        for sub in variants(annotation(cls, name)):
+            out += sections(sub, f"{prefix}{key_name(cls, name)}.")
     return out
 
 
-def keys(cls: type = Config) -> list[tuple[str, object, str]]:
-    """``(dotted key, field default, declaration comment)`` of every key of ``cls`` at any depth.
+def _default(section: type, name: str) -> object:
+    from ..sections import default  # noqa: PLC0415 (a name of this module's tables)
+    if hasattr(section, "model_fields") and section.model_fields[name].is_required():
+        return PydanticUndefined
+    value = default(section, name)
+    return value.model_dump(by_alias=True) if hasattr(value, "model_dump") else value
 
-    The defaults are each section's own field defaults (``algo.*``: AlgoConfig's, which the recipes
-    override). Raises AssertionError naming a key declared without a comment.
-    """
+
+def section_keys(prefix: str, section: type) -> list[tuple[str, object, str]]:
+    """``(dotted key, default, meaning)`` of the keys of ``section`` itself (not of the sections under it)."""
+    comments = None if hasattr(section, "model_fields") else declaration_comments(section)
     out = []
+    for name in keys_of(section):
+        tp = annotation(section, name)
+        if variants(tp) and not (kind_of(section) and name == "kind"):
+            if not _is_choice_or_optional(tp):
+                continue  # a plain nested section: its own table
+        text = doc(section, name) if comments is None else comments.get(name)
+        key = prefix + key_name(section, name)
+        if not text:
+            raise AssertionError(f"config key {key} has no docstring at its declaration")
+        out.append((key, _default(section, name), text))
+    return out
+
+
+def _is_choice_or_optional(tp) -> bool:
+    from ..sections import optional  # noqa: PLC0415 (a name of this module's tables)
+    return len(variants(tp)) > 1 or optional(tp)
+
+
+def keys(cls: type = Config) -> list[tuple[str, object, str]]:
+    """``(dotted key, field default, docstring)`` of every key of ``cls`` at any depth (a chosen section's keys
+    once per kind). The defaults are each section's own field defaults (``algo.*``: AlgoConfig's, which the
+    recipes override). Raises AssertionError naming a key declared without a docstring."""
+    out, seen = [], set()
     for prefix, section in sections(cls):
-        comments = declaration_comments(section)
-        default = section()
-        for f in dataclasses.fields(section):
-            value = getattr(default, f.name)
-            if dataclasses.is_dataclass(value):
-                continue  # its own section
-            if f.name not in comments:
-                raise AssertionError(f"config key {prefix}{f.name} has no comment at its declaration")
-            out.append((prefix + f.name, value, comments[f.name]))
+        for row in section_keys(prefix, section):
+            if row[0] not in seen:
+                seen.add(row[0])
+                out.append(row)
     return out
 
 
@@ -90,30 +118,48 @@ def registered() -> dict[str, str]:
 def reference() -> str:
     """Markdown reference of every config key, generated from the comments at their declarations."""
     out = ["# Configuration keys", "",
-           "Generated by `tether config --reference` from the config's dataclasses: every key at any depth,",
-           "with the comment where it is declared (`tether.config.schema`, `tether.models`, `tether.algo`).",
+           "Generated by `tether config --reference` from the config's sections: every key at any depth,",
+           "with the docstring under its declaration (`tether.config.schema`, `tether.models`, `tether.algo`).",
            "Set keys in a YAML file (`--config`) or as `key=value` overrides; `recipe` picks the `algo.*` defaults",
            "(the `algo.*` defaults below are the bare field defaults: each recipe, the default `ema_pg` included,",
            "overrides some of them; `tether config --recipe NAME` prints a recipe's resolved values).", ""]
-    out.append(section_tables(Config, keys(), registered()))
+    out.append(section_tables(Config, None, registered()))
+    out.append(moved_table())
     return "\n".join(out)
 
 
-def section_tables(cls: type, rows: list[tuple[str, object, str]], reg: dict[str, str]) -> str:
-    """One markdown table per section of ``cls`` that holds keys: the section's first docstring paragraph,
-    then ``| key | default | meaning |`` for ``rows`` (`keys`), ``reg`` appended to the keys it names."""
-    out = []
+def section_tables(cls: type, rows: list[tuple[str, object, str]] | None, reg: dict[str, str]) -> str:
+    """One markdown table per section of ``cls`` (one per kind of a chosen section): the section's first docstring
+    paragraph, then ``| key | default | meaning |``, ``reg`` appended to the keys it names."""
+    out, titled = [], set()
     for prefix, section in sections(cls):
-        own = [r for r in rows if r[0].startswith(prefix) and "." not in r[0][len(prefix):]]
+        own = section_keys(prefix, section)
         if not own:
             continue
-        title = f"`{prefix[:-1]}`" if prefix else "Top level"
+        kind = kind_of(section)
+        title = (f"`{prefix[:-1]}`" if prefix else "Top level") + (
+            f" (kind = `{kind}`)" if kind else " (any other kind)" if prefix in titled else "")
+        titled.add(prefix)
         summary = " ".join(inspect.cleandoc(section.__doc__ or "").split("\n\n")[0].split())  # its first paragraph
         out += [f"## {title}", "", summary, "",
                 "| key | default | meaning |", "| --- | --- | --- |"]
-        out += [f"| `{key}` | `{value!r}` | {_meaning(key, comment, reg)} |" for key, value, comment in own]
+        out += [f"| `{key}` | {_shown(value)} | {_meaning(key, comment, reg)} |" for key, value, comment in own]
         out.append("")
     return "\n".join(out)
+
+
+def moved_table() -> str:
+    """The keys of the earlier flat layout and their new places (`tether.config.migration.MOVED`)."""
+    out = ["## Keys of the earlier flat layout", "",
+           "A config that sets one of these keys is refused with an error naming its new place; a run directory "
+           "saved before the change is read in the new layout (`--resume`, `tether eval --run`, `tether export`).",
+           "", "| earlier key | its place now |", "| --- | --- |"]
+    out += [f"| `{old}` | `{new}` |" for old, new in MOVED.items()]
+    return "\n".join(out + [""])
+
+
+def _shown(value: object) -> str:
+    return "required" if value is PydanticUndefined else f"`{value!r}`"
 
 
 def _meaning(key: str, comment: str, reg: dict[str, str]) -> str:

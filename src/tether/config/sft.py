@@ -9,15 +9,17 @@ LoRA mean the same in both; the optimizer keys mean what ``train.*`` means for `
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from pydantic import Field
+
+from ..sections import Section
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import ConfigError
 from ..algo.registry import unknown_choice
 from ..models import ModelConfig
-from .overrides import flatten, set_key
+from .overrides import apply_keys, flatten
 from .reference import keys, section_tables
+from .schema import OutputsConfig
 from .validate import check_checkpoints, check_model, check_optimizer, check_outputs, raise_problems
 from .yaml_io import read_yaml_mapping
 
@@ -25,73 +27,80 @@ OVERFLOW = ("error", "truncate")
 BATCHING = ("padded", "length_grouped", "packed")
 
 
-@dataclass
-class SFTDataConfig:
+class SFTDataConfig(Section):
     """The conversations: JSONL rows of ``{"messages": [...]}`` or ``{"prompt": ..., "completion": ...}``
     (docs/sft.md: the formats, and which tokens the loss reads)."""
 
-    path: str = ""  # the training rows, a JSONL file (CLI: --data); required
-    val_path: str = ""  # validation rows, a JSONL file in the same formats ("" = none; see data.val_fraction)
-    val_fraction: float = 0.0  # hold out this fraction of the training rows for validation, chosen with train.seed
-    # (0 = none; not with data.val_path)
-    max_length: int = 0  # tokens per conversation, everything from the first system / user token to the last
-    # assistant turn's end (0 = the model's context, max_position_embeddings)
-    overflow: str = "error"  # a conversation longer than data.max_length: error (names the file and line; raised
-    # before the first step) | truncate (keep its first data.max_length tokens; it must still hold a trained token)
+    path: str = ""
+    """the training rows, a JSONL file (CLI: --data); required"""
+    val_path: str = ""
+    """validation rows, a JSONL file in the same formats ("" = none; see data.val_fraction)"""
+    val_fraction: float = 0.0
+    """hold out this fraction of the training rows for validation, chosen with train.seed (0 = none; not with
+    data.val_path)"""
+    max_length: int = 0
+    """tokens per conversation, everything from the first system / user token to the last assistant turn's end (0 =
+    the model's context, max_position_embeddings)"""
+    overflow: str = "error"
+    """a conversation longer than data.max_length: error (names the file and line; raised before the first step) |
+    truncate (keep its first data.max_length tokens; it must still hold a trained token)"""
 
 
-@dataclass
-class SFTTrainConfig:
+class SFTTrainConfig(Section):
     """Optimization: AdamW on the mean negative log-likelihood of the trained tokens of each batch."""
 
-    epochs: int = 1  # passes over the training rows (with train.steps = 0); raised on --resume it extends the run
-    steps: int = 0  # optimizer steps (0 = train.epochs passes); > 0 trains exactly this many, reshuffling at each
-    # pass over the rows (not with train.epochs); raised on --resume it extends the run
-    batch_size: int = 16  # conversations per optimizer step (the last batch of a pass may be smaller)
-    micro_batch_size: int = 4  # conversations per forward / backward (gradient accumulation); the loss is divided
-    # by the trained tokens of the whole batch, so the gradient does not depend on it
-    batching: str = "padded"  # which conversations share a batch and how they are laid out: padded (random
-    # batches, each micro-batch padded to its longest) | length_grouped (batches of similar lengths: less padding,
-    # but a batch's contents correlate with length) | packed (random batches, each micro-batch concatenated without
-    # padding, positions restarting per conversation; checked against the padded forward at the start)
-    lr: float = 1e-5  # AdamW learning rate, >= 0; set on --resume, it applies from the next step
-    weight_decay: float = 0.0  # AdamW weight decay
-    betas: list = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
-    warmup_steps: int = 0  # linear warm-up, in optimizer steps
-    schedule: str = "cosine"  # constant | cosine | linear (after warm-up, to 0 at the last step); as for tether
-    # train, the LR never jumps when --resume extends the run
-    grad_clip: float = 1.0  # max global grad norm (0 = off)
-    val_every: int = 0  # also compute the validation loss every N steps (0 = before the first step and after
-    # the last only; needs data.val_path or data.val_fraction)
-    logprob_chunk: int = 1024  # tokens per chunk of the loss's log-softmax (peak memory ~ chunk x vocab)
-    seed: int = 0  # seeds the validation split, the order of the rows and initialization
+    epochs: int = 1
+    """passes over the training rows (with train.steps = 0); raised on --resume it extends the run"""
+    steps: int = 0
+    """optimizer steps (0 = train.epochs passes); > 0 trains exactly this many, reshuffling at each pass over the
+    rows (not with train.epochs); raised on --resume it extends the run"""
+    batch_size: int = 16
+    """conversations per optimizer step (the last batch of a pass may be smaller)"""
+    micro_batch_size: int = 4
+    """conversations per forward / backward (gradient accumulation); the loss is divided by the trained tokens of
+    the whole batch, so the gradient does not depend on it"""
+    batching: str = "padded"
+    """which conversations share a batch and how they are laid out: padded (random batches, each micro-batch padded
+    to its longest) | length_grouped (batches of similar lengths: less padding, but a batch's contents correlate
+    with length) | packed (random batches, each micro-batch concatenated without padding, positions restarting
+    per conversation; checked against the padded forward at the start)"""
+    lr: float = 1e-5
+    """AdamW learning rate, >= 0; set on --resume, it applies from the next step"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    betas: list = Field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas"""
+    warmup_steps: int = 0
+    """linear warm-up, in optimizer steps"""
+    schedule: str = "cosine"
+    """constant | cosine | linear (after warm-up, to 0 at the last step); as for tether train, the LR never jumps
+    when --resume extends the run"""
+    grad_clip: float = 1.0
+    """max global grad norm (0 = off)"""
+    val_every: int = 0
+    """also compute the validation loss every N steps (0 = before the first step and after the last only; needs
+    data.val_path or data.val_fraction)"""
+    logprob_chunk: int = 1024
+    """tokens per chunk of the loss's log-softmax (peak memory ~ chunk x vocab)"""
+    seed: int = 0
+    """seeds the validation split, the order of the rows and initialization"""
 
 
-@dataclass
-class SFTRunConfig:
-    """Outputs: run directory, checkpoints, logs (as ``tether train``'s ``run.*``)."""
+class SFTRunConfig(OutputsConfig):
+    """Outputs: run directory, checkpoints, logs (``tether train``'s ``run`` keys, `OutputsConfig`, with a
+    checkpoint every 100 steps)."""
 
-    output_dir: str = ""  # run directory ("" = runs/sft-<data>-<timestamp>); a fresh run refuses a non-empty one
-    # (see run.overwrite) and locks it (RUN/.lock) while it trains
-    overwrite: bool = False  # a fresh run into a non-empty run.output_dir first deletes the SFT run there (only a run
-    # tether sft wrote); false refuses it (CLI: --overwrite; needs run.output_dir; not with --resume)
-    save_every: int = 100  # checkpoint every N steps (0 = only at the end); the last step always writes one
-    keep_checkpoints: int = 2  # keep the newest N checkpoints (-1 = keep every checkpoint)
-    progress: bool = True  # a progress bar with the live loss
-    plot: bool = True  # write curves.png (loss, validation loss, LR, grad norm) when the run ends
-    tensorboard: bool = False  # also log to TensorBoard (needs the tensorboard package)
-    wandb: bool = False  # also log to Weights & Biases (needs wandb; honours WANDB_* variables)
-    wandb_project: str = "tether"  # wandb: project name
+    save_every: int = 100
+    """checkpoint every N steps (0 = only at the end); the last step always writes one"""
 
 
-@dataclass
-class SFTConfig:
+class SFTConfig(Section):
     """Everything an SFT run needs."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    train: SFTTrainConfig = field(default_factory=SFTTrainConfig)
-    run: SFTRunConfig = field(default_factory=SFTRunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: SFTDataConfig = Field(default_factory=SFTDataConfig)
+    train: SFTTrainConfig = Field(default_factory=SFTTrainConfig)
+    run: SFTRunConfig = Field(default_factory=SFTRunConfig)
 
 
 #: Keys a ``tether sft --resume`` may not change: they decide which rows form each batch (or the model),
@@ -104,11 +113,7 @@ def load_sft_config(path: Optional[str] = None, overrides: Optional[dict[str, An
     cfg = SFTConfig()
     file_vals = flatten(read_yaml_mapping(path)) if path else {}
     for source, vals in ((path or "config file", file_vals), ("override", dict(overrides or {}))):
-        for k, v in vals.items():
-            try:
-                set_key(cfg, k, v)
-            except ConfigError as e:
-                raise ConfigError(f"{source}: {e}") from None
+        apply_keys(cfg, vals, source)
     return check_sft(cfg)
 
 

@@ -7,7 +7,7 @@ micro-batches, asynchronous training) are in `tether.config.validate_train`.
 
 from __future__ import annotations
 
-import dataclasses
+from ..sections import keys_of
 import math
 import re
 from pathlib import Path
@@ -97,8 +97,8 @@ def _check_rollout_choices(cfg: Config) -> list[str]:
     r, errs = cfg.rollout, []
     if r.prompt_overflow not in ("error", "truncate"):
         errs.append(unknown_choice("rollout.prompt_overflow", r.prompt_overflow, ("error", "truncate")))
-    if r.engine not in ENGINES:
-        errs.append(unknown_choice("rollout.engine", r.engine, ENGINES))
+    if r.engine.kind not in ENGINES:
+        errs.append(unknown_choice("rollout.engine.kind", r.engine.kind, ENGINES))
     errs.extend(_check_engine(cfg))
     if r.agent not in AGENTS:
         errs.extend(_check_spec("rollout.agent", r.agent, AGENTS))
@@ -115,7 +115,7 @@ def _check_search(cfg: Config) -> list[str]:
     search.corpus with bm25, dense and http); the observation format; ranges."""
     sc, ds, errs = cfg.search, SearchConfig(), []
     if _agent_reads(cfg) != "search":
-        for k in (f.name for f in dataclasses.fields(SearchConfig)):
+        for k in keys_of(SearchConfig):
             if getattr(sc, k) != getattr(ds, k):
                 errs.append(f"search.{k} only applies with rollout.agent={' or '.join(AGENTS.where(reads='search'))}")
         return errs
@@ -145,7 +145,7 @@ def _check_env(cfg: Config) -> list[str]:
     e, de, errs = cfg.env, EnvConfig(), []
     if _agent_reads(cfg) != "env":
         return [f"env.{k} only applies with rollout.agent={' or '.join(AGENTS.where(reads='env'))}"
-                for k in (f.name for f in dataclasses.fields(EnvConfig)) if getattr(e, k) != getattr(de, k)]
+                for k in keys_of(EnvConfig) if getattr(e, k) != getattr(de, k)]
     if e.name == "search":
         errs.append("env.name=search: run the search environment with rollout.agent=search (its retriever and "
                     "budgets are the search.* keys)")
@@ -403,50 +403,30 @@ def _check_spec(key: str, spec: str, registry, extra: tuple[str, ...] = ()) -> l
     return []
 
 
-VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
 def _check_engine(cfg: Config) -> list[str]:
-    """The engine options (rollout.vllm_*) and rollout correction against the engine's abilities.
+    """rollout.engine against the rest: vLLM installed, the model's own code, and rollout correction against the
+    engine's log-probs. The engine section's own keys are typed and ranged where they are declared
+    (`tether.config.engine`); the GPU-only and CPU-only vLLM keys are checked when the engine is built
+    (``tether.rollout.vllm.VLLMEngine``), where vLLM's platform is known."""
+    import importlib.util  # noqa: PLC0415 (find_spec of an optional dependency, only for this engine)
 
-    Checks that need the device (GPU-only / CPU-only vLLM options) run when the engine is built
-    (``tether.rollout.vllm.VLLMEngine``), where vLLM's platform is known.
-    """
-    import importlib.util
-
-    r, dr, errs = cfg.rollout, RolloutConfig(), []
-    vllm_keys = [f.name for f in dataclasses.fields(RolloutConfig) if f.name.startswith("vllm_")]
-    if r.engine != "vllm":
-        errs += [f"rollout.{k} only applies with rollout.engine=vllm" for k in vllm_keys
-                 if getattr(r, k) != getattr(dr, k)]
-    else:
+    r, errs = cfg.rollout, []
+    kind = r.engine.kind
+    if kind == "vllm":
         if importlib.util.find_spec("vllm") is None:
-            errs.append("rollout.engine=vllm needs vLLM, which lives in its own environment: run "
+            errs.append("rollout.engine.kind=vllm needs vLLM, which lives in its own environment: run "
                         "`bash scripts/setup.sh --vllm` and use .venv-vllm/bin/tether")
-        if r.vllm_dtype not in VLLM_DTYPES:
-            errs.append(unknown_choice("rollout.vllm_dtype", r.vllm_dtype, VLLM_DTYPES))
-        if r.vllm_max_model_len < 0:
-            errs.append("rollout.vllm_max_model_len must be >= 0 (0 = the model's own)")
-        if not 0 < r.vllm_gpu_memory_utilization <= 1:
-            errs.append("rollout.vllm_gpu_memory_utilization must be in (0, 1]")
-        if r.vllm_kv_cache_gb < 0:
-            errs.append("rollout.vllm_kv_cache_gb must be >= 0 (0 = vLLM's default)")
-        if r.vllm_sync_bucket_mb < 1:
-            errs.append("rollout.vllm_sync_bucket_mb must be >= 1")
-        for k in ("share_prompt", "prune_every"):
-            if getattr(r, k) != getattr(dr, k):
-                errs.append(f"rollout.{k} is an option of engine hf; vLLM schedules its own batches")
         if cfg.model.trust_remote_code:
-            errs.append("model.trust_remote_code=true with rollout.engine=vllm: vLLM samples from a snapshot of the "
-                        "weights with its own implementation of the architecture, not the model's custom code; use "
-                        "rollout.engine=hf")
-    if uses_sampler_logp(cfg.algo) and r.engine in ENGINES:
-        if cfg.train.max_staleness == 0 and not engine_reports_logp(r.engine):
+            errs.append("model.trust_remote_code=true with rollout.engine.kind=vllm: vLLM samples from a snapshot of "
+                        "the weights with its own implementation of the architecture, not the model's custom code; "
+                        "use rollout.engine.kind=hf")
+    if uses_sampler_logp(cfg.algo) and kind in ENGINES:
+        if cfg.train.max_staleness == 0 and not engine_reports_logp(kind):
             errs.append(f"algo.tis_cap > 0 / algo.mask_* / algo.kl_sampler=mu (rollout correction) needs an engine "
-                        f"that reports its log-probs; rollout.engine={r.engine} reports none (use "
-                        f"rollout.engine=vllm, or train.max_staleness >= 1: the rollout workers record them)")
-        elif cfg.train.max_staleness >= 1 and not worker_records_logp(r.engine):  # the workers' hf or vllm do
+                        f"that reports its log-probs; rollout.engine.kind={kind} reports none (use "
+                        f"rollout.engine=vllm, or train.async: the rollout workers record them)")
+        elif cfg.train.max_staleness >= 1 and not worker_records_logp(kind):  # the workers' hf or vllm do
             errs.append(f"algo.tis_cap > 0 / algo.mask_* / algo.kl_sampler=mu (rollout correction) needs the "
-                        f"engine's log-probs, and the rollout workers' rollout.engine={r.engine} passes none on (the "
+                        f"engine's log-probs, and the rollout workers' rollout.engine.kind={kind} passes none on (the "
                         f"hf and vllm engines do)")
     return errs

@@ -1,6 +1,6 @@
 """Validation of the train.* section (part of ``tether.config.validate.check``): sizes and micro-batches, an
 iterative anchor that would be exactly on-policy, the ESS-scaled step (``train.lr_scale``), and asynchronous
-training (``train.max_staleness`` and the options of the rollout workers, `tether.asynchronous.workers`: their
+training (``train.async.max_staleness`` and the options of the rollout workers, `tether.asynchronous.workers`: their
 number, stale batches, verified sync, remote workers, partial rollouts). A key that has no effect under the
 resolved settings is a problem too.
 """
@@ -11,6 +11,7 @@ from ..algo.correction import LR_SCALES
 from .recipes import AlgoConfig
 from ..algo.registry import unknown_choice
 from ..rollout import ENGINES, engine_reports_logp, worker_records_logp
+from ..sections import default
 from .schema import Config, TrainConfig
 
 
@@ -53,69 +54,46 @@ def _check_lr_scale(cfg: Config) -> list[str]:
         errs.append(f"train.lr_scale_power must be in (0, 1] (1: linear in ESS/N, 0.5: its square root), got "
                     f"{t.lr_scale_power}")
     r = cfg.rollout
-    if t.max_staleness == 0 and r.engine in ENGINES and not engine_reports_logp(r.engine):
-        errs.append(f"train.lr_scale={t.lr_scale} has no effect here: with train.max_staleness=0 and rollout.engine="
-                    f"{r.engine} the sampler is the trainer's own policy (mu = pi_old, no engine log-probs), so ESS/N "
-                    f"is 1 at every step; use it with train.max_staleness >= 1 (the workers report mu) or "
-                    f"rollout.engine=vllm")
+    if t.max_staleness == 0 and r.engine.kind in ENGINES and not engine_reports_logp(r.engine.kind):
+        errs.append(f"train.lr_scale={t.lr_scale} has no effect here: with train.async none and "
+                    f"rollout.engine.kind={r.engine.kind} the sampler is the trainer's own policy (mu = pi_old, no "
+                    f"engine log-probs), so ESS/N is 1 at every step; use it with train.async (the workers report "
+                    f"mu) or rollout.engine=vllm")
     return errs
-
-
-STALE_BATCHES = ("drop", "keep")
 
 
 def _check_async(cfg: Config) -> list[str]:
-    """train.max_staleness and the options of asynchronous training (tether.asynchronous.workers)."""
-    r, t, dt, errs = cfg.rollout, cfg.train, TrainConfig(), []
-    keys = ("async_correction", "rollout_workers", "stale_batches", "verify_sync", "worker_address",
-            "partial_rollout_tokens", "worker_restarts")
-    if t.max_staleness < 0:
-        errs.append("train.max_staleness must be >= 0 (0 = synchronous)")
-    if t.verify_logp_tol != dt.verify_logp_tol and not (t.verify_sync and r.engine == "vllm"):
-        errs.append("train.verify_logp_tol only applies with train.verify_sync=true and rollout.engine=vllm (the vLLM "
-                    "workers' probe)")
-    elif not t.verify_logp_tol > 0:
-        errs.append("train.verify_logp_tol must be > 0")
-    if t.worker_timeout_s != dt.worker_timeout_s and not t.worker_address:
-        errs.append("train.worker_timeout_s only applies with train.worker_address (remote rollout workers)")
-    elif not t.worker_timeout_s > 0:
-        errs.append("train.worker_timeout_s must be > 0")
-    if t.max_staleness <= 0:
-        return errs + [f"train.{k} only applies with train.max_staleness >= 1 (asynchronous rollouts)"
-                       for k in keys if getattr(t, k) != getattr(dt, k)]
-    if not t.async_correction and correction_set(cfg.algo):
-        errs.append("train.async_correction=false has no effect: a rollout correction is set by hand (algo.tis_cap / "
+    """train.async (tether.asynchronous.workers): what its section's own types cannot say, each rule a check of
+    its own."""
+    r, a, errs = cfg.rollout, cfg.train.async_, []
+    if a is None:
+        return []
+    if a.transport.kind == "remote" and not a.transport.address:
+        errs.append("train.async.transport.kind=remote needs train.async.transport.address (HOST:PORT the trainer "
+                    "listens on for its `tether worker` processes)")
+    if a.verify_logp_tol != default(type(a), "verify_logp_tol") and not (a.verify_sync and r.engine.kind == "vllm"):
+        errs.append("train.async.verify_logp_tol only applies with train.async.verify_sync=true and "
+                    "rollout.engine.kind=vllm (the vLLM workers' probe)")
+    if not a.correction and correction_set(cfg.algo):
+        errs.append("train.async.correction=false has no effect: a rollout correction is set by hand (algo.tis_cap / "
                     "algo.mask_* / algo.kl_sampler), and it is used as given")
-    if t.partial_rollout_tokens < 0:
-        errs.append("train.partial_rollout_tokens must be >= 0 (0 = off)")
-    elif t.partial_rollout_tokens:
+    if a.partial_rollout_tokens:
         if r.agent != "single_turn":
-            errs.append(f"train.partial_rollout_tokens (partial rollouts) supports rollout.agent=single_turn only, "
-                        f"got {r.agent!r}")
-        if t.partial_rollout_tokens >= r.max_new_tokens:
-            errs.append(f"train.partial_rollout_tokens={t.partial_rollout_tokens} has no effect: a response has at "
-                        f"most rollout.max_new_tokens={r.max_new_tokens} tokens, one segment")
-    if t.worker_address:
-        host, _, port = t.worker_address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            errs.append(f"train.worker_address must be HOST:PORT (e.g. 10.0.0.5:29600, the cluster's private "
-                        f"interface, not 0.0.0.0), got {t.worker_address!r}")
-    if t.worker_restarts < 0:
-        errs.append("train.worker_restarts must be >= 0 (0 = a worker that dies stops the run)")
-    if t.rollout_workers < 1:
-        errs.append("train.rollout_workers must be >= 1")
-    if t.stale_batches not in STALE_BATCHES:
-        errs.append(unknown_choice("train.stale_batches", t.stale_batches, STALE_BATCHES))
-    elif t.stale_batches != dt.stale_batches and t.rollout_workers <= t.max_staleness + 1:
-        errs.append(f"train.stale_batches has no effect: with train.rollout_workers={t.rollout_workers} <= "
-                    f"train.max_staleness + 1 no batch can be more than {t.max_staleness} versions old")
+            errs.append(f"train.async.partial_rollout_tokens (partial rollouts) supports rollout.agent=single_turn "
+                        f"only, got {r.agent!r}")
+        if a.partial_rollout_tokens >= r.max_new_tokens:
+            errs.append(f"train.async.partial_rollout_tokens={a.partial_rollout_tokens} has no effect: a response has "
+                        f"at most rollout.max_new_tokens={r.max_new_tokens} tokens, one segment")
+    if a.stale_batches != default(type(a), "stale_batches") and a.workers <= a.max_staleness + 1:
+        errs.append(f"train.async.stale_batches has no effect: with train.async.workers={a.workers} <= "
+                    f"train.async.max_staleness + 1 no batch can be more than {a.max_staleness} versions old")
     if r.dynamic_sampling:
-        errs.append("train.max_staleness >= 1 does not support rollout.dynamic_sampling (its refills are decided "
-                    "after scoring, in the trainer)")
+        errs.append("train.async does not support rollout.dynamic_sampling (its refills are decided after scoring, "
+                    "in the trainer)")
     return errs
 
 
-#: the rollout correction train.async_correction applies (docs/evidence.md, staleness): TIS cap 2 + IcePop [0.5, 5]
+#: the rollout correction train.async.correction applies (docs/evidence.md, staleness): TIS cap 2 + IcePop [0.5, 5]
 ASYNC_CORRECTION = {"tis_cap": 2.0, "mask_token_low": 0.5, "mask_token_high": 5.0}
 CORRECTION_KEYS = ("tis_cap", "tis_mode", "mask_token_low", "mask_token_high", "mask_seq_high", "mask_geo", "mask_kl",
                    "mask_kl_max", "mask_opsm", "kl_sampler")
@@ -123,15 +101,15 @@ CORRECTION_KEYS = ("tis_cap", "tis_mode", "mask_token_low", "mask_token_high", "
 
 def correction_set(algo: AlgoConfig) -> bool:
     """Whether any rollout-correction key of ``algo`` differs from its default."""
-    return any(getattr(algo, k) != getattr(AlgoConfig, k) for k in CORRECTION_KEYS)
+    return any(getattr(algo, k) != default(AlgoConfig, k) for k in CORRECTION_KEYS)
 
 
 def apply_async_correction(cfg: Config) -> Config:
-    """train.async_correction: with max_staleness >= 1, an engine whose workers pass their log-probs on, and no
+    """train.async.correction: with train.async on, an engine whose workers pass their log-probs on, and no
     correction key set, set ASYNC_CORRECTION in ``cfg.algo`` (in place; idempotent: once set, the keys are no
     longer at their defaults). `load_config` and the Trainer (for a Config built in Python) call it."""
-    if (cfg.train.max_staleness >= 1 and cfg.train.async_correction and not correction_set(cfg.algo)
-            and worker_records_logp(cfg.rollout.engine)):
+    a = cfg.train.async_
+    if a is not None and a.correction and not correction_set(cfg.algo) and worker_records_logp(cfg.rollout.engine.kind):
         for k, v in ASYNC_CORRECTION.items():
             setattr(cfg.algo, k, v)
     return cfg

@@ -1,8 +1,10 @@
 """``tether eval``'s agents: their command-line options and what each needs before the model loads.
 
 * :func:`add_agent_arguments` -- ``--agent`` and the options of the multi-turn (``--env``) and search agents;
-* :func:`agent_setup` -- the benchmarks and the agent's options (the search agent's retriever, the
-  multi-turn agent's environment), built and checked before any model is touched;
+* :func:`agent_setup` -- the benchmarks, and the flags as the ``rollout`` / ``env`` / ``search`` sections of a
+  config (the same sections ``tether train`` reads) with the agent's tools built from it (the search agent's
+  retriever, the multi-turn agent's environment), all checked before any model is touched; the model's engine
+  and agent are then built from that config by `tether.agents.build.build_rollout`, as training builds them;
 * :func:`format_search_table` -- the search agent's table (EM, F1, answered rate, searches, gold recall).
 """
 
@@ -11,13 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..agents import AGENTS
-from ..config import load_config
+from ..agents import AGENTS, agent_tools
+from ..config import Config, load_config
 from ..errors import EvalError
 from ..search.data import load_search_examples
 from ..search.protocol import OBSERVATION_FORMATS
 from ..search.retrievers import RETRIEVERS
 from ..tasks.benchmarks import Benchmark, load_benchmarks, slug
+from ..sections import as_dict
 from ..tasks.rewards import load_reward
 from .model import resolve_eval_spec
 
@@ -62,8 +65,10 @@ def add_agent_arguments(e) -> None:
                    "run's env.max_context when --model is a multi-turn run)")
 
 
-def agent_setup(args) -> tuple[list, dict[str, Any]]:
-    """The benchmarks (each fully loaded and checked) and the options of ``args.agent`` (its tools built)."""
+def agent_setup(args) -> tuple[list, Config, dict[str, Any]]:
+    """The benchmarks (each fully loaded and checked), the config the flags make (``rollout.agent`` and its
+    ``env`` / ``search`` section: `tether.agents.build.build_rollout` builds the engine and agent from it) and the
+    agent's tools (built here, before the model)."""
     agent = getattr(args, "agent", "single_turn")
     env_keys = [f"--{k.replace('_', '-')}" for k in ("env", "max_turns") if getattr(args, k, None) not in (None, "")]
     if agent != "multi_turn" and env_keys:
@@ -85,7 +90,8 @@ def agent_setup(args) -> tuple[list, dict[str, Any]]:
     benches = load_benchmarks(args.benchmarks, limit=args.limit, data_dir=args.data_dir,
                               prompt_key=args.prompt_key, answer_key=args.answer_key, split=args.split,
                               reward=args.reward)
-    return benches, env_setup(args, run_env(args)) if agent == "multi_turn" else {}
+    cfg = env_setup(args, run_env(args)) if agent == "multi_turn" else load_config(None, {"rollout.agent": agent})
+    return benches, cfg, agent_tools(cfg)
 
 
 def run_env(args) -> dict[str, Any]:
@@ -93,7 +99,6 @@ def run_env(args) -> dict[str, Any]:
     trained with ``rollout.agent=multi_turn``; else ``{}``. A problem with the run is left to the model loading,
     which names it; nothing is loaded here. The resolved spec is kept in ``args.eval_spec`` for the model
     loading (a checkpoint is verified once)."""
-    import dataclasses
 
     try:
         args.eval_spec = resolve_eval_spec(args.model)
@@ -105,14 +110,13 @@ def run_env(args) -> dict[str, Any]:
     cfg = run.config
     if isinstance(cfg, dict):  # a saved config that no longer validates here: its raw sections
         return dict(cfg.get("env") or {}) if (cfg.get("rollout") or {}).get("agent") == "multi_turn" else {}
-    return dataclasses.asdict(cfg.env) if cfg.rollout.agent == "multi_turn" else {}
+    return as_dict(cfg.env) if cfg.rollout.agent == "multi_turn" else {}
 
 
-def env_setup(args, trained: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """--agent multi_turn: the environment (``--env``, ``--max-turns``) and the agent's budgets, as
-    ``rollout.agent=multi_turn`` with ``env.*`` builds them in training. ``trained``: the ``env`` settings of the
-    run being evaluated (`run_env`), the defaults of every flag not given; the ``env.*`` defaults after them."""
-    import dataclasses
+def env_setup(args, trained: Mapping[str, Any] | None = None) -> Config:
+    """--agent multi_turn: the config of the environment (``--env``, ``--max-turns``) and the agent's budgets,
+    ``rollout.agent=multi_turn`` with ``env.*`` as in training. ``trained``: the ``env`` settings of the run being
+    evaluated (`run_env`), the defaults of every flag not given; the ``env.*`` defaults after them."""
     import sys
 
     over = {"rollout.agent": "multi_turn", **{f"env.{k}": v for k, v in (trained or {}).items()}}
@@ -123,13 +127,13 @@ def env_setup(args, trained: Mapping[str, Any] | None = None) -> dict[str, Any]:
              "max_context": args.max_context}
     over.update({f"env.{k}": v for k, v in given.items() if v is not None and v != ""})
     cfg = load_config(None, over)
-    args.env_used = dataclasses.asdict(cfg.env)  # what results.json records
-    meta = AGENTS.meta("multi_turn")
-    return {k: v for k, v in meta["options"](cfg).items() if k != "system_prompt"} | meta["tools"](cfg)
+    args.env_used = as_dict(cfg.env)  # what results.json records
+    return cfg
 
 
-def search_setup(args):
-    """--agent search: the QA benchmarks (search reward) and the agent's options, retriever built."""
+def search_setup(args) -> tuple[list, Config, dict[str, Any]]:
+    """--agent search: the QA benchmarks (search reward), the config of the agent (``search.*`` from the flags)
+    and its tools (the retriever, built and checked here)."""
     args.max_obs_tokens = 512 if args.max_obs_tokens is None else args.max_obs_tokens  # the parser's defaults,
     args.max_context = 4096 if args.max_context is None else args.max_context  # recorded in results.json as used
     http = {k: v for k in ("url", "timeout", "retries") if (v := getattr(args, k, None)) not in (None, "")}
@@ -151,8 +155,7 @@ def search_setup(args):
                                   answers_key=args.answer_key)
         benches.append(Benchmark(name=slug(Path(src).stem if src.endswith(".jsonl") else src), source=src,
                                  split=None, examples=ex, reward="search", reward_fn=load_reward("search")))
-    meta = AGENTS.meta("search")
-    return benches, {k: v for k, v in meta["options"](cfg).items() if k != "system_prompt"} | meta["tools"](cfg)
+    return benches, cfg, agent_tools(cfg)
 
 
 def format_search_table(results: Mapping[str, Mapping[str, float]]) -> str:

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from .. import __version__
-from ..agents import make_agent
-from ..config import RolloutConfig, check_device
+from ..agents.build import build_rollout
+from ..config import check_device
 from ..errors import EvalError, OutputError
 from ..metrics import json_safe, write_json_atomic, write_text_atomic
 from ..models import DTYPES
 from ..owned import MARKER, check_replaceable, write_marker
-from ..rollout import make_engine
 from ..stop import GracefulStop, Interrupted, exit_code
 from ..tasks.rewards import REWARDS
 from .agents import add_agent_arguments, agent_setup, format_search_table
@@ -198,7 +197,7 @@ def run_eval_cli(args) -> int:
     # 1. every benchmark, fully validated (and the agent's tools: the search corpus, the environment), before any
     # model is touched
     search = getattr(args, "agent", "single_turn") == "search"
-    benches, agent_options = agent_setup(args)
+    benches, rollout_cfg, tools = agent_setup(args)
     # 2. the model (cheap checks first: run without checkpoint, anchor without tensors)
     info = getattr(args, "eval_spec", None) or resolve_eval_spec(args.model)  # --agent multi_turn resolved it
     if args.anchor:
@@ -221,8 +220,10 @@ def run_eval_cli(args) -> int:
                                                           f"problems finished so far are in {out}"))
     try:
         with stopper:
-            table = _run_benches(args, benches, info, out, stopper, search=search, agent_options=agent_options,
-                                 settings=settings, system_prompt=system_prompt)
+            rollout_cfg.data.system_prompt = system_prompt
+            rollout_cfg.rollout.batch_size = settings.batch_size
+            table = _run_benches(args, benches, info, out, stopper, search=search, rollout_cfg=rollout_cfg,
+                                 tools=tools, settings=settings)
     except BaseException:
         if not any((out / f).is_file() and (out / f).stat().st_size for f in files):
             _drop_out(out, created, files)  # nothing finished: leave no empty --out behind
@@ -255,18 +256,17 @@ def _finish(table: dict, stopper, out: Path, created: bool, files: Sequence[str]
     return 0
 
 
-def _run_benches(args, benches, info, out: Path, stopper, *, search: bool, agent_options: dict,
-                 settings: EvalSettings, system_prompt: str) -> dict:
-    """Load the model, build its engine (`tether.rollout.make_engine`, transformers, ``--batch-size``
-    sequences per generate call) and the agent (`tether.agents.make_agent`: ``--agent``, with the system
-    prompt and the options `tether.eval.agents.agent_setup` gave) once, then evaluate every benchmark with
-    them until the end or a stop signal. Returns the table (benchmark -> metrics) with the model's
-    description under ``"_desc"``."""
+def _run_benches(args, benches, info, out: Path, stopper, *, search: bool, rollout_cfg, tools: dict,
+                 settings: EvalSettings) -> dict:
+    """Load the model, build its engine (transformers, ``--batch-size`` sequences per generate call) and the
+    agent (``--agent`` with the system prompt and the sections `tether.eval.agents.agent_setup` made of the flags,
+    its tools already built) once with `tether.agents.build.build_rollout`, as training builds them, then
+    evaluate every benchmark until the end or a stop signal. Returns the table (benchmark -> metrics) with the
+    model's description under ``"_desc"``."""
     print(f"[tether] loading {args.model!r}{' (anchor)' if args.anchor else ''}", file=sys.stderr)
     model, tok, desc = load_eval_model(info, anchor=args.anchor, dtype=args.dtype, device=args.device)
-    engine = make_engine(RolloutConfig(engine="hf", batch_size=settings.batch_size), model, tok, show_progress=False)
-    agent = make_agent(getattr(args, "agent", "single_turn"), engine, tok, system_prompt=system_prompt,
-                       **agent_options)
+    agent = build_rollout(rollout_cfg, model, tok, tools=tools, engine_options={"show_progress": False}).agent
+    system_prompt = rollout_cfg.data.system_prompt
     print(f"[tether] evaluating {desc}\n[tether] writing to {out}", file=sys.stderr)
     if search:
         print(f"[tether] search agent: {args.retriever} retriever, top-{args.topk}, up to {args.max_searches} "

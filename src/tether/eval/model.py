@@ -14,7 +14,8 @@ from typing import Any, Optional
 
 from ..errors import EvalError
 from ..models import ModelConfig, ModelLoadError
-from ..runs import RunCheckpoint, RunDir, check_anchor, is_checkpoint_dir, is_run_dir, load_run_model
+from .run import RunCheckpoint, check_anchor, checkpoint_at, load_run_model
+from ..runs import RunDir, is_checkpoint_dir, is_run_dir
 from ..tasks.benchmarks import slug
 
 __all__ = ["EvalModelSpec", "check_run_anchor", "load_eval_model", "resolve_eval_spec"]
@@ -28,7 +29,7 @@ class EvalModelSpec:
         spec: The argument as given.
         run: For a training run directory or one of its checkpoint directories: the run at the
             checkpoint used (the newest valid one unless a checkpoint directory was given), a
-            `tether.runs.RunCheckpoint`; None for a model (hub id / local dir / GGUF / smollm2).
+            `tether.eval.run.RunCheckpoint`; None for a model (hub id / local dir / GGUF / smollm2).
 
     ``kind`` (``"run"`` or ``"model"``) and, for runs, ``run_dir``, ``checkpoint``, ``step``,
     ``model_config``, ``anchor_kind``, ``recipe`` and ``system_prompt`` read through to ``run``.
@@ -78,9 +79,9 @@ def resolve_eval_spec(spec: str | os.PathLike) -> EvalModelSpec:
     s = os.fspath(spec)
     p = Path(s).expanduser()
     if is_checkpoint_dir(p):
-        run = RunDir.of_checkpoint(p, verb="evaluate", error=EvalError).at(p)
+        run = checkpoint_at(RunDir.of_checkpoint(p, verb="evaluate", error=EvalError), p)
     elif is_run_dir(p):
-        run = RunDir(p, verb="evaluate", error=EvalError).at()
+        run = checkpoint_at(RunDir(p, verb="evaluate", error=EvalError))
     else:
         return EvalModelSpec(spec=s)
     return EvalModelSpec(spec=s, run=run)
@@ -107,7 +108,7 @@ def load_eval_model(
       :func:`tether.models.load_model` in ``dtype`` on ``device``.
     * A run directory (``config.yaml`` + ``checkpoints/``) or a checkpoint directory: the run's
       policy at the checkpoint, or with ``anchor=True`` its anchor, by
-      :func:`tether.runs.load_run_model` (the loader ``tether export`` uses too), in ``dtype`` on
+      :func:`tether.eval.run.load_run_model` (the loader ``tether export`` uses too), in ``dtype`` on
       ``device``; with LoRA and ``merge_lora`` the adapters are merged into the base weights
       (faster generation; parameter names then lose the peft prefixes).
 

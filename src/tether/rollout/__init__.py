@@ -22,7 +22,7 @@ def _hf(cfg, model, tokenizer, **overrides: Any) -> Engine:
     """transformers ``generate`` on the training model itself (shares its weights: nothing to sync)."""
     from .hf import HFEngine  # deferred: pulls in transformers
 
-    opts = dict(batch_size=cfg.batch_size, share_prompt=cfg.share_prompt, prune_every=cfg.prune_every,
+    opts = dict(batch_size=cfg.batch_size, share_prompt=cfg.engine.share_prompt, prune_every=cfg.engine.prune_every,
                 reuse_kv=cfg.reuse_kv)  # rollout.reuse_kv: keep multi-turn episodes' KV
     opts.update(overrides)
     return HFEngine(model, tokenizer, **opts)
@@ -33,12 +33,12 @@ def _vllm(cfg, model, tokenizer, **overrides: Any) -> Engine:
     (needs the .venv-vllm environment: ``bash scripts/setup.sh --vllm``)."""
     from .vllm import VLLMEngine  # deferred: read at call time (tests patch tether.rollout.vllm.VLLMEngine)
 
-    default = type(cfg)()  # an option left at its default is "not set" (GPU-only options are errors on CPU)
-    gmu = cfg.vllm_gpu_memory_utilization
-    opts = dict(dtype=cfg.vllm_dtype, max_model_len=cfg.vllm_max_model_len, enforce_eager=cfg.vllm_enforce_eager,
-                gpu_memory_utilization=None if gmu == default.vllm_gpu_memory_utilization else gmu,
-                kv_cache_gb=cfg.vllm_kv_cache_gb,
-                sleep=cfg.vllm_sleep, sync_bucket_mb=cfg.vllm_sync_bucket_mb, prefix_caching=cfg.reuse_kv)
+    e = cfg.engine  # rollout.engine (kind vllm); an option left at its default is "not set" (GPU-only options
+    # are errors on CPU)
+    gmu = e.gpu_memory_utilization
+    opts = dict(dtype=e.dtype, max_model_len=e.max_model_len, enforce_eager=e.enforce_eager,
+                gpu_memory_utilization=None if gmu == type(e).model_fields["gpu_memory_utilization"].default else gmu,
+                kv_cache_gb=e.kv_cache_gb, sleep=e.sleep, sync_bucket_mb=e.sync_bucket_mb, prefix_caching=cfg.reuse_kv)
     opts.update(overrides)
     return VLLMEngine(model, tokenizer, **opts)
 
@@ -56,20 +56,20 @@ def engine_reports_logp(name: str) -> bool:
 
 
 def worker_records_logp(name: str) -> bool:
-    """Whether a rollout worker (``train.max_staleness`` >= 1) running engine ``name`` passes the sampled tokens'
+    """Whether a rollout worker (``train.async``) running engine ``name`` passes the sampled tokens'
     log-probs on: the hf engine records them when asked (the workers ask), an engine that reports them anyway
     does; another registered engine may not."""
     return name == "hf" or (name in ENGINES and engine_reports_logp(name))
 
 
 def make_engine(cfg, model, tokenizer, **overrides: Any) -> Engine:
-    """The engine ``cfg.engine`` names, for ``model``.
+    """The engine ``cfg.engine.kind`` names, for ``model``.
 
-    ``cfg`` is a ``tether.config.RolloutConfig`` (or any object with its engine fields);
+    ``cfg`` is a ``tether.config.RolloutConfig`` (its ``engine`` section holds the engine's own keys);
     ``overrides`` replace single engine options (e.g. ``show_progress=True``). An unknown name is a
     ValueError with a did-you-mean.
     """
-    return ENGINES[cfg.engine](cfg, model, tokenizer, **overrides)
+    return ENGINES[cfg.engine.kind](cfg, model, tokenizer, **overrides)
 
 
 def __getattr__(name):

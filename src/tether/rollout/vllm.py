@@ -179,13 +179,13 @@ class VLLMEngine(RowPostprocess):
 
         cpu = current_platform.is_cpu()
         if cpu and gpu_memory_utilization is not None:
-            raise ValueError("rollout.vllm_gpu_memory_utilization applies to GPUs only; on CPU size the KV cache "
-                             "with rollout.vllm_kv_cache_gb")
+            raise ValueError("rollout.engine.gpu_memory_utilization applies to GPUs only; on CPU size the KV cache "
+                             "with rollout.engine.kv_cache_gb")
         if cpu and sleep:
-            raise ValueError("rollout.vllm_sleep (sleep mode) needs a GPU; vLLM's CPU backend has none")
+            raise ValueError("rollout.engine.sleep (sleep mode) needs a GPU; vLLM's CPU backend has none")
         if not cpu and kv_cache_gb:
-            raise ValueError("rollout.vllm_kv_cache_gb applies to vLLM's CPU backend only; on GPU use "
-                             "rollout.vllm_gpu_memory_utilization")
+            raise ValueError("rollout.engine.kv_cache_gb applies to vLLM's CPU backend only; on GPU use "
+                             "rollout.engine.gpu_memory_utilization")
         if cpu and kv_cache_gb:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gb))
 
@@ -259,7 +259,7 @@ class VLLMEngine(RowPostprocess):
 
     @property
     def max_model_len(self) -> int:
-        """The longest prompt + response the engine serves (``rollout.vllm_max_model_len``, or the model's own):
+        """The longest prompt + response the engine serves (``rollout.engine.max_model_len``, or the model's own):
         a multi-turn agent caps its episodes there."""
         return int(self.llm.llm_engine.model_config.max_model_len)
 

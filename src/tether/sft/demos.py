@@ -33,20 +33,19 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
-from ..config import SearchConfig
+from ..agents.build import build_env
+from ..config import load_config
 from ..errors import ConfigError, OutputError
 from ..owned import ROW_MARK, check_replaceable_file
 from ..search.corpus import load_corpus
 from ..search.data import SEARCH_DATASETS, corpus_path, load_search_examples
-from ..search.retrievers import retriever_from_config
 from ..search.reward import golden_answers
 from ..tasks.arithmetic import ArithmeticTask
 from ..tasks.base import DataError, Example
 from ..tasks.data import NAMED_DATASETS, load_examples
 from ..tasks.qa_reward import normalize_answer
 from ..envs.base import Env
-from ..envs.calculator import CalculatorEnv, calculate
-from ..envs.search import SearchEnv
+from ..envs.calculator import calculate
 
 __all__ = ["DemoStats", "run_teacher", "sft_row", "calculator_demos", "search_demos", "arithmetic_expression",
            "gsm8k_turns"]
@@ -246,13 +245,12 @@ def _demos(args) -> int:
     check_replaceable_file(out, "demos")  # --overwrite replaces only a file tether demos wrote (tether.owned)
     examples = _examples(args)
     stats = DemoStats()
+    env = build_env(load_config(None, _env_keys(args)))  # the environment training builds from the same keys
     if args.env == "calculator":
-        rows = calculator_demos(examples, CalculatorEnv(max_turns=args.max_turns), stats, args.system_prompt)
+        rows = calculator_demos(examples, env, stats, args.system_prompt)
     else:
-        corpus = args.corpus or str(corpus_path(args.data_dir))
-        env = SearchEnv(retriever_from_config(SearchConfig(corpus=corpus, data_dir=args.data_dir or "")),
-                        topk=args.topk, max_searches=args.max_searches, observation_format=args.observation_format)
-        rows = search_demos(examples, env, load_corpus(corpus), stats, args.system_prompt)
+        rows = search_demos(examples, env, load_corpus(args.corpus or str(corpus_path(args.data_dir))), stats,
+                            args.system_prompt)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w") as f:
@@ -272,6 +270,16 @@ def _demos(args) -> int:
     print(f"[tether] {args.env}: {stats} (from {len(examples)} training examples)", file=sys.stderr)
     print(out)
     return 0
+
+
+def _env_keys(args) -> dict:
+    """The flags as the config keys a training run with that environment sets (`tether.agents.build.build_env`
+    builds the environment from them, as training does)."""
+    if args.env == "calculator":
+        return {"rollout.agent": "multi_turn", "env.name": "calculator", "env.max_turns": args.max_turns}
+    return {"rollout.agent": "search", "search.corpus": args.corpus or str(corpus_path(args.data_dir)),
+            "search.data_dir": args.data_dir or "", "search.topk": args.topk, "search.max_searches": args.max_searches,
+            "search.observation_format": args.observation_format}
 
 
 def add_demos_parser(sub) -> None:

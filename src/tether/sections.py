@@ -1,0 +1,157 @@
+"""The base of every configuration section: a pydantic v2 model whose keys are documented where they
+are declared (the docstring under each field, which ``tether config --reference`` and docs/config.md
+print), that refuses unknown keys and re-validates each assignment.
+
+A section may hold other sections (``Config.rollout``), a section chosen among several by its ``kind``
+(``rollout.engine``: ``hf`` or ``vllm``, each with its own keys), or an optional section (``train.async``:
+``None`` is off). The helpers below walk them by name, so the override parser, the reference and the
+validators never need to know which section they hold. Imports only pydantic (every layer may use it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class Section(BaseModel):
+    """A configuration section: every key typed and documented by the docstring under its declaration."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              validate_by_name=True, validate_by_alias=True, serialize_by_alias=True,
+                              arbitrary_types_allowed=True, revalidate_instances="never")
+
+    def __init__(self, *args: Any, **kw: Any):
+        """Keys by name, or the first ones by position in declaration order (``AnchorConfig("ema", eta=0.9)``)."""
+        names = list(type(self).model_fields)
+        if len(args) > len(names):
+            raise TypeError(f"{type(self).__name__} takes at most {len(names)} positional keys, got {len(args)}")
+        for name, value in zip(names, args):
+            if name in kw:
+                raise TypeError(f"{type(self).__name__}: key {name!r} given by position and by name")
+            kw[name] = value
+        super().__init__(**kw)
+
+
+def is_section(value: Any) -> bool:
+    """Whether ``value`` is a section (a `Section`, or a dataclass such as `tether.algo.RegionConfig`)."""
+    return isinstance(value, Section) or (dataclasses.is_dataclass(value) and not isinstance(value, type))
+
+
+def keys_of(section: Any) -> list[str]:
+    """The key names of a section (a `Section` or a dataclass, an instance or its class), in declaration order."""
+    cls = section if isinstance(section, type) else type(section)
+    if issubclass(cls, BaseModel):
+        return list(cls.model_fields)
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def key_name(section: Any, name: str) -> str:
+    """The key a user writes for field ``name`` (its alias where it has one: ``async`` for ``async_``)."""
+    cls = section if isinstance(section, type) else type(section)
+    if issubclass(cls, BaseModel):
+        return cls.model_fields[name].alias or name
+    return name
+
+
+def field_for_key(section: Any, key: str) -> str | None:
+    """The field a user's ``key`` names in ``section`` (by its name or its alias), or None."""
+    for name in keys_of(section):
+        if key in (name, key_name(section, name)):
+            return name
+    return None
+
+
+def annotation(section: Any, name: str) -> Any:
+    """The declared type of field ``name``."""
+    cls = section if isinstance(section, type) else type(section)
+    if issubclass(cls, BaseModel):
+        return cls.model_fields[name].annotation
+    return typing.get_type_hints(cls)[name]
+
+
+def default(section: Any, name: str) -> Any:
+    """Field ``name``'s default value (a fresh one for a default factory)."""
+    cls = section if isinstance(section, type) else type(section)
+    if issubclass(cls, BaseModel):
+        return cls.model_fields[name].get_default(call_default_factory=True)
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def doc(section: Any, name: str) -> str | None:
+    """The docstring under field ``name``'s declaration (None for a dataclass field)."""
+    cls = section if isinstance(section, type) else type(section)
+    if issubclass(cls, BaseModel):
+        d = cls.model_fields[name].description
+        return " ".join(d.split()) if d else None
+    return None
+
+
+def variants(tp: Any) -> list[type]:
+    """The section classes a field of type ``tp`` may hold: one, several (a section chosen by its ``kind``),
+    or none (a plain value). ``Optional[S]`` gives ``[S]``."""
+    if isinstance(tp, type) and (issubclass(tp, BaseModel) or dataclasses.is_dataclass(tp)):
+        return [tp]
+    if typing.get_origin(tp) is typing.Annotated:
+        return variants(typing.get_args(tp)[0])
+    if typing.get_origin(tp) is typing.Union or isinstance(tp, types.UnionType):
+        return [v for a in typing.get_args(tp) for v in variants(a)]
+    return []
+
+
+def optional(tp: Any) -> bool:
+    """Whether a field of type ``tp`` may be None (an optional section: None is off)."""
+    if typing.get_origin(tp) is typing.Annotated:
+        return optional(typing.get_args(tp)[0])
+    return (typing.get_origin(tp) is typing.Union or isinstance(tp, types.UnionType)) and \
+        type(None) in typing.get_args(tp)
+
+
+def kind_of(cls: type) -> str | None:
+    """A chosen section's ``kind`` (the literal its ``kind`` key takes), None for a section without one."""
+    if isinstance(cls, type) and issubclass(cls, BaseModel) and "kind" in cls.model_fields:
+        tp = cls.model_fields["kind"].annotation
+        if typing.get_origin(tp) is typing.Literal:
+            return typing.get_args(tp)[0]
+    return None
+
+
+def as_dict(section: Any) -> dict:
+    """A plain dict of a section at every depth, with the keys users write (for YAML and logs)."""
+    if isinstance(section, BaseModel):
+        return section.model_dump(mode="python", by_alias=True)
+    return dataclasses.asdict(section)
+
+
+def replace(section: Any, **changes: Any) -> Any:
+    """A copy of ``section`` with ``changes`` (validated)."""
+    if isinstance(section, BaseModel):
+        data = {name: getattr(section, name) for name in type(section).model_fields}
+        return type(section)(**(data | changes))
+    return dataclasses.replace(section, **changes)
+
+
+def validation_problems(e: ValidationError, key: str, name: str) -> list[str]:
+    """One line per problem of a pydantic ``ValidationError`` raised by assigning field ``name``, each naming the
+    dotted key at fault (``key`` is the key the user wrote for ``name``)."""
+    out = []
+    for err in e.errors():
+        loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and p in _TAGS)]
+        if loc and loc[0] == name:
+            loc = loc[1:]
+        where = ".".join([key, *loc])
+        got = f" (got {err['input']!r})" if not isinstance(err.get("input"), (dict, type(None))) else ""
+        out.append(f"{where}: {err['msg']}{got}")
+    return out
+
+
+# the tags pydantic adds to an error's location inside a chosen section (rollout.engine.vllm.dtype)
+_TAGS = {"hf", "vllm", "other", "local", "remote", "function-after", "function-before", "function-plain"}
+
+__all__ = ["Section", "ValidationError", "annotation", "as_dict", "default", "doc", "field_for_key", "is_section",
+           "key_name", "keys_of", "kind_of", "optional", "replace", "validation_problems", "variants"]

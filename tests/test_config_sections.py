@@ -1,0 +1,183 @@
+"""The nested, typed configuration (tether.sections, tether.config.engine, tether.config.train_async,
+tether.config.migration): a section chosen by its kind (rollout.engine), an optional section (train.async) with its
+shorthands, each cross-field rule of those sections, the errors for keys of the earlier flat layout, and a run
+directory saved in that layout read in the new one."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tether.config import (AsyncConfig, Config, ConfigError, HFEngineConfig, RemoteTransport, VLLMEngineConfig,
+                           load_config, save_config, to_dict)
+from tether.config.migration import MOVED, migrate_saved, moved_key
+from tether.sections import Section, default, doc, keys_of, replace
+
+
+def test_engine_shorthand_and_kind_choose_the_section():
+    assert isinstance(Config().rollout.engine, HFEngineConfig)
+    cfg = Config()
+    cfg.rollout.engine = "vllm"  # the shorthand, validated on assignment
+    assert isinstance(cfg.rollout.engine, VLLMEngineConfig) and cfg.rollout.engine.dtype == "auto"
+    cfg.rollout.engine = {"kind": "vllm", "dtype": "bfloat16", "max_model_len": 512}
+    assert (cfg.rollout.engine.dtype, cfg.rollout.engine.max_model_len) == ("bfloat16", 512)
+    cfg.rollout.engine = {"prune_every": 0}  # a mapping without a kind is the default (hf) engine's
+    assert isinstance(cfg.rollout.engine, HFEngineConfig) and cfg.rollout.engine.prune_every == 0
+    cfg.rollout.engine = "scripted"  # another registered engine: no keys of its own (validated by check)
+    assert cfg.rollout.engine.kind == "scripted"
+
+
+def test_engine_keys_belong_to_their_kind():
+    with pytest.raises(ConfigError, match="rollout.engine.dtype is a key of rollout.engine.kind=vllm, and "
+                                          "rollout.engine.kind is 'hf': set rollout.engine.kind=vllm first"):
+        load_config(None, {"rollout.engine.dtype": "bfloat16"})
+    with pytest.raises(ConfigError, match="rollout.engine.share_prompt is a key of rollout.engine.kind=hf"):
+        load_config(None, {"rollout.engine.kind": "vllm", "rollout.engine.share_prompt": False})
+    # the kind first, whatever the order the keys come in (a YAML mapping, CLI overrides)
+    with pytest.raises(ConfigError, match="rollout.engine.dtype: Input should be 'auto', 'float32', 'bfloat16' or "
+                                          "'float16' .got 'fp8'."):
+        load_config(None, {"rollout.engine.dtype": "fp8", "rollout.engine.kind": "vllm"})
+
+
+@pytest.mark.parametrize("key,value,msg", [
+    ("rollout.engine.prune_every", -1, "greater than or equal to 0"),
+    ("train.async.max_staleness", 0, "greater than or equal to 1"),
+    ("train.async.workers", 0, "greater than or equal to 1"),
+    ("train.async.worker_restarts", -1, "greater than or equal to 0"),
+    ("train.async.verify_logp_tol", 0, "greater than 0"),
+    ("train.async.partial_rollout_tokens", -2, "greater than or equal to 0"),
+    ("train.async.stale_batches", "maybe", "Input should be 'drop' or 'keep'"),
+])
+def test_ranges_are_declared_with_the_key(key, value, msg):
+    with pytest.raises(ConfigError, match=f"override: {key}: Input should be {msg}" if "Input" not in msg
+                       else f"override: {key}: {msg}"):
+        load_config(None, {key: value})
+
+
+def test_async_shorthand_and_off():
+    assert Config().train.async_ is None and Config().train.max_staleness == 0
+    cfg = load_config(None, {"train.async": 2})
+    assert cfg.train.async_ == AsyncConfig(max_staleness=2) and cfg.train.max_staleness == 2
+    assert cfg.algo.tis_cap == 2.0  # the default correction (train.async.correction)
+    for off in (None, "none", 0, False):
+        assert load_config(None, {"train.async": off}).train.async_ is None
+    # a key of the section turns it on with its defaults
+    cfg = load_config(None, {"train.async.workers": 3})
+    assert (cfg.train.max_staleness, cfg.train.async_.workers) == (1, 3)
+    # the YAML form
+    cfg = load_config(None, {"train.async": {"max_staleness": 4, "transport": {"kind": "remote",
+                                                                              "address": "10.0.0.5:29600"}}})
+    assert cfg.train.async_.transport == RemoteTransport(address="10.0.0.5:29600")
+
+
+def test_remote_transport_rules():
+    """Each rule of the transport: the address's form (a field validator), the address required with kind remote
+    (check_train), the remote keys only with kind remote."""
+    with pytest.raises(ConfigError, match="train.async.transport.address: Value error, must be HOST:PORT"):
+        load_config(None, {"train.async.transport": {"kind": "remote", "address": "nohost"}})
+    with pytest.raises(ConfigError, match="train.async.transport.kind=remote needs train.async.transport.address"):
+        load_config(None, {"train.async.transport.kind": "remote"})
+    with pytest.raises(ConfigError, match="train.async.transport.address is a key of train.async.transport.kind="
+                                          "remote"):
+        load_config(None, {"train.async.transport.address": "10.0.0.5:29600"})
+    with pytest.raises(ConfigError, match="train.async.transport.timeout_s: Input should be greater than 0"):
+        load_config(None, {"train.async.transport": "remote", "train.async.transport.timeout_s": 0})
+    ok = load_config(None, {"train.async.transport": "remote", "train.async.transport.address": "h:1",
+                            "train.async.transport.key_env": "MY_KEY"})
+    assert (ok.train.async_.transport.address, ok.train.async_.transport.key_env) == ("h:1", "MY_KEY")
+
+
+def test_async_cross_field_rules():
+    with pytest.raises(ConfigError, match="train.async.stale_batches has no effect: with train.async.workers=2 <="):
+        load_config(None, {"train.async.stale_batches": "keep", "train.async.workers": 2})
+    load_config(None, {"train.async.stale_batches": "keep", "train.async.workers": 3})  # a batch can be 2 old
+    with pytest.raises(ConfigError, match="train.async does not support rollout.dynamic_sampling"):
+        load_config(None, {"train.async": 1}, recipe_name="dapo")
+    with pytest.raises(ConfigError, match="verify_logp_tol only applies with train.async.verify_sync=true and "
+                                          "rollout.engine.kind=vllm"):
+        load_config(None, {"train.async.verify_sync": True, "train.async.verify_logp_tol": 0.1})
+    with pytest.raises(ConfigError, match="train.async.correction=false has no effect"):
+        load_config(None, {"train.async.correction": False, "algo.tis_cap": 3.0})
+    with pytest.raises(ConfigError, match="partial_rollout_tokens .partial rollouts. supports rollout.agent="
+                                          "single_turn only"):
+        load_config(None, {"train.async.partial_rollout_tokens": 8, "rollout.agent": "multi_turn",
+                           "rollout.max_new_tokens": 64})
+
+
+def test_every_old_key_is_one_error_naming_its_new_place(tmp_path):
+    """A config file written for the flat layout: one line per old key, each naming where it went."""
+    old = {"rollout": {"engine": "vllm", "vllm_dtype": "bfloat16", "share_prompt": False},
+           "train": {"max_staleness": 1, "rollout_workers": 2, "worker_address": "10.0.0.5:29600"}}
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old))
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    text = str(e.value)
+    assert f"{path}: 5 keys of the earlier flat layout" in text
+    for key in ("rollout.vllm_dtype", "rollout.share_prompt", "train.max_staleness", "train.rollout_workers",
+                "train.worker_address"):
+        assert f"config key {key!r} moved to {MOVED[key]!r}" in text
+    assert moved_key("train.steps") is None
+
+
+def test_every_moved_key_has_a_place_in_the_new_layout():
+    """MOVED's targets are real keys of the nested config (a typo there would send users nowhere)."""
+    for old, new in MOVED.items():
+        section, _, leaf = new.rpartition(".")
+        cls = {"rollout.engine": VLLMEngineConfig if old.startswith("rollout.vllm_") else HFEngineConfig,
+               "train.async": AsyncConfig, "train.async.transport": RemoteTransport}[section]
+        assert leaf in keys_of(cls), (old, new)
+
+
+def test_a_run_saved_in_the_flat_layout_is_read_in_the_new_one(tmp_path):
+    """migrate_saved: the old keys renamed, their sections chosen; a config without them is unchanged."""
+    old_sync = {"rollout.engine": "hf", "rollout.share_prompt": True, "rollout.prune_every": 32,
+                "rollout.vllm_dtype": "auto", "train.max_staleness": 0, "train.rollout_workers": 1,
+                "train.worker_address": "", "train.steps": 3}
+    new = migrate_saved(old_sync)
+    assert new == {"rollout.engine.kind": "hf", "rollout.engine.share_prompt": True,
+                   "rollout.engine.prune_every": 32, "train.steps": 3, "train.async": None}
+    cfg = load_config(None, new)
+    assert cfg.rollout.engine.prune_every == 32 and cfg.train.async_ is None
+    old_async = {"rollout.engine": "vllm", "rollout.share_prompt": True, "rollout.vllm_dtype": "bfloat16",
+                 "train.max_staleness": 2, "train.rollout_workers": 3, "train.worker_address": "10.0.0.5:29600",
+                 "train.worker_timeout_s": 60.0, "train.async_correction": False}
+    assert migrate_saved(old_async) == {
+        "rollout.engine.kind": "vllm", "rollout.engine.dtype": "bfloat16", "train.async.max_staleness": 2,
+        "train.async.workers": 3, "train.async.transport.address": "10.0.0.5:29600",
+        "train.async.transport.timeout_s": 60.0, "train.async.correction": False,
+        "train.async.transport.kind": "remote"}
+    cur = {"train.async": None, "rollout.engine.kind": "hf"}
+    assert migrate_saved(cur) == cur
+
+
+def test_saved_config_round_trips_with_the_nested_sections(tmp_path):
+    cfg = load_config(None, {"train.async": {"max_staleness": 2, "workers": 3},
+                             "rollout.engine": {"prune_every": 16}})
+    save_config(cfg, tmp_path / "c.yaml")
+    saved = yaml.safe_load((tmp_path / "c.yaml").read_text())
+    assert saved["train"]["async"]["max_staleness"] == 2 and "async_" not in saved["train"]
+    assert saved["rollout"]["engine"] == {"kind": "hf", "share_prompt": True, "prune_every": 16}
+    assert to_dict(load_config(str(tmp_path / "c.yaml"))) == to_dict(cfg)
+
+
+class _Demo(Section):
+    """A section for the base's own behaviour."""
+
+    a: int = 1
+    """first"""
+    b: str = "x"
+    """second"""
+
+
+def test_section_base():
+    assert _Demo(5, b="y") == _Demo(a=5, b="y")  # positional keys, in declaration order
+    with pytest.raises(TypeError, match="given by position and by name"):
+        _Demo(5, a=6)
+    with pytest.raises(Exception, match="Extra inputs are not permitted"):
+        _Demo(c=1)
+    d = _Demo()
+    with pytest.raises(Exception, match="valid integer"):
+        d.a = "many"  # assignments are validated
+    assert replace(d, a=3).a == 3 and d.a == 1
+    assert default(_Demo, "b") == "x" and doc(_Demo, "a") == "first" and keys_of(_Demo) == ["a", "b"]
