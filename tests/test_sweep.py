@@ -78,6 +78,26 @@ def test_spec_keys_shorthands_and_shards():
         assert parse_overrides([f"k={override_text(v)}"])["k"] == v
 
 
+def test_a_sweep_recorded_with_the_flat_keys_goes_on_with_the_nested_ones(tmp_path):
+    """A sweep directory whose sweep.json holds the earlier flat keys (train.max_staleness) accepts the same spec
+    written with the nested ones (train.async): its finished runs are the same runs; another setting is refused."""
+    old = {"spec": "s.yaml", "name": "n", "metric": METRIC, "seeds": [0],
+           "base": {"config": None, "recipe": "ema_pg", "task": None, "overrides": {"train.steps": 2}},
+           "arms": {"sync": {"train.max_staleness": 0}, "K1": {"train.max_staleness": 1},
+                    "K4": {"train.max_staleness": 4, "train.async_correction": False}}}
+    (tmp_path / "sweep.json").write_text(json.dumps(old))
+    new = parse_spec({"base": {"recipe": "ema_pg", "overrides": {"train.steps": 2}}, "seeds": [0, 1],
+                      "arms": {"sync": {"train.async": None}, "K1": {"train.async.max_staleness": 1},
+                               "K4": {"train.async.max_staleness": 4, "train.async.correction": False}}})
+    layout.write_sweep(tmp_path, new)
+    assert layout.read_sweep(tmp_path)["arms"]["K4"] == {"train.async.max_staleness": 4,
+                                                          "train.async.correction": False}
+    other = parse_spec({"base": {"recipe": "ema_pg", "overrides": {"train.steps": 2}}, "seeds": [0],
+                        "arms": {"K1": {"train.async.max_staleness": 2}}})
+    with pytest.raises(ConfigError, match="arm 'K1' had overrides"):
+        layout.write_sweep(tmp_path, other)
+
+
 @pytest.mark.parametrize("raw, needle", [
     ({"seed": 2}, "unknown key 'seed'. Did you mean 'seeds'?"),
     ({"seeds": 2, "base": {"overides": {}}}, "base: unknown key 'overides'. Did you mean 'overrides'?"),

@@ -47,31 +47,32 @@ def moved_key(key: str) -> str | None:
 
 
 def migrate_saved(flat: dict[str, Any]) -> dict[str, Any]:
-    """A saved run's flattened config (dotted key -> value) in the nested layout: the old keys renamed, their
-    sections chosen (an old ``rollout.engine: vllm`` with its ``vllm_*`` keys becomes ``rollout.engine: {kind:
-    vllm, ...}``; ``train.max_staleness: 0`` drops the async keys, the synchronous loop). A new-layout config
-    comes back unchanged."""
+    """Dotted keys (a saved run's flattened config, or a sweep's recorded overrides) in the nested layout: the
+    old keys renamed, their sections chosen. An old ``rollout.engine: vllm`` with its ``vllm_*`` keys becomes
+    ``rollout.engine: {kind: vllm, ...}`` (the other kind's keys, at their defaults in a saved run, are
+    dropped); ``train.max_staleness: 0`` drops the async keys and is ``train.async: none``; a non-empty
+    ``train.worker_address`` chooses the remote transport. Keys of the new layout pass unchanged."""
     if not any(k in MOVED for k in flat):
         return dict(flat)
     out: dict[str, Any] = {}
     engine = flat.get("rollout.engine")
-    staleness = flat.get("train.max_staleness", 0) or 0
+    staleness = flat.get("train.max_staleness")
     remote = bool(flat.get("train.worker_address"))
     for k, v in flat.items():
-        if k == "rollout.engine" and isinstance(engine, str):
-            out["rollout.engine.kind"] = engine
+        if k == "rollout.engine" and isinstance(v, str):
+            out["rollout.engine.kind"] = v
             continue
         new = MOVED.get(k)
         if new is None:
             out[k] = v
         elif new.startswith("rollout.engine."):
-            if (engine == "vllm") == k.startswith("rollout.vllm_"):
+            if not isinstance(engine, str) or (engine == "vllm") == k.startswith("rollout.vllm_"):
                 out[new] = v
-        elif new.startswith("train.async."):
-            if staleness >= 1 and (remote or not new.startswith("train.async.transport.")):
+        elif staleness is None or staleness >= 1:
+            if remote or not new.startswith("train.async.transport."):
                 out[new] = v
-    if staleness >= 1 and remote:
+    if remote and (staleness is None or staleness >= 1):
         out["train.async.transport.kind"] = "remote"
-    if staleness < 1:
+    if staleness is not None and staleness < 1:
         out["train.async"] = None
     return out

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from ..config.migration import migrate_saved
 from ..errors import ConfigError
 from ..errors import OutputError
 
@@ -76,6 +77,17 @@ def read_sweep(out: Path) -> dict:
     return data
 
 
+def _migrated(record: dict) -> dict:
+    """A sweep.json's base and arms with keys of the earlier flat layout in their nested places
+    (`tether.config.migration.migrate_saved`; ``train.max_staleness: 0`` is ``train.async: none``)."""
+    base = dict(record.get("base") or {})
+    if isinstance(base.get("overrides"), dict):
+        base["overrides"] = migrate_saved(base["overrides"])
+    arms = {arm: migrate_saved(over) if isinstance(over, dict) else over
+            for arm, over in (record.get("arms") or {}).items()}
+    return {**record, "base": base, "arms": arms}
+
+
 def write_sweep(out: Path, spec) -> None:
     """Write DIR/sweep.json for ``spec`` (a `tether.sweep.spec.Spec`). A DIR made by a spec whose common
     base or one of whose arms differs from this one is refused (ConfigError naming the arm): its runs were
@@ -84,7 +96,7 @@ def write_sweep(out: Path, spec) -> None:
     p = out / "sweep.json"
     fp = spec.fingerprint()
     if p.exists():
-        old = read_sweep(out)
+        old = _migrated(read_sweep(out))  # a sweep run with the earlier flat keys compares in the nested layout
         if old.get("base") != json.loads(json.dumps(fp["base"])):
             raise ConfigError(f"{out} was made by a spec with another base ({old.get('base')}); use another --out")
         for arm, over in fp["arms"].items():
