@@ -68,7 +68,7 @@ def trainer(a, task: str, out: Path, model=None, tokenizer=None):
             "run.plot": False, "run.save_every": 0, "run.exact_kl_samples": 0}
     search = task.startswith("search")
     if search:
-        over.update({"search.max_searches": a.max_searches, "search.max_context": 2048,
+        over.update({"rollout.agent.env.max_turns": a.max_searches + 1, "rollout.agent.env.max_context": 2048,
                      "rollout.reuse_kv": task == "search_reuse"})
     cfg = load_config(None, over, recipe_name="ema_pg", task="search" if search else None)
     return Trainer(cfg, out / task, model=model, tokenizer=tokenizer, log=lambda *x: None)

@@ -49,7 +49,7 @@ if [ -f "$RL/config.yaml" ]; then
   $T train --resume "$RL" || true
 else
   $T train --recipe "$RL_RECIPE" --model "$SFT" --data arithmetic --output-dir "$RL" --steps "$RL_STEPS" \
-    data.difficulty=3 rollout.agent=multi_turn env.name=calculator rollout.prompts_per_step="$RL_PROMPTS" \
+    data.difficulty=3 rollout.agent=multi_turn rollout.agent.env.name=calculator rollout.prompts_per_step="$RL_PROMPTS" \
     rollout.max_new_tokens=128 train.lr="$RL_LR" train.seed="$RL_SEED" eval.before=false eval.after=false \
     run.progress=false run.save_every=2 "${extra[@]}"
 fi

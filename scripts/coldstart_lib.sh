@@ -28,7 +28,7 @@ rl_run() {  # rl_run RUN RECIPE SEED [OVERRIDES...]: RL_STEPS steps from $SFT in
   else
     $T train --task search --recipe "$recipe" --model "$SFT" --output-dir "$run" --steps "$RL_STEPS" \
       train.lr="$RL_LR" train.seed="$seed" rollout.prompts_per_step="$RL_PROMPTS" rollout.max_new_tokens=128 \
-      search.max_context="$RL_CONTEXT" train.micro_batch_size="$RL_MICRO" eval.before=false eval.after=false \
+      rollout.agent.env.max_context="$RL_CONTEXT" train.micro_batch_size="$RL_MICRO" eval.before=false eval.after=false \
       run.progress=false run.save_every=1 "$@"
   fi
 }

@@ -31,8 +31,8 @@ REWARD = "def digits(completion, example):\n    return sum(c.isdigit() for c in 
 # The cases beyond the named recipes: (recipe, overrides on top of the common ones).
 EXTRA = {
     "multi_turn_calculator": ("ema_pg", {"data.task": "arithmetic", "data.reward": "auto",
-                                         "rollout.agent": "multi_turn", "env.name": "calculator",
-                                         "rollout.max_new_tokens": 12, "env.max_context": 1024}),
+                                         "rollout.agent": "multi_turn", "rollout.agent.env.name": "calculator",
+                                         "rollout.max_new_tokens": 12, "rollout.agent.env.max_context": 1024}),
     "async_k1": ("ema_pg", {"train.async.max_staleness": 1}),
 }
 

@@ -104,6 +104,9 @@ def assert_clean_error(rc: int, stderr: str, *needles: str, line_only: bool = Fa
     return error
 
 
+#: the keys that run the search environment (Search-R1's protocol): the multi-turn agent with env.name=search
+SEARCH_ENV = {"rollout.agent.kind": "multi_turn", "rollout.agent.env.name": "search"}
+
 #: A user's environment in a file (`env.name=PATH:Always`): every action is answered " ok." with reward 5.
 ALWAYS_ENV = (
     "from tether.envs import FinalTurn, Start, StepResult, TextEnv\n\n"

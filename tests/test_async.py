@@ -191,7 +191,7 @@ def test_an_agent_that_drops_the_log_probs_is_a_named_error(workdir, tiny_model_
                       **asynchronous(1, **{"rollout.agent": f"{tmp_path / 'drop.py'}:drop_logp"}))
     t = Trainer(cfg, tmp_path / "run", **QUIET)
     try:
-        with pytest.raises(ConfigError, match=r"rollout.agent=.*drop.py:drop_logp did not pass them on \(or "
+        with pytest.raises(ConfigError, match=r"rollout.agent.kind=.*drop.py:drop_logp did not pass them on \(or "
                                               r"train.async.correction=false"):
             t.train_step()
     finally:
@@ -352,11 +352,11 @@ def test_a_multi_turn_environment_runs_in_a_worker(env, tiny_model_dir, tmp_path
 
     over = {"model.name": str(tiny_model_dir), "rollout.max_new_tokens": 12, "rollout.prompts_per_step": 2,
             "rollout.n": 2, "train.steps": 2, "run.progress": False, "run.plot": False, "run.save_every": 0,
-            "eval.before": False, "eval.after": False, "env.max_context": 600, "rollout.agent": "multi_turn",
-            **asynchronous(1)}
+            "eval.before": False, "eval.after": False, "rollout.agent": "multi_turn",
+            "rollout.agent.env.max_context": 600, **asynchronous(1)}
     if env == "user":
         (tmp_path / "always.py").write_text(ALWAYS_ENV)
-        over["env.name"] = f"{tmp_path / 'always.py'}:Always"
+        over["rollout.agent.env.name"] = f"{tmp_path / 'always.py'}:Always"
     run = train(load_config(None, over), tmp_path / "run", **QUIET)
     for r in rows(run):
         assert r["async/staleness"] <= 1 and r["skipped_updates"] == 0 and math.isfinite(r["pg_loss"])

@@ -102,7 +102,7 @@ def test_each_token_is_sampled_and_scored_by_its_segments_version(policy):
     ({"train.async.max_staleness": 1, "train.async.partial_rollout_tokens": 8},
      "has no effect: a response has at most"),
     ({"train.async.max_staleness": 1, "train.async.partial_rollout_tokens": 4, "rollout.agent": "multi_turn"},
-     "supports rollout.agent=single_turn only"),
+     "supports rollout.agent.kind=single_turn only"),
 ])
 def test_partial_rollout_options(over, msg, workdir, tiny_model_dir):
     with pytest.raises(ConfigError, match=msg):

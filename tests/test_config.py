@@ -49,11 +49,15 @@ def leaf_keys(obj=None, prefix: str = "") -> list[str]:
 
 
 def every_key() -> set[str]:
-    """Every key any config can have: the default's, each engine kind's, train.async's and each transport's."""
-    from tether.config import AsyncConfig, RemoteTransport, VLLMEngineConfig
+    """Every key any config can have: the default's, each engine and agent kind's, the search environment's
+    retriever, train.async's and each transport's."""
+    from tether.config import (AsyncConfig, EnvConfig, MultiTurnAgentConfig, RemoteTransport, RetrieverConfig,
+                               VLLMEngineConfig)
 
     keys = set(leaf_keys())
-    keys |= {"rollout.engine", "train.async"}  # a chosen and an optional section are keys too (a whole mapping)
+    keys |= {"rollout.engine", "rollout.agent", "train.async"}  # a chosen and an optional section are keys too
+    keys |= set(leaf_keys(MultiTurnAgentConfig(env=EnvConfig(retriever=RetrieverConfig())), "rollout.agent."))
+    keys |= {"rollout.agent.env.retriever"}
     keys |= set(leaf_keys(VLLMEngineConfig(), "rollout.engine."))
     keys |= set(leaf_keys(AsyncConfig(), "train.async."))
     keys |= set(leaf_keys(RemoteTransport(address="h:1"), "train.async.transport."))
@@ -77,12 +81,13 @@ def test_every_config_field_at_any_depth_is_in_docs_config_md():
 
 
 def test_every_search_key_is_documented():
-    """The hand-listed generator this replaced left out the whole search section."""
-    search = [k for k in leaf_keys() if k.startswith("search.")]
-    assert len(search) == 12
-    rows = {ln.split("`")[1]: ln for ln in reference().splitlines() if ln.startswith("| `search.")}
+    """The hand-listed generator this replaced left out the whole search section; the search environment's keys
+    are the env section's and its retriever's."""
+    search = [k for k in every_key() if k.startswith("rollout.agent.env.")]
+    assert len(search) == 16
+    rows = {ln.split("`")[1]: ln for ln in reference().splitlines() if ln.startswith("| `rollout.agent.env.")}
     assert set(rows) == set(search)
-    assert "passages per search" in rows["search.topk"]  # the comment at its declaration
+    assert "passages per search" in rows["rollout.agent.env.retriever.topk"]  # the comment at its declaration
 
 
 def test_config_reference_is_complete_and_current():
@@ -184,12 +189,14 @@ def test_unknown_task_is_a_config_error():
 
 def test_problems_of_several_sections_are_listed_in_section_order():
     with pytest.raises(ConfigError) as e:
-        load_config(None, {"data.difficulty": 9, "search.topk": 5, "rollout.batch_size": 0, "train.steps": 0,
+        load_config(None, {"data.difficulty": 9, "rollout.agent.kind": "multi_turn",
+                           "rollout.agent.env.retriever.topk": 5, "rollout.batch_size": 0, "train.steps": 0,
                            "eval.every": -1, "train.lr": -1})
     lines = str(e.value).splitlines()
     assert lines[0] == "invalid config (6 problems):"
     assert [ln.split()[1].split("=")[0] for ln in lines[1:]] == [
-        "data.difficulty", "search.topk", "rollout.batch_size", "train.steps", "eval.every", "train.lr"]
+        "data.difficulty", "rollout.agent.env.retriever", "rollout.batch_size", "train.steps", "eval.every",
+        "train.lr"]
 
 
 # ---------------------------------------------------------------- the package's names
@@ -219,7 +226,7 @@ def test_every_name_callers_import_is_re_exported():
     names = _imported_from_config()
     assert {"load_config", "parse_overrides", "reference", "flatten", "check_device"} <= names  # the scan worked
     old_public = {  # the names of the former single module tether/config.py
-        "DEFAULT_RECIPE", "DataConfig", "RolloutConfig", "SearchConfig", "TrainConfig", "RunConfig", "EvalConfig",
+        "DEFAULT_RECIPE", "DataConfig", "RolloutConfig", "TrainConfig", "RunConfig", "EvalConfig",
         "HELD_OUT", "eval_benchmarks", "evaluating", "Config", "RECIPE_TRAINER_DEFAULTS", "TASK_PRESETS", "to_dict",
         "parse_overrides", "read_yaml_mapping", "load_config", "check", "check_device", "VLLM_DTYPES",
         "save_config", "reference", "ConfigError", "AlgoConfig", "ModelConfig", "coerce_value", "flatten", "set_key"}

@@ -1,5 +1,6 @@
-"""The nested, typed configuration (tether.sections, tether.config.engine, tether.config.train_async,
-tether.config.migration): a section chosen by its kind (rollout.engine), an optional section (train.async) with its
+"""The nested, typed configuration (tether.sections, tether.config.engine, tether.config.agent,
+tether.config.train_async, tether.config.migration): sections chosen by their kind (rollout.engine,
+rollout.agent), an optional section (train.async) with its
 shorthands, each cross-field rule of those sections, the errors for keys of the earlier flat layout, and a run
 directory saved in that layout read in the new one."""
 
@@ -8,8 +9,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tether.config import (AsyncConfig, Config, ConfigError, HFEngineConfig, RemoteTransport, VLLMEngineConfig,
-                           load_config, save_config, to_dict)
+from tether.config import (AsyncConfig, Config, ConfigError, EnvConfig, HFEngineConfig, MultiTurnAgentConfig,
+                           RemoteTransport, RetrieverConfig, SingleTurnAgentConfig, VLLMEngineConfig, load_config,
+                           save_config, to_dict)
 from tether.config.migration import MOVED, migrate_saved, moved_key
 from tether.sections import Section, default, doc, keys_of, replace
 
@@ -98,7 +100,7 @@ def test_async_cross_field_rules():
         load_config(None, {"train.async.verify_sync": True, "train.async.verify_logp_tol": 0.1})
     with pytest.raises(ConfigError, match="train.async.correction=false has no effect"):
         load_config(None, {"train.async.correction": False, "algo.tis_cap": 3.0})
-    with pytest.raises(ConfigError, match="partial_rollout_tokens .partial rollouts. supports rollout.agent="
+    with pytest.raises(ConfigError, match="partial_rollout_tokens .partial rollouts. supports rollout.agent.kind="
                                           "single_turn only"):
         load_config(None, {"train.async.partial_rollout_tokens": 8, "rollout.agent": "multi_turn",
                            "rollout.max_new_tokens": 64})
@@ -125,7 +127,8 @@ def test_every_moved_key_has_a_place_in_the_new_layout():
     for old, new in MOVED.items():
         section, _, leaf = new.rpartition(".")
         cls = {"rollout.engine": VLLMEngineConfig if old.startswith("rollout.vllm_") else HFEngineConfig,
-               "train.async": AsyncConfig, "train.async.transport": RemoteTransport}[section]
+               "train.async": AsyncConfig, "train.async.transport": RemoteTransport, "rollout.agent.env": EnvConfig,
+               "rollout.agent.env.retriever": RetrieverConfig}[section]
         assert leaf in keys_of(cls), (old, new)
 
 
@@ -149,6 +152,71 @@ def test_a_run_saved_in_the_flat_layout_is_read_in_the_new_one(tmp_path):
         "train.async.transport.kind": "remote"}
     cur = {"train.async": None, "rollout.engine.kind": "hf"}
     assert migrate_saved(cur) == cur
+
+
+def test_agent_shorthand_and_kind_choose_the_section():
+    cfg = Config()
+    assert isinstance(cfg.rollout.agent, SingleTurnAgentConfig) and not hasattr(cfg.rollout.agent, "env")
+    cfg.rollout.agent = "multi_turn"
+    assert isinstance(cfg.rollout.agent, MultiTurnAgentConfig) and cfg.rollout.agent.env.name == "calculator"
+    cfg.rollout.agent = {"env": {"name": "search"}}  # a mapping with an env is multi_turn's
+    assert cfg.rollout.agent.kind == "multi_turn" and cfg.rollout.agent.env.retriever is None
+    assert cfg.rollout.agent.env.search_turns() == 5 and cfg.rollout.agent.env.retriever_section().topk == 3
+    with pytest.raises(ConfigError, match="rollout.agent=search is now the search environment: "
+                                          "rollout.agent.kind=multi_turn with rollout.agent.env.name=search"):
+        load_config(None, {"rollout.agent": "search"})
+    with pytest.raises(ConfigError, match="rollout.agent.env is a key of rollout.agent.kind=multi_turn"):
+        load_config(None, {"rollout.agent.env.max_turns": 3})
+    # the kind first, whatever the order the keys come in; a retriever key turns the retriever section on
+    cfg = load_config(None, {"rollout.agent.env.retriever.topk": 5, "rollout.agent.env.name": "search",
+                             "rollout.agent.kind": "multi_turn", "data.task": "multihop"})
+    assert cfg.rollout.agent.env.retriever.topk == 5 and cfg.rollout.agent.env.retriever.kind == "bm25"
+
+
+@pytest.mark.parametrize("over, msg", [
+    # the retriever belongs to the search environment
+    ({"rollout.agent.env.retriever.topk": 5}, "rollout.agent.env.retriever only applies with "
+                                              "rollout.agent.env.name=search"),
+    # Search-R1's protocol is one growing assistant turn
+    ({"rollout.agent.env.name": "search", "rollout.agent.env.observation_format": "chat"},
+     "observation_format must be raw"),
+    # the role of an observation turn exists only in the chat format
+    ({"rollout.agent.env.observation_role": "user"}, "observation_role only applies with "
+                                                     "rollout.agent.env.observation_format=chat"),
+    # a retriever's keys belong to the retrievers that read them
+    ({"rollout.agent.env.name": "search", "rollout.agent.env.retriever.timeout": 5.0},
+     "timeout only applies with rollout.agent.env.retriever.kind=http"),
+    ({"rollout.agent.env.name": "search", "rollout.agent.env.retriever.kind": "http"},
+     "needs rollout.agent.env.retriever.url"),
+    ({"rollout.agent.env.name": "nope_env"}, "unknown rollout.agent.env.name 'nope_env'"),
+    ({"rollout.agent.env.max_context": 0}, "rollout.agent.env.max_context: Input should be greater than or equal to 1"),
+])
+def test_agent_cross_field_rules(over, msg):
+    with pytest.raises(ConfigError, match=msg):
+        load_config(None, {"rollout.agent.kind": "multi_turn", "data.task": "multihop", **over})
+
+
+def test_agent_keys_of_the_earlier_layout():
+    """Each old env.* / search.* key names its new place; a saved run of the old search agent reads as the search
+    environment (max_searches M as max_turns M + 1), a saved multi-turn run keeps its env, a single-turn run drops
+    the sections it never read."""
+    assert "'rollout.agent.env.max_turns' as max_searches + 1" in moved_key("search.max_searches")
+    assert "moved to 'rollout.agent.env.retriever.passage_format'" in moved_key("search.observation_format")
+    assert "moved to 'rollout.agent.env.name' (with rollout.agent.kind=multi_turn)" in moved_key("env.name")
+    env = {"env.name": "calculator", "env.max_turns": 0, "env.max_obs_tokens": 512}
+    search = {"search.retriever": "bm25", "search.topk": 2, "search.max_searches": 3, "search.max_context": 900,
+              "search.observation_format": "clean"}
+    new = migrate_saved({"rollout.agent": "search", **env, **search, "data.task": "multihop"})
+    assert new == {"rollout.agent.kind": "multi_turn", "rollout.agent.env.name": "search",
+                   "rollout.agent.env.retriever.kind": "bm25", "rollout.agent.env.retriever.topk": 2,
+                   "rollout.agent.env.max_turns": 4, "rollout.agent.env.max_context": 900,
+                   "rollout.agent.env.retriever.passage_format": "clean", "data.task": "multihop"}
+    e = load_config(None, new).rollout.agent.env
+    assert (e.search_turns(), e.retriever.topk, e.max_context) == (4, 2, 900)
+    new = migrate_saved({"rollout.agent": "multi_turn", **{**env, "env.max_turns": 3}, **search})
+    assert new == {"rollout.agent.kind": "multi_turn", "rollout.agent.env.name": "calculator",
+                   "rollout.agent.env.max_turns": 3, "rollout.agent.env.max_obs_tokens": 512}
+    assert migrate_saved({"rollout.agent": "single_turn", **env, **search}) == {"rollout.agent.kind": "single_turn"}
 
 
 def test_saved_config_round_trips_with_the_nested_sections(tmp_path):

@@ -210,7 +210,7 @@ def test_demos_and_training_build_one_environment():
     from tether.config import ConfigError, load_config
     from tether.envs.calculator import CalculatorEnv
 
-    env = build_env(load_config(None, {"rollout.agent": "multi_turn", "env.max_turns": 3}))
+    env = build_env(load_config(None, {"rollout.agent": "multi_turn", "rollout.agent.env.max_turns": 3}))
     assert isinstance(env, CalculatorEnv) and env.max_turns == 3
-    with pytest.raises(ConfigError, match="rollout.agent=single_turn runs no environment"):
+    with pytest.raises(ConfigError, match="rollout.agent.kind=single_turn runs no environment"):
         build_env(load_config(None, {}))

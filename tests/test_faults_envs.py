@@ -97,7 +97,8 @@ def work(make_workdir):
 
 def env_args(work, model, out, env: str, steps: int = 1, **over) -> list[str]:
     """`tether train` of the tiny model with the multi-turn agent in environment ``env`` of work/envs.py."""
-    return cli_args(work, model, out, steps, **{"rollout.agent": "multi_turn", "env.name": f"{work / 'envs.py'}:{env}",
+    return cli_args(work, model, out, steps, **{"rollout.agent": "multi_turn",
+                                                "rollout.agent.env.name": f"{work / 'envs.py'}:{env}",
                                                 "rollout.max_new_tokens": 6, "rollout.prompts_per_step": 2,
                                                 "rollout.n": 2, "eval.before": False, "eval.after": False, **over})
 

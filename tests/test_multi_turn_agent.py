@@ -230,7 +230,8 @@ def test_train_runs_the_calculator_and_a_users_environment(tiny_model_dir, tmp_p
 
     base = {"model.name": str(tiny_model_dir), "rollout.max_new_tokens": 12, "rollout.prompts_per_step": 2,
             "rollout.n": 2, "train.steps": 1, "run.progress": False, "run.plot": False, "run.save_every": 0,
-            "eval.before": False, "eval.after": False, "env.max_context": 600, "rollout.agent": "multi_turn"}
+            "eval.before": False, "eval.after": False, "rollout.agent": "multi_turn",
+            "rollout.agent.env.max_context": 600}
     run = train(load_config(None, {**base, "data.difficulty": 3}), tmp_path / "calc", log=lambda *a: None)
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert row["calculator/turns"] >= 1 and "calculator/invalid_action_rate" in row and row["skipped_updates"] == 0
@@ -239,17 +240,16 @@ def test_train_runs_the_calculator_and_a_users_environment(tiny_model_dir, tmp_p
 
     env_file = tmp_path / "always.py"
     env_file.write_text(ALWAYS_ENV)
-    over = {**base, "env.name": f"{env_file}:Always"}
+    over = {**base, "rollout.agent.env.name": f"{env_file}:Always"}
     run = train(load_config(None, over), tmp_path / "user", log=lambda *a: None)
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert row["always/turns"] == 2 and row["reward_mean"] >= 10.0  # two parts of 5 + the task's reward
     _eval_uses_the_runs_environment(run, env_file, tmp_path)
-    with pytest.raises(ConfigError, match="env.max_turns only applies with rollout.agent=multi_turn"):
-        load_config(None, {"env.max_turns": 3})
-    with pytest.raises(ConfigError, match="env.name=search"):
-        load_config(None, {"rollout.agent": "multi_turn", "env.name": "search"})
-    with pytest.raises(ConfigError, match="env.observation_role only applies with env.observation_format=chat"):
-        load_config(None, {"rollout.agent": "multi_turn", "env.observation_role": "user"})
+    with pytest.raises(ConfigError, match="rollout.agent.env is a key of rollout.agent.kind=multi_turn"):
+        load_config(None, {"rollout.agent.env.max_turns": 3})
+    with pytest.raises(ConfigError, match="env.observation_role only applies with rollout.agent.env.observation_format="
+                                          "chat"):
+        load_config(None, {"rollout.agent": "multi_turn", "rollout.agent.env.observation_role": "user"})
 
 
 def _eval_uses_the_runs_environment(run, env_file, tmp_path):
@@ -264,7 +264,7 @@ def _eval_uses_the_runs_environment(run, env_file, tmp_path):
               "--reward", "gsm8k")
     r = run_module("eval", "--model", run, *common, "--out", tmp_path / "ev_run")
     assert r.returncode == 0, r.stderr
-    assert f"using the run's environment: env.name={env_file}:Always" in r.stderr, r.stderr
+    assert f"using the run's environment: rollout.agent.env.name={env_file}:Always" in r.stderr, r.stderr
     env = json.loads((tmp_path / "ev_run" / "results.json").read_text())["settings"]["env"]
     assert env["name"] == f"{env_file}:Always" and env["max_context"] == 600
     rows = [json.loads(x) for x in (tmp_path / "ev_run" / "q.jsonl").read_text().splitlines()]
@@ -345,12 +345,12 @@ def test_per_response_rollout_options_are_errors_with_a_multi_turn_agent():
     from tether.errors import ConfigError
     from tether.config import load_config
 
-    for over, msg in (({"rollout.stop": ["\n\n"]}, "rollout.stop with rollout.agent=multi_turn"),
-                      ({"rollout.min_new_tokens": 4}, "rollout.min_new_tokens with rollout.agent=multi_turn"),
-                      ({"recipe": "dapo"}, "rollout.overlong_buffer_frac with rollout.agent=multi_turn")):
+    for over, msg in (({"rollout.stop": ["\n\n"]}, "rollout.stop with rollout.agent.kind=multi_turn"),
+                      ({"rollout.min_new_tokens": 4}, "rollout.min_new_tokens with rollout.agent.kind=multi_turn"),
+                      ({"recipe": "dapo"}, "rollout.overlong_buffer_frac with rollout.agent.kind=multi_turn")):
         with pytest.raises(ConfigError, match=msg):
             load_config(None, {"rollout.agent": "multi_turn", **over})
-    with pytest.raises(ConfigError, match="overlong_buffer_frac with rollout.agent=search"):
+    with pytest.raises(ConfigError, match="overlong_buffer_frac with rollout.agent.kind=multi_turn"):
         load_config(None, {"recipe": "dapo"}, task="search")
     load_config(None, {"recipe": "dapo", "rollout.agent": "multi_turn", "rollout.overlong_buffer_frac": 0.0})
 

@@ -112,7 +112,7 @@ def mini_organism(tmp_path_factory):
 def test_train_and_eval_run_on_the_organism_task(mini_organism, tmp_path, agent):
     """`tether train --task organism` (single-turn, and in the organism_calc environment) and `tether eval`
     on its benchmark, through the CLI."""
-    extra = ["rollout.agent=multi_turn", "env.name=organism_calc"] if agent == "multi_turn" else []
+    extra = ["rollout.agent=multi_turn", "rollout.agent.env.name=organism_calc"] if agent == "multi_turn" else []
     cmd = [sys.executable, "-m", "tether", "train", "--task", "organism", f"model.name={mini_organism}",
            "train.steps=2", "rollout.prompts_per_step=2", "rollout.n=2", "eval.limit=4", "eval.every=0",
            "rollout.max_new_tokens=12", "eval.max_new_tokens=12", "run.progress=false", "run.plot=false",

@@ -1,4 +1,4 @@
-"""The multi-turn search agent (tether.agents.search) with a scripted engine and a fake retriever:
+"""The search environment run by the multi-turn agent, with a scripted engine and a fake retriever:
 exact observations, loss_mask on every token, the policy's ids kept as sampled, the budgets,
 and the loss ignoring observation tokens."""
 
@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from tether.agents.search import SearchAgent
+from tether.agents import MultiTurnAgent
+from tether.envs.search import SearchEnv
 from tether.rollout import RolloutBatch, SamplingParams
 from tether.search.corpus import Passage
 from tether.search.protocol import INVALID_ACTION_MESSAGE, render_observation, render_search_error
@@ -23,6 +24,12 @@ def tok(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def SearchAgent(engine, tok, retriever, *, topk=3, max_searches=4, observation_format="search_r1", **options):
+    """What rollout.agent.env.name=search builds: SearchEnv over the retriever, run by MultiTurnAgent."""
+    env = SearchEnv(retriever, topk=topk, max_searches=max_searches, observation_format=observation_format)
+    return MultiTurnAgent(engine, tok, env, **options)
 
 
 def char_ids(tok, text: str) -> list[int]:
@@ -234,7 +241,7 @@ def test_loss_ignores_observation_tokens(tiny_model_dir, tok):
 
 
 def test_search_training_runs_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
-    """tether train with rollout.agent=search on the tiny model, BM25 over a small corpus file: metrics of the
+    """tether train in the search environment on the tiny model, BM25 over a small corpus file: metrics of the
     agent per step, whole trajectories in samples.jsonl, and a corpus error before the model loads."""
     import json
 
@@ -250,12 +257,13 @@ def test_search_training_runs_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     with open(data, "w") as f:
         for i in range(8):
             f.write(json.dumps({"question": f"What does paragraph {i} say?", "golden_answers": [str(i)]}) + "\n")
-    over = {"model.name": str(tiny_model_dir), "data.task": str(data), "search.corpus": str(corpus),
-            "search.max_searches": 2, "search.max_context": 400, "rollout.max_new_tokens": 16,
+    over = {"model.name": str(tiny_model_dir), "data.task": str(data),
+            "rollout.agent.env.retriever.corpus": str(corpus), "rollout.agent.env.max_turns": 3,
+            "rollout.agent.env.max_context": 400, "rollout.max_new_tokens": 16,
             "rollout.prompts_per_step": 2, "rollout.n": 2, "train.steps": 2, "run.progress": False,
             "run.plot": False, "run.save_every": 0}
     cfg = load_config(None, over, recipe_name="ema_pg", task="search")
-    assert cfg.rollout.agent == "search" and cfg.data.format_weight == 0.0
+    assert cfg.rollout.agent.env.name == "search" and cfg.data.format_weight == 0.0
     run = train(cfg, tmp_path / "run", log=lambda *a: None)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
@@ -270,7 +278,8 @@ def test_search_training_runs_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(tether.models, "load_model", lambda *a, **k: pytest.fail("the model loaded first"))
     with pytest.raises(Exception, match=r"bad\.jsonl.*(line )?2"):
-        train(load_config(None, {**over, "search.corpus": str(bad)}, recipe_name="ema_pg", task="search"),
+        train(load_config(None, {**over, "rollout.agent.env.retriever.corpus": str(bad)}, recipe_name="ema_pg",
+                          task="search"),
               tmp_path / "run2", model=None, log=lambda *a: None)
 
 
@@ -286,8 +295,8 @@ def test_real_smollm2_search_training(tmp_path):
     if search_data_dir() is None:
         pytest.skip("the shared search data (../shared/data/search) is not beside the checkout")
     over = {"train.steps": 2, "rollout.prompts_per_step": 2, "rollout.n": 2, "rollout.max_new_tokens": 48,
-            "search.max_searches": 2, "search.max_context": 1536, "run.progress": False, "run.plot": False,
-            "run.save_every": 0}
+            "rollout.agent.env.max_turns": 3, "rollout.agent.env.max_context": 1536, "run.progress": False,
+            "run.plot": False, "run.save_every": 0}
     run = train(load_config(None, over, recipe_name="ema_pg", task="search"), tmp_path / "run", log=lambda *a: None)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(r["skipped_updates"] == 0 and math.isfinite(r["pg_loss"]) for r in rows)
@@ -307,12 +316,13 @@ def test_search_options_that_cannot_act_are_errors():
     from tether.errors import ConfigError
     from tether.config import load_config
 
-    for over, msg in (({"search.dense_model": "m"}, "dense_model only applies"),
-                      ({"search.timeout": 5.0}, "timeout only applies"),
-                      ({"search.retries": 0}, "retries only applies"),
-                      ({"search.retriever": "http"}, "needs search.url"),
-                      ({"search.topk": 4, "rollout.agent": "single_turn"}, "only applies with rollout.agent=search")):
+    for over, msg in (({"rollout.agent.env.retriever.dense_model": "m"}, "dense_model only applies"),
+                      ({"rollout.agent.env.retriever.timeout": 5.0}, "timeout only applies"),
+                      ({"rollout.agent.env.retriever.retries": 0}, "retries only applies"),
+                      ({"rollout.agent.env.retriever.kind": "http"}, "needs rollout.agent.env.retriever.url"),
+                      ({"rollout.agent.env.retriever.topk": 4, "rollout.agent.env.name": "calculator"},
+                       "only applies with rollout.agent.env.name=search")):
         with pytest.raises(ConfigError, match=msg):
             load_config(None, over, task="search")
-    load_config(None, {"search.retriever": "http", "search.url": "http://127.0.0.1:1", "search.timeout": 5.0},
-                task="search")
+    r = "rollout.agent.env.retriever."
+    load_config(None, {r + "kind": "http", r + "url": "http://127.0.0.1:1", r + "timeout": 5.0}, task="search")

@@ -12,6 +12,7 @@ from tether.search.data import SEARCH_DATASETS, load_search_examples, search_dat
 from tether.tasks.base import DataError
 
 from search_helpers import SEARCH_DIR, needs_data, write_jsonl as _write
+from helpers import SEARCH_ENV
 
 
 GOOD = json.dumps({"id": "0", "contents": '"Title A"\ntext a'})
@@ -112,7 +113,7 @@ def test_search_jsonl_field_mapping_and_bad_rows(tmp_path):
 
 
 def test_search_training_on_a_hub_id_reads_data_split(monkeypatch, tmp_path):
-    """rollout.agent=search with a hub id trains on its ``data.split`` (default train, never the test split
+    """The search environment with a hub id trains on its ``data.split`` (default train, never the test split
     silently); a named set or a file is one split already and data.data_dir is the math task's: both are errors.
     ``datasets`` (the optional extra [hub], not a test dependency) is replaced by a stand-in module, so the test
     needs neither the package nor the hub."""
@@ -130,14 +131,14 @@ def test_search_training_on_a_hub_id_reads_data_split(monkeypatch, tmp_path):
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     for over, split in [({}, "train"), ({"data.split": "validation"}, "validation")]:
-        cfg = load_config(None, {"rollout.agent": "search", "data.task": "org/qa", **over})
+        cfg = load_config(None, {**SEARCH_ENV, "data.task": "org/qa", **over})
         (ex,) = search_qa_task(cfg)
         assert asked.pop() == ("org/qa", None, split) and ex.answer == "Ann"
     f = _write(tmp_path / "qa.jsonl", [json.dumps({"question": "Q", "golden_answers": ["a"]})])
     for task in ("multihop", str(f)):
         with pytest.raises(ConfigError, match=f"data.split only applies to a hub dataset id.*data.task='{task}' is "
                                               "one split already"):
-            load_config(None, {"rollout.agent": "search", "data.task": task, "data.split": "test"})
-    with pytest.raises(ConfigError, match=r"data.data_dir has no effect with rollout.agent=search \(its QA sets are "
-                                          r"read from search.data_dir\)"):
-        load_config(None, {"rollout.agent": "search", "data.data_dir": str(tmp_path)})
+            load_config(None, {**SEARCH_ENV, "data.task": task, "data.split": "test"})
+    with pytest.raises(ConfigError, match=r"data.data_dir has no effect with rollout.agent.env.name=search \(its QA "
+                                          r"sets are read from rollout.agent.env.retriever.data_dir\)"):
+        load_config(None, {**SEARCH_ENV, "data.data_dir": str(tmp_path)})

@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tether.agents import agent_from_config, agent_tools
+from tether.agents import agent_from_config, agent_tools, env_from_config
+from tether.envs.search import SearchEnv
 from tether.errors import ConfigError
 from tether.config import load_config
 from tether.rollout import SamplingParams
@@ -44,13 +45,15 @@ def _script(tok):
 
 @pytest.mark.parametrize("fmt", [None, "search_r1", "clean"])
 def test_observation_format_reaches_the_agent(tok, fmt):
-    over = {"search.max_obs_tokens": 10_000, **({"search.observation_format": fmt} if fmt else {})}
+    over = {"rollout.agent.env.max_obs_tokens": 10_000,
+            **({"rollout.agent.env.retriever.passage_format": fmt} if fmt else {})}
     cfg = load_config(None, over, task="search")
-    assert cfg.search.observation_format == (fmt or "search_r1")
+    env = cfg.rollout.agent.env
+    assert env.retriever_section().passage_format == (fmt or "search_r1")
     eng = _script(tok)
-    agent = agent_from_config(cfg, eng, tok, tools={"retriever": FakeRetriever()})
+    agent = agent_from_config(cfg, eng, tok, tools={"env": env_from_config(env, FakeRetriever())})
     obs = _episode_observation(agent, tok, eng)
-    passages = FakeRetriever().search(["first q"], cfg.search.topk)[0]
+    passages = FakeRetriever().search(["first q"], env.retriever_section().topk)[0]
     assert obs == render_observation(passages, fmt or "search_r1")
     if fmt == "clean":
         assert "Doc 1(Title: T0 first q) text 0 about first q\nDoc 2(Title: T1 first q)" in obs
@@ -59,26 +62,27 @@ def test_observation_format_reaches_the_agent(tok, fmt):
 
 
 def test_observation_format_is_validated():
-    with pytest.raises(ConfigError, match=r"unknown search.observation_format 'search-r1'. Did you mean "
-                                          r"'search_r1'\? Valid choices: search_r1, clean"):
-        load_config(None, {"search.observation_format": "search-r1"}, task="search")
-    with pytest.raises(ConfigError, match="search.observation_format only applies with rollout.agent=search"):
-        load_config(None, {"search.observation_format": "clean"})
-    from tether.agents.search import SearchAgent
-
+    with pytest.raises(ConfigError, match=r"rollout.agent.env.retriever.passage_format: Input should be 'search_r1' "
+                                          r"or 'clean' \(got 'search-r1'\)"):
+        load_config(None, {"rollout.agent.env.retriever.passage_format": "search-r1"}, task="search")
+    with pytest.raises(ConfigError, match="rollout.agent.env.retriever only applies with "
+                                          "rollout.agent.env.name=search"):
+        load_config(None, {"rollout.agent": "multi_turn", "rollout.agent.env.retriever.passage_format": "clean"})
     with pytest.raises(ValueError, match="unknown observation_format 'plain'"):
-        SearchAgent(ScriptedEngine(None, []), None, FakeRetriever(), observation_format="plain")
+        SearchEnv(FakeRetriever(), observation_format="plain")
 
 
 def test_search_corpus_goes_to_the_http_retriever(tmp_path):
     corpus = synthetic_corpus(tmp_path / "corpus.jsonl", n=5)
-    base = {"search.retriever": "http", "search.url": "http://127.0.0.1:1"}
-    cfg = load_config(None, {**base, "search.corpus": str(corpus)}, task="search")  # no longer "only bm25 or dense"
-    r = agent_tools(cfg)["retriever"]
+    base = {"rollout.agent.env.retriever.kind": "http", "rollout.agent.env.retriever.url": "http://127.0.0.1:1"}
+    # no longer "only bm25 or dense"
+    cfg = load_config(None, {**base, "rollout.agent.env.retriever.corpus": str(corpus)}, task="search")
+    r = agent_tools(cfg)["env"].retriever
     assert isinstance(r, HTTPRetriever) and r.corpus is not None and len(r.corpus) == 5
-    assert agent_tools(load_config(None, base, task="search"))["retriever"].corpus is None  # none by default
-    with pytest.raises(ConfigError, match="search.dense_model only applies with search.retriever=dense"):
-        load_config(None, {**base, "search.dense_model": "m"}, task="search")
+    assert agent_tools(load_config(None, base, task="search"))["env"].retriever.corpus is None  # none by default
+    with pytest.raises(ConfigError, match="rollout.agent.env.retriever.dense_model only applies with "
+                                          "rollout.agent.env.retriever.kind=dense"):
+        load_config(None, {**base, "rollout.agent.env.retriever.dense_model": "m"}, task="search")
 
 
 # ---------------------------------------------------------------- a tiny retrieval server
@@ -149,12 +153,13 @@ def test_eval_flags_reach_the_http_retriever(tmp_path, tok, stub):
     args = _eval_args(tmp_path, "--retriever", "http", "--url", url, "--timeout", "7.5", "--retries", "0",
                       "--corpus", str(corpus), "--observation-format", "clean", "--topk", "2")
     _, cfg, tools = _search_setup(args)
-    r = tools["retriever"]
+    r = tools["env"].retriever
     assert isinstance(r, HTTPRetriever) and (r.timeout, r.retries, len(r.corpus)) == (7.5, 0, 6)
-    assert cfg.search.observation_format == "clean" and cfg.search.topk == 2
+    r_cfg = cfg.rollout.agent.env.retriever_section()
+    assert r_cfg.passage_format == "clean" and r_cfg.topk == 2
     # one episode through the agent: the server's id-less documents get their corpus ids back (gold recall)
     eng = _script(tok)
-    cfg.search.max_obs_tokens = 10_000
+    cfg.rollout.agent.env.max_obs_tokens = 10_000
     agent = agent_from_config(cfg, eng, tok, tools)
     rb = agent.rollout([EX], SamplingParams(n=1, max_new_tokens=64))
     assert srv.requests == [("/retrieve", {"queries": ["first q"], "topk": 2, "return_scores": True})]
@@ -163,14 +168,14 @@ def test_eval_flags_reach_the_http_retriever(tmp_path, tok, stub):
     assert obs.startswith("\n\n<information>Doc 1(Title: Entry 0) The ")  # clean: no quotes
     # --retries 1: a failing server is asked twice; --retries 0 and --timeout: one attempt that times out
     srv.mode = "500"
-    r1 = _search_setup(_eval_args(tmp_path, "--retriever", "http", "--url", url, "--retries", "1"))[2]["retriever"]
+    r1 = _search_setup(_eval_args(tmp_path, "--retriever", "http", "--url", url, "--retries", "1"))[2]["env"].retriever
     r1.backoff = 0.0
     with pytest.raises(RetrievalError, match="HTTP 500") as e:
         r1.search(["q"], 1)
     assert e.value.attempts == 2 and len(srv.requests) == 3
     srv.mode = "hang"
     r0 = _search_setup(_eval_args(tmp_path, "--retriever", "http", "--url", url, "--retries", "0",
-                                  "--timeout", "0.2"))[2]["retriever"]
+                                  "--timeout", "0.2"))[2]["env"].retriever
     with pytest.raises(RetrievalError, match="timed out") as e:
         r0.search(["q"], 1)
     assert e.value.attempts == 1 and len(srv.requests) == 4

@@ -27,6 +27,7 @@ from tether.tasks import (
     load_reward,
 )
 from tether.tasks.arithmetic import content_split
+from helpers import SEARCH_ENV
 
 # --------------------------------------------------------------------------------------
 # shared data dir
@@ -626,9 +627,9 @@ def test_the_task_is_looked_up_in_the_registry():
 
     assert task_name(load_config(None, {})) == "arithmetic"
     assert task_name(load_config(None, {"data.task": "gsm8k"})) == "math"
-    assert task_name(load_config(None, {"rollout.agent": "search", "data.task": "multihop"})) == "search"
+    assert task_name(load_config(None, {**SEARCH_ENV, "data.task": "multihop"})) == "search"
     assert held_out_benchmark(load_config(None, {"data.task": "gsm8k"})) == "gsm8k"
-    assert held_out_benchmark(load_config(None, {"rollout.agent": "search", "data.task": "gsm8k"})) is None
+    assert held_out_benchmark(load_config(None, {**SEARCH_ENV, "data.task": "gsm8k"})) is None
     assert is_spec("my_ext:countdown") and is_spec("dir/my_ext.py:countdown")
     assert not is_spec("openai/gsm8k:main") and not is_spec("data.jsonl")
     assert list(task_presets()) == ["organism", "math", "search"] and TASKS.meta("search")["reward"] == "search"
@@ -660,8 +661,8 @@ def test_the_registries_name_the_config_choices():
     assert list(REWARDS) == ["arithmetic", "gsm8k", "math", "search", "search_f1"]
     with pytest.raises(ConfigError, match=r"unknown data.reward 'gsm8'\. Did you mean 'gsm8k'"):
         load_config(None, {"data.reward": "gsm8"})
-    with pytest.raises(ConfigError, match="unknown rollout.agent 'serch'. Did you mean 'search'"):
-        load_config(None, {"rollout.agent": "serch"})
+    with pytest.raises(ConfigError, match="unknown rollout.agent.kind 'multi_trun'. Did you mean 'multi_turn'"):
+        load_config(None, {"rollout.agent": "multi_trun"})
     with pytest.raises(ConfigError, match="data.task 'x/no_such.py:f': task file x/no_such.py not found"):
         load_config(None, {"data.task": "x/no_such.py:f"})
-    assert load_config(None, {"rollout.agent": "some_module:MyAgent"}).rollout.agent == "some_module:MyAgent"
+    assert load_config(None, {"rollout.agent": "some_module:MyAgent"}).rollout.agent.kind == "some_module:MyAgent"

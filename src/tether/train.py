@@ -274,13 +274,13 @@ class Trainer:
         t, B, stats = self.cfg.train, b.global_rows or len(b.rb), UpdateStats()
         if t.lr_scale != "none" and b.rb.sampler_logp is None:
             raise ConfigError(f"train.lr_scale={t.lr_scale} needs the engine's log-probs of the sampled tokens, and "
-                              f"step {self.step + 1}'s batch has none (rollout.agent={self.cfg.rollout.agent} did not "
-                              f"pass them on)")
+                              f"step {self.step + 1}'s batch has none (rollout.agent.kind="
+                              f"{self.cfg.rollout.agent.kind} did not pass them on)")
         if self.needs.sampler_logp and b.rb.sampler_logp is None:
             off = " (or train.async.correction=false: the lag uncorrected)" if t.max_staleness else ""
             raise ConfigError(f"the rollout correction (algo.tis_cap / algo.mask_* / algo.kl_sampler=mu) needs the "
                               f"engine's log-probs of the sampled tokens, and step {self.step + 1}'s batch has none: "
-                              f"rollout.agent={self.cfg.rollout.agent} did not pass them on{off}")
+                              f"rollout.agent.kind={self.cfg.rollout.agent.kind} did not pass them on{off}")
         g = torch.Generator().manual_seed(t.seed * 31337 + self.step)
         for _ in range(t.epochs):
             perm = torch.randperm(B, generator=g).tolist() if t.mini_batches > 1 else list(range(B))

@@ -6,14 +6,13 @@ and, for a multi-turn agent, interleaves tool observations, marking them False i
 
 * ``single_turn`` (:class:`SingleTurnAgent`): prompt -> one response (the math tasks).
 * ``multi_turn`` (:class:`~tether.agents.multi_turn.MultiTurnAgent`): any text environment
-  (``tether.envs``, ``env.name``: ``calculator`` or a user's ``module:Class``), token-exact.
-* ``search`` (:func:`~tether.agents.search.SearchAgent`): the ``search`` environment (Search-R1's
-  protocol with a retriever, ``tether.search``) run by the multi-turn agent.
+  (``tether.envs``, ``rollout.agent.env.name``: ``calculator``, ``search`` (Search-R1's protocol over a
+  retriever, ``tether.search``) or a user's ``module:Class``), token-exact.
 
 Agents register in :data:`AGENTS` with how a config configures them (metadata ``options``,
-``tools``, ``reads``); ``rollout.agent`` also takes a user's ``module:name`` / ``file.py:name``.
+``tools``); ``rollout.agent`` also takes a user's ``module:name`` / ``file.py:name``.
 ``make_agent(name, engine, tokenizer, **options)`` builds one by name;
-``agent_from_config(cfg, engine, tokenizer)`` builds the one ``rollout.agent`` names, with its
+``agent_from_config(cfg, engine, tokenizer)`` builds the one ``rollout.agent.kind`` names, with its
 options from the config. ``agent_tools(cfg)`` builds its tools (e.g. the retriever, which loads
 and checks its corpus) on their own, so a trainer can do it before the slow model load.
 """
@@ -25,11 +24,11 @@ from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkabl
 from ..errors import ConfigError
 from ..algo.registry import Registry
 from ..envs import make_env
+from ..envs.search import SearchEnv
 from ..rollout.base import RolloutBatch, SamplingParams
 from ..search.retrievers import retriever_from_config
 from ..tasks.base import Example
 from .multi_turn import MultiTurnAgent
-from .search import SearchAgent
 from .single_turn import SingleTurnAgent
 
 
@@ -59,45 +58,37 @@ def _no_tools(cfg) -> dict[str, Any]:
     return {}
 
 
-def _search_options(cfg) -> dict[str, Any]:
-    s = cfg.search
-    return {**_options(cfg), "topk": s.topk, "max_searches": s.max_searches, "max_obs_tokens": s.max_obs_tokens,
-            "max_context": s.max_context, "observation_format": s.observation_format, "reuse_kv": cfg.rollout.reuse_kv}
-
-
 def _env_options(cfg) -> dict[str, Any]:
-    e = cfg.env
+    e = cfg.rollout.agent.env
     return {**_options(cfg), "max_obs_tokens": e.max_obs_tokens, "max_context": e.max_context,
             "observation_format": e.observation_format, "observation_role": e.observation_role,
             "reuse_kv": cfg.rollout.reuse_kv}
 
 
+def env_from_config(e, retriever=None):
+    """The environment of the env section ``e`` (``rollout.agent.env``): ``search`` over ``retriever`` (default:
+    the one ``e.retriever`` configures; bm25 / dense load and check the corpus here), any other name built with
+    ``e.max_turns`` when set."""
+    if e.name == "search":
+        r = e.retriever_section()
+        return SearchEnv(retriever_from_config(r) if retriever is None else retriever, topk=r.topk,
+                         max_searches=e.search_turns() - 1, observation_format=r.passage_format)
+    return make_env(e.name, **({"max_turns": e.max_turns} if e.max_turns else {}))
+
+
 def _env_tools(cfg) -> dict[str, Any]:
-    """The environment ``env.name``, built with ``env.max_turns`` when set (its reward, ``reward``, is the
-    run's when ``data.reward=auto``)."""
-    e = cfg.env
-    return {"env": make_env(e.name, **({"max_turns": e.max_turns} if e.max_turns else {}))}
-
-
-def _search_tools(cfg) -> dict[str, Any]:
-    """The retriever of ``cfg.search`` (bm25 / dense load and check the corpus here)."""
-    return {"retriever": retriever_from_config(cfg.search)}
-
-
-def _search(engine, tokenizer, **options) -> Agent:
-    return SearchAgent(engine, tokenizer, **options)
+    """The environment ``rollout.agent.env`` (its reward, ``reward``, is the run's when ``data.reward=auto``)."""
+    return {"env": env_from_config(cfg.rollout.agent.env)}
 
 
 #: agent name -> builder(engine, tokenizer, **options), with metadata: ``options(cfg) -> dict`` and
-#: ``tools(cfg) -> dict`` (how a tether Config configures it; tools such as a retriever are built on
-#: their own, before the model) and ``reads``, the config section it reads besides data/rollout (its
-#: keys are errors with any other agent). A user's agent (``rollout.agent=module:name``) carries any of
-#: them as attributes; by default it gets ``system_prompt`` and ``prompt_overflow`` and no tools.
-AGENTS: Registry[Callable[..., Agent]] = Registry("agent", defaults={"options": _options, "tools": _no_tools,
-                                                                     "reads": None}, error=ConfigError)
+#: ``tools(cfg) -> dict`` (how a tether Config configures it; tools such as the environment and its retriever
+#: are built on their own, before the model). A user's agent (``rollout.agent=module:name``) carries either as
+#: an attribute; by default it gets ``system_prompt`` and ``prompt_overflow`` and no tools.
+AGENTS: Registry[Callable[..., Agent]] = Registry("agent", defaults={"options": _options, "tools": _no_tools},
+                                                  error=ConfigError)
 AGENTS.register("single_turn")(SingleTurnAgent)
-AGENTS.register("multi_turn", options=_env_options, tools=_env_tools, reads="env")(MultiTurnAgent)
-AGENTS.register("search", options=_search_options, tools=_search_tools, reads="search")(_search)
+AGENTS.register("multi_turn", options=_env_options, tools=_env_tools)(MultiTurnAgent)
 
 
 def env_reward(tools: dict[str, Any]) -> Optional[str]:
@@ -119,14 +110,14 @@ def make_agent(name: str, engine, tokenizer, **options: Any) -> Agent:
 
 def agent_tools(cfg) -> dict[str, Any]:
     """The tools the agent ``cfg.rollout.agent`` needs, e.g. a retriever (build once, before the model)."""
-    return AGENTS.resolve(cfg.rollout.agent)[1]["tools"](cfg)
+    return AGENTS.resolve(cfg.rollout.agent.kind)[1]["tools"](cfg)
 
 
 def agent_from_config(cfg, engine, tokenizer, tools: Optional[dict[str, Any]] = None) -> Agent:
     """The agent ``cfg.rollout.agent`` names, configured from a ``tether.config.Config``."""
-    build, meta = AGENTS.resolve(cfg.rollout.agent)
+    build, meta = AGENTS.resolve(cfg.rollout.agent.kind)
     return build(engine, tokenizer, **meta["options"](cfg), **(meta["tools"](cfg) if tools is None else tools))
 
 
-__all__ = ["AGENTS", "Agent", "MultiTurnAgent", "SingleTurnAgent", "agent_from_config", "agent_tools", "env_reward",
-           "make_agent", "reward_parts"]
+__all__ = ["AGENTS", "Agent", "MultiTurnAgent", "SingleTurnAgent", "agent_from_config", "agent_tools",
+           "env_from_config", "env_reward", "make_agent", "reward_parts"]

@@ -5,8 +5,8 @@
 
 `build_env` makes the environment alone, for ``tether demos``.
 The trainer (``tether.train``), an asynchronous rollout worker (``tether.asynchronous.workers``) and
-``tether eval`` (whose flags are the same ``rollout`` / ``env`` / ``search`` keys, `tether.eval.agents`) all
-build their sampler here, so they cannot drift apart. The tools (the environment, a retriever that loads
+``tether eval`` (whose flags are the same ``rollout`` / ``rollout.agent.env`` keys, `tether.eval.agents`) all
+build their sampler here, so they cannot drift apart. The tools (the environment, with a retriever that loads
 and checks its corpus) can be built first with ``tether.agents.agent_tools``, before the slow model load, and handed
 in; ``wrap`` puts an engine wrapper between the agent and the engine (partial rollouts).
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..envs.search import SearchEnv
 from ..errors import ConfigError
 from ..rollout import Engine, make_engine
 from . import Agent, agent_from_config, agent_tools
@@ -56,15 +55,10 @@ def build_rollout(cfg, model, tokenizer, *, tools: Optional[dict[str, Any]] = No
 
 
 def build_env(cfg, tools: Optional[dict[str, Any]] = None):
-    """The environment the agent ``rollout.agent`` runs, without a model or an engine (``tether demos``: its
-    teacher's turns are answered by exactly the environment training uses): ``multi_turn``: ``env.name``
-    (``env.*``); ``search``: the search environment over ``search.retriever`` (``search.*``). ``tools``: the
+    """The environment the agent ``rollout.agent`` runs (``rollout.agent.env``), without a model or an engine
+    (``tether demos``: its teacher's turns are answered by exactly the environment training uses). ``tools``: the
     agent's tools if already built. Raises ConfigError for an agent that runs no environment."""
     tools = agent_tools(cfg) if tools is None else tools
-    if cfg.rollout.agent == "search":
-        s = cfg.search
-        return SearchEnv(tools["retriever"], topk=s.topk, max_searches=s.max_searches,
-                         observation_format=s.observation_format)
     if "env" not in tools:
-        raise ConfigError(f"rollout.agent={cfg.rollout.agent} runs no environment (multi_turn and search do)")
+        raise ConfigError(f"rollout.agent.kind={cfg.rollout.agent.kind} runs no environment (multi_turn does)")
     return tools["env"]

@@ -79,7 +79,7 @@ class ChatTurns:
             raise ChatTemplateError(
                 "the chat template rewrites earlier turns when a turn is added (or changes the assistant's text), "
                 "so observations cannot be appended without re-tokenizing what the policy sampled; use the raw "
-                "observation format (env.observation_format=raw)")
+                "observation format (rollout.agent.env.observation_format=raw)")
         close = without[len(before) + len(turn_text):]
         if turn_ids and int(turn_ids[-1]) in self.eos and close.startswith(self.eos[int(turn_ids[-1])]):
             close = close[len(self.eos[int(turn_ids[-1])]):]  # the policy ended its turn with EOS itself

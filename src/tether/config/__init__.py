@@ -1,4 +1,4 @@
-"""The run configuration: typed dataclasses, YAML files, recipes and dotted CLI overrides.
+"""The run configuration: nested typed sections (pydantic), YAML files, recipes and dotted CLI overrides.
 
 Resolution order (later wins): field defaults -> the recipe's algorithm (``--recipe`` or the
 YAML's ``recipe:``) and its trainer defaults -> the YAML file -> ``key=value`` overrides.
@@ -8,7 +8,10 @@ did-you-mean. The resolved config is written to the run directory as ``config.ya
 One module per concern; every name is importable from ``tether.config``:
 
     recipes.py     the algo section (AlgoConfig), its validation, and the named recipes (RECIPES, recipe)
-    schema.py      the dataclasses (one per section) and the held-out sets of eval.benchmarks=auto
+    schema.py      the sections (pydantic models) and the held-out sets of eval.benchmarks=auto
+    agent.py       rollout.agent (single_turn | multi_turn with its env section; search is env.name=search)
+    engine.py      rollout.engine (hf | vllm)
+    train_async.py train.async (none | max_staleness, workers, transport)
     presets.py     trainer settings a recipe brings (RECIPE_TRAINER_DEFAULTS), task presets (--task)
     yaml_io.py     reading a YAML config (trees only: no duplicate key, no recursive alias); save_config
     overrides.py   dotted keys: key=value parsing, type coercion, setting, flattening
@@ -31,7 +34,9 @@ from .overrides import apply_keys, coerce_value, flatten, parse_overrides, set_k
 from .presets import RECIPE_TRAINER_DEFAULTS, TASK_PRESETS
 from .reference import reference
 from .schema import (DEFAULT_RECIPE, HELD_OUT, Config, DataConfig, EvalConfig, RolloutConfig, RunConfig,
-                     SearchConfig, EnvConfig, TrainConfig, eval_benchmarks, evaluating, to_dict)
+                     TrainConfig, eval_benchmarks, evaluating, to_dict)
+from .agent import (AgentConfig, EnvConfig, MultiTurnAgentConfig, OtherAgentConfig, RetrieverConfig,
+                    SingleTurnAgentConfig, env_name, env_of)
 from .engine import VLLM_DTYPES, EngineConfig, HFEngineConfig, OtherEngineConfig, VLLMEngineConfig
 from .train_async import AsyncConfig, LocalTransport, RemoteTransport
 from .validate import check, check_device
@@ -43,8 +48,9 @@ __all__ = [
     "OtherEngineConfig", "RemoteTransport", "VLLMEngineConfig", "RECIPES", "RECIPE_TRAINER_DEFAULTS", "TASK_PRESETS",
     "VLLM_DTYPES", "AlgoConfig",
     "AnchorConfig", "Config", "KLConfig", "describe", "recipe",
-    "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "RolloutConfig", "RunConfig", "SearchConfig",
-    "EnvConfig", "TrainConfig", "apply_async_correction", "check", "check_device", "eval_benchmarks", "evaluating",
+    "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "RolloutConfig", "RunConfig", "AgentConfig",
+    "EnvConfig", "MultiTurnAgentConfig", "OtherAgentConfig", "RetrieverConfig", "SingleTurnAgentConfig", "env_name",
+    "env_of", "TrainConfig", "apply_async_correction", "check", "check_device", "eval_benchmarks", "evaluating",
     "load_config", "apply_keys", "coerce_value", "flatten", "parse_overrides", "set_key", "read_yaml_mapping",
     "reference", "save_config", "to_dict",
 ]

@@ -23,12 +23,25 @@ MOVED: dict[str, str] = {
     "train.worker_restarts": "train.async.worker_restarts",
     "train.worker_address": "train.async.transport.address",
     "train.worker_timeout_s": "train.async.transport.timeout_s",
+    **{f"env.{k}": f"rollout.agent.env.{k}" for k in ("name", "max_turns", "max_obs_tokens", "max_context",
+                                                      "observation_format", "observation_role")},
+    "search.retriever": "rollout.agent.env.retriever.kind",
+    **{f"search.{k}": f"rollout.agent.env.retriever.{k}" for k in ("corpus", "data_dir", "url", "dense_model",
+                                                                   "topk", "timeout", "retries")},
+    "search.observation_format": "rollout.agent.env.retriever.passage_format",
+    "search.max_searches": "rollout.agent.env.max_turns",
+    "search.max_obs_tokens": "rollout.agent.env.max_obs_tokens",
+    "search.max_context": "rollout.agent.env.max_context",
 }
 
 _NOTES = {
     "rollout.engine.": " (with rollout.engine.kind={kind}: rollout.engine: {{kind: {kind}, {key}: ...}})",
     "train.async.max_staleness": " (train.async=K is short for it; train.async=none is the synchronous loop)",
     "train.async.transport.": " (with train.async.transport.kind=remote)",
+    "rollout.agent.env.max_turns": "{searches}",
+    "rollout.agent.env.retriever.": " (the search environment: rollout.agent.kind=multi_turn, "
+                                    "rollout.agent.env.name=search)",
+    "rollout.agent.env.": " (with rollout.agent.kind=multi_turn)",
 }
 
 
@@ -41,7 +54,10 @@ def moved_key(key: str) -> str | None:
     for start, text in _NOTES.items():
         if new.startswith(start):
             kind = "vllm" if key.startswith("rollout.vllm_") else "hf"
-            note = text.format(kind=kind, key=new.rpartition(".")[2])
+            searches = (" as max_searches + 1: the turn budget counts the final turn (the search environment: "
+                        "rollout.agent.kind=multi_turn, rollout.agent.env.name=search)" if key.startswith("search.")
+                        else " (with rollout.agent.kind=multi_turn)")
+            note = text.format(kind=kind, key=new.rpartition(".")[2], searches=searches)
             break
     return f"config key {key!r} moved to {new!r}{note}; see docs/config.md, 'Keys of the earlier flat layout'"
 
@@ -51,16 +67,23 @@ def migrate_saved(flat: dict[str, Any]) -> dict[str, Any]:
     old keys renamed, their sections chosen. An old ``rollout.engine: vllm`` with its ``vllm_*`` keys becomes
     ``rollout.engine: {kind: vllm, ...}`` (the other kind's keys, at their defaults in a saved run, are
     dropped); ``train.max_staleness: 0`` drops the async keys and is ``train.async: none``; a non-empty
-    ``train.worker_address`` chooses the remote transport. Keys of the new layout pass unchanged."""
-    if not any(k in MOVED for k in flat):
+    ``train.worker_address`` chooses the remote transport. The old agents: ``multi_turn`` keeps its ``env.*``
+    keys under ``rollout.agent.env``; ``search`` becomes ``multi_turn`` with ``env.name=search``, its ``search.*``
+    keys in that env and its retriever section (``max_searches`` M as ``max_turns`` M + 1); the sections an old
+    agent did not read (at their defaults in a saved run) are dropped. Keys of the new layout pass unchanged."""
+    if not any(k in MOVED for k in flat) and flat.get("rollout.agent") != "search":
         return dict(flat)
     out: dict[str, Any] = {}
     engine = flat.get("rollout.engine")
     staleness = flat.get("train.max_staleness")
     remote = bool(flat.get("train.worker_address"))
+    agent = flat.get("rollout.agent")
     for k, v in flat.items():
         if k == "rollout.engine" and isinstance(v, str):
             out["rollout.engine.kind"] = v
+            continue
+        if k == "rollout.agent" and isinstance(v, str):
+            out["rollout.agent.kind"] = "multi_turn" if v == "search" else v
             continue
         new = MOVED.get(k)
         if new is None:
@@ -68,9 +91,14 @@ def migrate_saved(flat: dict[str, Any]) -> dict[str, Any]:
         elif new.startswith("rollout.engine."):
             if not isinstance(engine, str) or (engine == "vllm") == k.startswith("rollout.vllm_"):
                 out[new] = v
+        elif new.startswith("rollout.agent."):
+            if agent is None or agent == ("search" if k.startswith("search.") else "multi_turn"):
+                out[new] = v + 1 if k == "search.max_searches" else v
         elif staleness is None or staleness >= 1:
             if remote or not new.startswith("train.async.transport."):
                 out[new] = v
+    if agent == "search":
+        out["rollout.agent.env.name"] = "search"
     if remote and (staleness is None or staleness >= 1):
         out["train.async.transport.kind"] = "remote"
     if staleness is not None and staleness < 1:

@@ -15,6 +15,7 @@ from pydantic_core import PydanticUndefined
 from ..agents import AGENTS
 from ..algo.anchors import ANCHOR_KINDS
 from ..rollout import ENGINES
+from ..envs import ENVS
 from ..search.retrievers import RETRIEVERS
 from ..sections import annotation, doc, key_name, keys_of, kind_of, variants
 from ..tasks.registry import TASKS
@@ -111,7 +112,9 @@ def registered() -> dict[str, str]:
             "data.reward": names(("auto",), REWARDS, "tether.tasks.rewards.REWARDS"),
             "rollout.engine": names((), ENGINES, "tether.rollout.ENGINES", user=False),
             "rollout.agent": names((), AGENTS, "tether.agents.AGENTS"),
-            "search.retriever": names((), RETRIEVERS, "tether.search.retrievers.RETRIEVERS"),
+            "rollout.agent.env.name": names((), ENVS, "tether.envs.ENVS", user=False)
+            + " Or module:Class / path.py:Class.",
+            "rollout.agent.env.retriever.kind": names((), RETRIEVERS, "tether.search.retrievers.RETRIEVERS"),
             "algo.anchor.kind": names(("none",), ANCHOR_KINDS, "tether.algo.anchors.ANCHOR_KINDS", user=False)}
 
 

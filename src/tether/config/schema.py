@@ -1,6 +1,7 @@
 """The schema of a run's configuration: one `Section` (a pydantic model) per section, each key documented
 by the docstring under its declaration (``tether.config.reference`` turns those into docs/config.md).
-Sections nest by what they configure: ``rollout.engine`` is chosen by its kind (`tether.config.engine`),
+Sections nest by what they configure: ``rollout.engine`` and ``rollout.agent`` are chosen by their kind
+(`tether.config.engine`, `tether.config.agent`),
 ``train.async`` is an optional section (`tether.config.train_async`)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any, Optional
 from pydantic import Field, field_validator
 
 from ..sections import Section, as_dict
+from .agent import AgentConfig, SingleTurnAgentConfig, agent_shorthand
 from .engine import EngineConfig, HFEngineConfig, engine_shorthand
 from .train_async import AsyncConfig, async_shorthand
 
@@ -26,16 +28,16 @@ class DataConfig(Section):
     task: str = "arithmetic"
     """arithmetic (synthetic, no files) | gsm8k | math500 | aime24 | amc | minerva | olympiadbench | a
     .jsonl/.json/.parquet file | a hub dataset id | a user's task module:function / path.py:function
-    (docs/extending.md); with rollout.agent=search, a QA set of the search data dir"""
+    (docs/extending.md); with rollout.agent.env.name=search, a QA set of the search data dir"""
     split: str = "train"
-    """dataset split (named and hub datasets; rollout.agent=search: hub ids only)"""
+    """dataset split (named and hub datasets; env.name=search: hub ids only)"""
     prompt_key: Optional[str] = None
     """files/hub: the prompt field (default: first of prompt, question, problem)"""
     answer_key: Optional[str] = None
     """files/hub: the answer field (default: answer)"""
     data_dir: Optional[str] = None
-    """named datasets: local directory tried before $TETHER_DATA_DIR and the hub (the search agent's QA sets:
-    search.data_dir)"""
+    """named datasets: local directory tried before $TETHER_DATA_DIR and the hub (the search environment's QA
+    sets: rollout.agent.env.retriever.data_dir)"""
     limit: int = 0
     """use only the first N examples (0 = all)"""
     shuffle: bool = True
@@ -71,11 +73,17 @@ class RolloutConfig(Section):
     def _engine_shorthand(cls, v: Any) -> Any:
         return engine_shorthand(v)
 
-    agent: str = "single_turn"
-    """how an episode runs: single_turn (prompt -> one response) | multi_turn (the environment env.name, e.g.
-    calculator: tool calls and observations, docs/environments.md) | search (multi-turn with a retriever,
-    Search-R1's protocol, docs/search_agents.md) | a user's agent module:function / path.py:function
-    (docs/extending.md)"""
+    agent: AgentConfig = Field(default_factory=lambda: SingleTurnAgentConfig())
+    """how an episode runs, a section chosen by its kind: single_turn (prompt -> one response) | multi_turn (the
+    environment rollout.agent.env: calculator, search or a user's, docs/environments.md) | a user's agent
+    module:function / path.py:function (docs/extending.md). `rollout.agent=multi_turn` is short for
+    `rollout.agent.kind=multi_turn`; each kind's own keys are in its table below"""
+
+    @field_validator("agent", mode="before")
+    @classmethod
+    def _agent_shorthand(cls, v: Any) -> Any:
+        return agent_shorthand(v)
+
     prompts_per_step: int = 6
     """prompts per trainer step"""
     n: int = 8
@@ -88,11 +96,11 @@ class RolloutConfig(Section):
     top_k: int = 0
     """top-k sampling (0 = off)"""
     max_new_tokens: int = 64
-    """response length cap; longer responses are truncated (search agent: the cap of each policy turn)"""
+    """response length cap; longer responses are truncated (multi-turn agent: the cap of each policy turn)"""
     prompt_overflow: str = "error"
-    """a prompt of more than (the model's context - max_new_tokens) tokens (search agent: more than
-    search.max_context - 1, each turn being cut to the room left): error (a GenerationError naming the example
-    and the lengths; dataset rows are checked before the first step) | truncate (keep its last tokens; warns
+    """a prompt of more than (the model's context - max_new_tokens) tokens (multi-turn agent: more than
+    rollout.agent.env.max_context - 1, each turn being cut to the room left): error (a GenerationError naming the
+    example and the lengths; dataset rows are checked before the first step) | truncate (keep its last tokens; warns
     once)"""
     min_new_tokens: int = 0
     """EOS is banned before this many new tokens (0 = off; benchmarks use it for fixed-length decoding)"""
@@ -102,7 +110,7 @@ class RolloutConfig(Section):
     """sequences per generate call (engine=hf; vLLM schedules a whole step's batch itself) and per held-out
     evaluation call (either engine)"""
     reuse_kv: bool = True
-    """multi-turn agents (multi_turn, search): keep each episode's KV cache between its turns, so each token is
+    """rollout.agent.kind=multi_turn: keep each episode's KV cache between its turns, so each token is
     encoded once (engine=hf: turn t encodes only the tokens added since turn t-1; engine=vllm: its prefix
     cache); false re-encodes the whole context every turn (same tokens, for A/B comparison; engine=vllm: prefix
     caching off)"""
@@ -116,63 +124,6 @@ class RolloutConfig(Section):
     """overlong_buffer_frac > 0: penalty at (and beyond) max_new_tokens"""
     mask_truncated: bool = False
     """exclude responses cut at max_new_tokens from the loss (DAPO overlong filtering)"""
-
-
-class SearchConfig(Section):
-    """The search agent (rollout.agent=search): retriever and budgets. Defaults follow Search-R1."""
-
-    retriever: str = "bm25"
-    """bm25 (bm25s over search.corpus) | dense (sentence-transformers + faiss; extra tether[dense]) | http (a
-    Search-R1 retrieval server at search.url)"""
-    corpus: str = ""
-    """bm25, dense: a JSONL corpus of {"id", "contents"} rows ("" = corpus.jsonl of the search data dir); http
-    (optional, "" = none): the corpus the server indexes, to recover the ids of documents it sends without one
-    (Search-R1's servers send none) so tether eval can measure gold recall"""
-    data_dir: str = ""
-    """the search data directory for named sets and the corpus ("" = $TETHER_SEARCH_DATA_DIR, else
-    <$TETHER_DATA_DIR>/../search)"""
-    url: str = ""
-    """http: the server's base URL; queries go to POST <url>/retrieve"""
-    dense_model: str = "intfloat/e5-base-v2"
-    """dense: a sentence-transformers model name or local directory"""
-    topk: int = 3
-    """passages per search"""
-    max_searches: int = 4
-    """searches per episode; then one final turn with searching disabled"""
-    max_obs_tokens: int = 512
-    """tokens per observation; longer ones are cut (the closing tag is kept)"""
-    max_context: int = 4096
-    """prompt + response tokens per episode; an episode that reaches it ends ("length")"""
-    observation_format: str = "search_r1"
-    """how a search's passages are shown to the model: search_r1 (Search-R1's exact bytes, Doc i(Title: "T") text,
-    title quotes and newlines as stored; no results: an empty block) | clean (tether's earlier layout: title
-    quotes stripped, one line per passage, "No results found.")"""
-    timeout: float = 30.0
-    """http: seconds per request"""
-    retries: int = 2
-    """http: extra attempts after a failed request; a search that still fails becomes an observation saying so"""
-
-
-class EnvConfig(Section):
-    """The environment of rollout.agent=multi_turn and how the agent runs it (docs/environments.md)."""
-
-    name: str = "calculator"
-    """calculator (<calc> arithmetic, a #### final answer: data.task=arithmetic or gsm8k) | a user's environment
-    module:Class / path.py:Class (a tether.envs.TextEnv subclass, or any object with its methods)"""
-    max_turns: int = 0
-    """policy turns per episode, the last one without tool calls (0 = the environment's own; calculator: 4, so up
-    to 3 calls)"""
-    max_obs_tokens: int = 512
-    """tokens per observation; longer ones are cut (keeping the environment's closing tag)"""
-    max_context: int = 4096
-    """prompt + response tokens per episode (at most the model's context); an episode that reaches it ends
-    ("length")"""
-    observation_format: str = "raw"
-    """raw (observations are text inside the one assistant turn, Search-R1's way) | chat (each observation is a
-    turn of the chat template, tokenized as the difference between the conversation rendered with and without
-    it, so the policy's ids stay exact; for models trained with tool turns)"""
-    observation_role: str = "tool"
-    """observation_format=chat: the role of an observation turn: tool | user"""
 
 
 class TrainConfig(Section):
@@ -354,8 +305,6 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    search: SearchConfig = Field(default_factory=SearchConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
 
 
 def to_dict(cfg) -> dict:

@@ -7,7 +7,6 @@ micro-batches, asynchronous training) are in `tether.config.validate_train`.
 
 from __future__ import annotations
 
-from ..sections import keys_of
 import math
 import re
 from pathlib import Path
@@ -17,13 +16,11 @@ from ..algo.objectives import uses_sampler_logp
 from .recipes import validate
 from ..errors import ConfigError
 from ..agents import AGENTS
-from ..agents.chat_turns import OBSERVATION_FORMATS as ENV_OBSERVATION_FORMATS, OBSERVATION_ROLES
 from ..algo.registry import is_spec, unknown_choice
 from ..anchor import ANCHOR_KINDS
 from ..envs import ENVS
 from ..models import DTYPES, ModelConfig
 from ..rollout import ENGINES, engine_reports_logp, worker_records_logp
-from ..search.protocol import OBSERVATION_FORMATS as SEARCH_OBSERVATION_FORMATS
 from ..search.retrievers import RETRIEVERS
 from ..tasks.registry import TASKS, task_name
 from ..tasks.rewards import REWARDS
@@ -31,20 +28,19 @@ from .schema import (
     HELD_OUT,
     Config,
     DataConfig,
-    EnvConfig,
     EvalConfig,
     RolloutConfig,
     RunConfig,
-    SearchConfig,
     eval_benchmarks,
 )
+from .agent import RetrieverConfig, env_of
 from .validate_train import check_train
 
 
 def check(cfg: Config) -> Config:
     """Validate the algorithm and the trainer settings together; errors list every problem."""
     errs: list[str] = []
-    for section in (_check_algo, _check_data, _check_rollout_choices, _check_search, _check_env, _check_rollout_values,
+    for section in (_check_algo, _check_data, _check_rollout_choices, _check_env, _check_rollout_values,
                     check_train, _check_eval, _check_run, _check_values):
         errs.extend(section(cfg))
     raise_problems(errs)
@@ -100,66 +96,40 @@ def _check_rollout_choices(cfg: Config) -> list[str]:
     if r.engine.kind not in ENGINES:
         errs.append(unknown_choice("rollout.engine.kind", r.engine.kind, ENGINES))
     errs.extend(_check_engine(cfg))
-    if r.agent not in AGENTS:
-        errs.extend(_check_spec("rollout.agent", r.agent, AGENTS))
-    return errs
-
-
-def _agent_reads(cfg: Config) -> str | None:
-    """The config section the agent reads besides data/rollout (its metadata ``reads``), None if unknown."""
-    return AGENTS.meta(cfg.rollout.agent)["reads"] if cfg.rollout.agent in AGENTS else None
-
-
-def _check_search(cfg: Config) -> list[str]:
-    """search.*: only with an agent that reads them; the retriever's own keys (its registered ``keys``, e.g.
-    search.corpus with bm25, dense and http); the observation format; ranges."""
-    sc, ds, errs = cfg.search, SearchConfig(), []
-    if _agent_reads(cfg) != "search":
-        for k in keys_of(SearchConfig):
-            if getattr(sc, k) != getattr(ds, k):
-                errs.append(f"search.{k} only applies with rollout.agent={' or '.join(AGENTS.where(reads='search'))}")
-        return errs
-    if sc.retriever not in RETRIEVERS:
-        errs.extend(_check_spec("search.retriever", sc.retriever, RETRIEVERS))
-    else:
-        meta = RETRIEVERS.meta(sc.retriever)
-        errs += [f"search.retriever={sc.retriever} needs search.{k}" + (
-            " (the retrieval server's base URL)" if k == "url" else "") for k in meta["needs"] if not getattr(sc, k)]
-        for k in dict.fromkeys(k for n in RETRIEVERS for k in RETRIEVERS.meta(n)["keys"]):
-            if k not in meta["keys"] and getattr(sc, k) != getattr(ds, k):
-                users = [n for n in RETRIEVERS if k in RETRIEVERS.meta(n)["keys"]]
-                errs.append(f"search.{k} only applies with search.retriever={' or '.join(users)}")
-    if sc.observation_format not in SEARCH_OBSERVATION_FORMATS:
-        errs.append(unknown_choice("search.observation_format", sc.observation_format, SEARCH_OBSERVATION_FORMATS))
-    for k in ("topk", "max_obs_tokens", "max_context"):
-        if getattr(sc, k) < 1:
-            errs.append(f"search.{k} must be >= 1")
-    if sc.max_searches < 0 or sc.retries < 0 or sc.timeout <= 0:
-        errs.append("search.max_searches and search.retries must be >= 0 and search.timeout > 0")
+    if r.agent.kind not in AGENTS:
+        errs.extend(_check_spec("rollout.agent.kind", r.agent.kind, AGENTS))
     return errs
 
 
 def _check_env(cfg: Config) -> list[str]:
-    """env.*: only with an agent that reads them (multi_turn); the environment (a registered name or a
-    user's module:Class), the observation format and role, ranges."""
-    e, de, errs = cfg.env, EnvConfig(), []
-    if _agent_reads(cfg) != "env":
-        return [f"env.{k} only applies with rollout.agent={' or '.join(AGENTS.where(reads='env'))}"
-                for k in keys_of(EnvConfig) if getattr(e, k) != getattr(de, k)]
-    if e.name == "search":
-        errs.append("env.name=search: run the search environment with rollout.agent=search (its retriever and "
-                    "budgets are the search.* keys)")
-    elif e.name not in ENVS:
-        errs.extend(_check_spec("env.name", e.name, ENVS))
-    for bad, choices, key in ((e.observation_format, ENV_OBSERVATION_FORMATS, "env.observation_format"),
-                              (e.observation_role, OBSERVATION_ROLES, "env.observation_role")):
-        if bad not in choices:
-            errs.append(unknown_choice(key, bad, choices))
-    if e.observation_role != de.observation_role and e.observation_format != "chat":
-        errs.append("env.observation_role only applies with env.observation_format=chat")
-    if e.max_turns < 0 or e.max_obs_tokens < 1 or e.max_context < 1:
-        errs.append("env.max_turns must be >= 0 (0 = the environment's own), env.max_obs_tokens and env.max_context "
-                    ">= 1")
+    """rollout.agent.env (multi_turn): the environment (a registered name or a user's module:Class); the
+    retriever section belongs to the search environment, whose one assistant turn is the raw format; the
+    retriever's own keys (its registered ``keys``, e.g. corpus with bm25, dense and http)."""
+    e = env_of(cfg)
+    if e is None:
+        return []
+    errs, p = [], "rollout.agent.env"
+    if e.name not in ENVS:
+        errs.extend(_check_spec(f"{p}.name", e.name, ENVS))
+    if e.observation_role != "tool" and e.observation_format != "chat":
+        errs.append(f"{p}.observation_role only applies with {p}.observation_format=chat")
+    if e.name != "search":
+        if e.retriever is not None:
+            errs.append(f"{p}.retriever only applies with {p}.name=search")
+        return errs
+    if e.observation_format != "raw":
+        errs.append(f"{p}.name=search runs Search-R1's protocol in one assistant turn: {p}.observation_format "
+                    f"must be raw")
+    r, dr, q = e.retriever_section(), RetrieverConfig(), f"{p}.retriever"
+    if r.kind not in RETRIEVERS:
+        return errs + _check_spec(f"{q}.kind", r.kind, RETRIEVERS)
+    meta = RETRIEVERS.meta(r.kind)
+    errs += [f"{q}.kind={r.kind} needs {q}.{k}" + (" (the retrieval server's base URL)" if k == "url" else "")
+             for k in meta["needs"] if not getattr(r, k)]
+    for k in dict.fromkeys(k for n in RETRIEVERS for k in RETRIEVERS.meta(n)["keys"]):
+        if k not in meta["keys"] and getattr(r, k) != getattr(dr, k):
+            users = [n for n in RETRIEVERS if k in RETRIEVERS.meta(n)["keys"]]
+            errs.append(f"{q}.{k} only applies with {q}.kind={' or '.join(users)}")
     return errs
 
 
@@ -177,13 +147,13 @@ def _check_rollout_values(cfg: Config) -> list[str]:
     for k in ("prompts_per_step", "n", "max_new_tokens", "batch_size"):
         if getattr(r, k) < 1:
             errs.append(f"rollout.{k} must be >= 1")
-    if _agent_reads(cfg) in ("env", "search"):  # a multi-turn agent: the environment sets stops; lengths are per turn
+    if r.agent.kind == "multi_turn":  # the environment sets stops; lengths are per turn
         for k, why in (("overlong_buffer_frac", "measures a response against rollout.max_new_tokens, which a "
                         "multi-turn agent caps each turn with, not the episode (set it to 0)"),
                        ("stop", "would be ignored: the environment's stop strings end each turn"),
                        ("min_new_tokens", "would be ignored by the multi-turn agents")):
             if getattr(r, k) != getattr(dr, k):
-                errs.append(f"rollout.{k} with rollout.agent={r.agent}: it {why}")
+                errs.append(f"rollout.{k} with rollout.agent.kind=multi_turn: it {why}")
     return errs
 
 

@@ -78,9 +78,9 @@ def _check_async(cfg: Config) -> list[str]:
         errs.append("train.async.correction=false has no effect: a rollout correction is set by hand (algo.tis_cap / "
                     "algo.mask_* / algo.kl_sampler), and it is used as given")
     if a.partial_rollout_tokens:
-        if r.agent != "single_turn":
-            errs.append(f"train.async.partial_rollout_tokens (partial rollouts) supports rollout.agent=single_turn "
-                        f"only, got {r.agent!r}")
+        if r.agent.kind != "single_turn":
+            errs.append(f"train.async.partial_rollout_tokens (partial rollouts) supports rollout.agent.kind="
+                        f"single_turn only, got {r.agent.kind!r}")
         if a.partial_rollout_tokens >= r.max_new_tokens:
             errs.append(f"train.async.partial_rollout_tokens={a.partial_rollout_tokens} has no effect: a response has "
                         f"at most rollout.max_new_tokens={r.max_new_tokens} tokens, one segment")

@@ -1,4 +1,4 @@
-"""The ``search`` environment: Search-R1's protocol over a retriever (``rollout.agent=search``).
+"""The ``search`` environment: Search-R1's protocol over a retriever (``rollout.agent.env.name=search``).
 
 One episode is one growing assistant turn (the raw observation format)::
 

@@ -1,10 +1,11 @@
 """``tether eval``'s agents: their command-line options and what each needs before the model loads.
 
 * :func:`add_agent_arguments` -- ``--agent`` and the options of the multi-turn (``--env``) and search agents;
-* :func:`agent_setup` -- the benchmarks, and the flags as the ``rollout`` / ``env`` / ``search`` sections of a
-  config (the same sections ``tether train`` reads) with the agent's tools built from it (the search agent's
-  retriever, the multi-turn agent's environment), all checked before any model is touched; the model's engine
-  and agent are then built from that config by `tether.agents.build.build_rollout`, as training builds them;
+* :func:`agent_setup` -- the benchmarks, and the flags as the ``rollout.agent`` section of a config (with its
+  ``env`` and the search environment's ``retriever``: the same keys ``tether train`` reads) with the agent's
+  tools built from it (the environment, with the search environment's retriever), all checked before any model
+  is touched; the model's engine and agent are then built from that config by
+  `tether.agents.build.build_rollout`, as training builds them;
 * :func:`format_search_table` -- the search agent's table (EM, F1, answered rate, searches, gold recall).
 """
 
@@ -17,7 +18,7 @@ from ..agents import AGENTS, agent_tools
 from ..config import Config, load_config
 from ..errors import EvalError
 from ..search.data import load_search_examples
-from ..search.protocol import OBSERVATION_FORMATS
+from ..search.protocol import OBSERVATION_FORMATS as PASSAGE_FORMATS
 from ..search.retrievers import RETRIEVERS
 from ..tasks.benchmarks import Benchmark, load_benchmarks, slug
 from ..sections import as_dict
@@ -29,18 +30,20 @@ __all__ = ["add_agent_arguments", "agent_setup", "format_search_table", "search_
 
 def add_agent_arguments(e) -> None:
     """``--agent`` and the agents' own options, on the ``eval`` parser ``e``."""
-    e.add_argument("--agent", default="single_turn", choices=AGENTS.names(),
-                   help="how an episode runs: single_turn (default: prompt -> one response) | multi_turn (the "
-                   "environment --env, e.g. calculator on gsm8k) | search (the search agent on QA benchmarks)")
+    e.add_argument("--agent", default="single_turn", choices=[*AGENTS.names(), "search"],
+                   help="how an episode runs (rollout.agent.kind): single_turn (default: prompt -> one response) | "
+                   "multi_turn (the environment --env, e.g. calculator on gsm8k) | search (short for multi_turn in "
+                   "the search environment, rollout.agent.env.name=search, on QA benchmarks)")
     m = e.add_argument_group("multi-turn agent", "--agent multi_turn runs an environment (docs/environments.md) on the "
                              "benchmarks; the task's reward scores the episodes' text")
-    m.add_argument("--env", default=None, help="multi_turn: calculator | module:Class | path.py:Class (default: the "
-                   "env.* settings a --model run trained with, when it ran rollout.agent=multi_turn; else calculator; "
-                   "a flag given here overrides the run's value)")
+    m.add_argument("--env", default=None, help="multi_turn (rollout.agent.env.name): calculator | module:Class | "
+                   "path.py:Class (default: the rollout.agent.env settings a --model run trained with, when it ran "
+                   "an environment other than search; else calculator; a flag given here overrides the run's value)")
     m.add_argument("--max-turns", dest="max_turns", type=int, default=None,
-                   help="multi_turn: policy turns per episode (default: the run's env.max_turns, else 0: the "
-                   "environment's own)")
-    g = e.add_argument_group("search agent", "--agent search runs the multi-turn search agent (docs/search_agents.md) "
+                   help="multi_turn: policy turns per episode (rollout.agent.env.max_turns; default: the run's, "
+                   "else 0: the environment's own)")
+    g = e.add_argument_group("search environment", "--agent search runs the search environment "
+                             "(docs/search_agents.md; its flags are rollout.agent.env.retriever.* keys) "
                              "on QA benchmarks: multihop_dev, multihop, nq, triviaqa, popqa, hotpotqa, "
                              "2wikimultihopqa, musique, bamboogle, or .jsonl files with question/golden_answers")
     g.add_argument("--retriever", default="bm25", choices=RETRIEVERS.names(),
@@ -50,24 +53,26 @@ def add_agent_arguments(e) -> None:
                    "http: the server's corpus, to recover the ids of documents it sends without one (gold recall)")
     g.add_argument("--timeout", type=float, help="search, http: seconds per request (default 30)")
     g.add_argument("--retries", type=int, help="search, http: extra attempts after a failed request (default 2)")
-    g.add_argument("--observation-format", default="search_r1", choices=OBSERVATION_FORMATS,
-                   help="search: search_r1 (Search-R1's exact observations, default) or clean (tether's old layout)")
+    g.add_argument("--observation-format", default="search_r1", choices=PASSAGE_FORMATS,
+                   help="search (rollout.agent.env.retriever.passage_format): search_r1 (Search-R1's exact "
+                   "observations, default) or clean")
     g.add_argument("--search-data-dir", help="search: directory of the QA sets and corpus (default "
                    "$TETHER_SEARCH_DATA_DIR, else <$TETHER_DATA_DIR>/../search)")
     g.add_argument("--topk", type=int, default=3, help="search: passages per search (default 3)")
     g.add_argument("--max-searches", dest="max_searches", type=int, default=4,
-                   help="search: searches per episode, then a final turn without search (default 4)")
+                   help="search: searches per episode, then a final turn without search (default 4; "
+                   "rollout.agent.env.max_turns = this + 1)")
     g.add_argument("--max-obs-tokens", type=int, default=None,
-                   help="search, multi_turn: tokens per observation (default 512; multi_turn: the run's "
-                   "env.max_obs_tokens when --model is a multi-turn run)")
+                   help="search, multi_turn: tokens per observation (rollout.agent.env.max_obs_tokens; default "
+                   "512; multi_turn: the run's when --model is a multi-turn run)")
     g.add_argument("--max-context", dest="max_context", type=int, default=None,
-                   help="search, multi_turn: prompt + response tokens per episode (default 4096; multi_turn: the "
-                   "run's env.max_context when --model is a multi-turn run)")
+                   help="search, multi_turn: prompt + response tokens per episode (rollout.agent.env.max_context; "
+                   "default 4096; multi_turn: the run's when --model is a multi-turn run)")
 
 
 def agent_setup(args) -> tuple[list, Config, dict[str, Any]]:
     """The benchmarks (each fully loaded and checked), the config the flags make (``rollout.agent`` and its
-    ``env`` / ``search`` section: `tether.agents.build.build_rollout` builds the engine and agent from it) and the
+    ``env`` section: `tether.agents.build.build_rollout` builds the engine and agent from it) and the
     agent's tools (built here, before the model)."""
     agent = getattr(args, "agent", "single_turn")
     env_keys = [f"--{k.replace('_', '-')}" for k in ("env", "max_turns") if getattr(args, k, None) not in (None, "")]
@@ -90,13 +95,14 @@ def agent_setup(args) -> tuple[list, Config, dict[str, Any]]:
     benches = load_benchmarks(args.benchmarks, limit=args.limit, data_dir=args.data_dir,
                               prompt_key=args.prompt_key, answer_key=args.answer_key, split=args.split,
                               reward=args.reward)
-    cfg = env_setup(args, run_env(args)) if agent == "multi_turn" else load_config(None, {"rollout.agent": agent})
+    cfg = env_setup(args, run_env(args)) if agent == "multi_turn" else load_config(None, {"rollout.agent.kind": agent})
     return benches, cfg, agent_tools(cfg)
 
 
 def run_env(args) -> dict[str, Any]:
-    """The ``env`` section of the run ``--model`` names (a run directory or one of its checkpoints) when that run
-    trained with ``rollout.agent=multi_turn``; else ``{}``. A problem with the run is left to the model loading,
+    """The ``rollout.agent.env`` section of the run ``--model`` names (a run directory or one of its checkpoints)
+    when that run trained with ``rollout.agent.kind=multi_turn`` in an environment other than search; else ``{}``.
+    A problem with the run is left to the model loading,
     which names it; nothing is loaded here. The resolved spec is kept in ``args.eval_spec`` for the model
     loading (a checkpoint is verified once)."""
 
@@ -109,44 +115,55 @@ def run_env(args) -> dict[str, Any]:
         return {}
     cfg = run.config
     if isinstance(cfg, dict):  # a saved config that no longer validates here: its raw sections
-        return dict(cfg.get("env") or {}) if (cfg.get("rollout") or {}).get("agent") == "multi_turn" else {}
-    return as_dict(cfg.env) if cfg.rollout.agent == "multi_turn" else {}
+        agent = (cfg.get("rollout") or {}).get("agent")
+        env = agent.get("env") if isinstance(agent, dict) else cfg.get("env") if agent == "multi_turn" else None
+    else:
+        env = as_dict(cfg.rollout.agent.env) if cfg.rollout.agent.kind == "multi_turn" else None
+    if not isinstance(env, dict) or env.get("name") == "search":
+        return {}
+    return {k: v for k, v in env.items() if k != "retriever"}
 
 
 def env_setup(args, trained: Mapping[str, Any] | None = None) -> Config:
     """--agent multi_turn: the config of the environment (``--env``, ``--max-turns``) and the agent's budgets,
-    ``rollout.agent=multi_turn`` with ``env.*`` as in training. ``trained``: the ``env`` settings of the run being
-    evaluated (`run_env`), the defaults of every flag not given; the ``env.*`` defaults after them."""
+    ``rollout.agent.kind=multi_turn`` with ``rollout.agent.env.*`` as in training. ``trained``: the ``env``
+    settings of the run being evaluated (`run_env`), the defaults of every flag not given; the section's defaults
+    after them."""
     import sys
 
-    over = {"rollout.agent": "multi_turn", **{f"env.{k}": v for k, v in (trained or {}).items()}}
+    p = "rollout.agent.env."
+    over = {"rollout.agent.kind": "multi_turn", **{p + k: v for k, v in (trained or {}).items()}}
     if trained:
-        print("[tether] using the run's environment: " + ", ".join(f"env.{k}={v}" for k, v in trained.items())
+        print("[tether] using the run's environment: " + ", ".join(f"{p}{k}={v}" for k, v in trained.items())
               + " (flags given here override it)", file=sys.stderr)
     given = {"name": args.env, "max_turns": args.max_turns, "max_obs_tokens": args.max_obs_tokens,
              "max_context": args.max_context}
-    over.update({f"env.{k}": v for k, v in given.items() if v is not None and v != ""})
+    over.update({p + k: v for k, v in given.items() if v is not None and v != ""})
     cfg = load_config(None, over)
-    args.env_used = as_dict(cfg.env)  # what results.json records
+    args.env_used = as_dict(cfg.rollout.agent.env)  # what results.json records
     return cfg
 
 
 def search_setup(args) -> tuple[list, Config, dict[str, Any]]:
-    """--agent search: the QA benchmarks (search reward), the config of the agent (``search.*`` from the flags)
-    and its tools (the retriever, built and checked here)."""
+    """--agent search: the QA benchmarks (search reward), the config of the search environment
+    (``rollout.agent.env.*`` and its ``retriever`` from the flags) and its tools (the environment over the
+    retriever, built and checked here)."""
     args.max_obs_tokens = 512 if args.max_obs_tokens is None else args.max_obs_tokens  # the parser's defaults,
     args.max_context = 4096 if args.max_context is None else args.max_context  # recorded in results.json as used
     http = {k: v for k in ("url", "timeout", "retries") if (v := getattr(args, k, None)) not in (None, "")}
     if http and args.retriever != "http":
         raise EvalError(" and ".join(f"--{k}" for k in http) + f" need{'s' * (len(http) == 1)} --retriever http")
+    if args.max_searches < 0:
+        raise EvalError(f"--max-searches must be >= 0, got {args.max_searches}")
     if args.retriever == "http" and not args.url:
         raise EvalError("--retriever http needs --url (the retrieval server's base URL)")
-    over = {"rollout.agent": "search", "search.retriever": args.retriever,
-            **{f"search.{k}": getattr(args, k) for k in ("topk", "max_searches")},
-            "search.max_obs_tokens": args.max_obs_tokens, "search.max_context": args.max_context,
-            "search.observation_format": args.observation_format, **{f"search.{k}": v for k, v in http.items()}}
+    p, r = "rollout.agent.env.", "rollout.agent.env.retriever."
+    over = {"rollout.agent.kind": "multi_turn", p + "name": "search", p + "max_turns": args.max_searches + 1,
+            p + "max_obs_tokens": args.max_obs_tokens, p + "max_context": args.max_context, r + "kind": args.retriever,
+            r + "topk": args.topk, r + "passage_format": args.observation_format,
+            **{r + k: v for k, v in http.items()}}
     # --corpus with http too: the server's corpus, which names the documents it sends without an id
-    over.update({k: v for k, v in (("search.corpus", args.corpus), ("search.data_dir", args.search_data_dir)) if v})
+    over.update({r + k: v for k, v in (("corpus", args.corpus), ("data_dir", args.search_data_dir)) if v})
     cfg = load_config(None, over)
     benches = []
     for src in args.benchmarks:

@@ -17,7 +17,7 @@ keyed by the content of its build spec; later uses, by any process, reuse that d
 What it leaves for RL: a choice it makes badly. It has learnt to work a problem line by line, and to
 answer it directly; greedy decoding mostly answers directly, which at difficulty 3 (``data.task=organism``)
 is rarely right, while sampling works it out often enough for RL to find it. In the calculator
-environment (``rollout.agent=multi_turn env.name=organism_calc``) the same holds for calling the tool.
+environment (``rollout.agent=multi_turn rollout.agent.env.name=organism_calc``) the same holds for calling the tool.
 docs/organism.md has the measured figures.
 
 Several processes asking at once (a sweep's lanes) build it once: the build holds a lock in the cache,

@@ -78,14 +78,14 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 
 def _corpus(s) -> dict[str, Any]:
-    """The corpus option of a local retriever: ``search.corpus``, else the search data dir's corpus.jsonl."""
+    """The corpus option of a local retriever: ``env.retriever.corpus``, else the search data dir's corpus.jsonl."""
     return {"corpus": s.corpus or corpus_path(s.data_dir or None)}
 
 
 #: Retriever factories by name; :func:`make_retriever` calls ``RETRIEVERS[kind](**options)``. Metadata:
-#: ``options(search_cfg) -> dict``, the options a ``tether.config.SearchConfig`` gives the factory, and
-#: ``keys``, the ``search.*`` keys it reads (the others are errors with it; ``needs``: those it cannot do
-#: without). A user's retriever (``search.retriever=module:name``) carries any of them as attributes; by
+#: ``options(section) -> dict``, the options a ``tether.config.RetrieverConfig`` gives the factory, and
+#: ``keys``, the ``rollout.agent.env.retriever.*`` keys it reads (the others are errors with it; ``needs``: those
+#: it cannot do without). A user's retriever (``env.retriever.kind=module:name``) carries any of them as attributes; by
 #: default it gets ``corpus=`` like bm25.
 RETRIEVERS: Registry[Callable[..., Retriever]] = Registry(
     "retriever", defaults={"options": _corpus, "keys": ("corpus",), "needs": ()}, error=RetrievalError)
@@ -111,9 +111,10 @@ def make_retriever(kind: str = "bm25", **options: Any) -> Retriever:
 
 
 def retriever_from_config(s) -> Retriever:
-    """The retriever ``s.retriever`` names, with its options from ``s`` (a ``tether.config.SearchConfig``)."""
+    """The retriever ``s.kind`` names, with its options from ``s`` (a ``tether.config.RetrieverConfig``,
+    ``rollout.agent.env.retriever``)."""
     try:
-        factory, meta = RETRIEVERS.resolve(s.retriever)
+        factory, meta = RETRIEVERS.resolve(s.kind)
     except RetrievalError as e:  # a user's retriever that does not load: a config error, before the model load
-        raise ConfigError(f"search.retriever: {e}") from e
+        raise ConfigError(f"rollout.agent.env.retriever.kind: {e}") from e
     return factory(**meta["options"](s))

@@ -1,4 +1,4 @@
-"""The search agent's training task, registered in ``tether.tasks.TASKS`` as ``search``: the QA sets of
+"""The search environment's training task, registered in ``tether.tasks.TASKS`` as ``search``: the QA sets of
 ``tether.search.data`` with the search protocol's instruction in each prompt."""
 
 from __future__ import annotations
@@ -13,21 +13,24 @@ def _search_check(cfg) -> list[str]:
     """data.split picks a hub id's split; a named QA set or a .jsonl file is one split already."""
     d = cfg.data
     if d.split != type(d)().split and (d.task.lower() in SEARCH_DATASETS or Path(d.task).expanduser().is_file()):
-        return [f"data.split only applies to a hub dataset id with rollout.agent=search; data.task={d.task!r} is "
-                f"one split already (the search data dir's named sets: {', '.join(SEARCH_DATASETS)})"]
+        return [f"data.split only applies to a hub dataset id with rollout.agent.env.name=search; "
+                f"data.task={d.task!r} is one split already (the search data dir's named sets: "
+                f"{', '.join(SEARCH_DATASETS)})"]
     return []
 
 
-@TASKS.register("search", reward="search", agent="search", ignores=("difficulty", "data_dir"), check=_search_check,
-                about="rollout.agent=search (its QA sets are read from search.data_dir)", preset={
-    # Search-R1's setting: multi-turn search agent on the closed-pool multi-hop set, exact match only
-    "rollout.agent": "search", "data.task": "multihop", "data.format_weight": 0.0, "rollout.n": 5,
+@TASKS.register("search", reward="search", env="search", ignores=("difficulty", "data_dir"), check=_search_check,
+                about="rollout.agent.env.name=search (its QA sets are read from rollout.agent.env.retriever.data_dir)",
+                preset={
+    # Search-R1's setting: the search environment on the closed-pool multi-hop set, exact match only
+    "rollout.agent.kind": "multi_turn", "rollout.agent.env.name": "search", "data.task": "multihop",
+    "data.format_weight": 0.0, "rollout.n": 5,
     "rollout.max_new_tokens": 128})
 def search_qa_task(cfg) -> list:
-    """QA for the search agent: ``data.task`` names a QA set of the search data dir, a .jsonl file or a hub id
+    """QA for the search environment: ``data.task`` names a QA set of the search data dir, a .jsonl file or a hub id
     (its ``data.split``); the prompt carries the search protocol's instruction
     (``load_search_examples``)."""
-    d = cfg.data
-    return load_search_examples(d.task, data_dir=cfg.search.data_dir or None,
+    d, env = cfg.data, cfg.rollout.agent.env
+    return load_search_examples(d.task, data_dir=env.retriever_section().data_dir or None,
                                 question_key=d.prompt_key or "question", answers_key=d.answer_key,
-                                max_searches=cfg.search.max_searches, limit=d.limit or None, hub_split=d.split)
+                                max_searches=env.search_turns() - 1, limit=d.limit or None, hub_split=d.split)

@@ -276,10 +276,13 @@ def _env_keys(args) -> dict:
     """The flags as the config keys a training run with that environment sets (`tether.agents.build.build_env`
     builds the environment from them, as training does)."""
     if args.env == "calculator":
-        return {"rollout.agent": "multi_turn", "env.name": "calculator", "env.max_turns": args.max_turns}
-    return {"rollout.agent": "search", "search.corpus": args.corpus or str(corpus_path(args.data_dir)),
-            "search.data_dir": args.data_dir or "", "search.topk": args.topk, "search.max_searches": args.max_searches,
-            "search.observation_format": args.observation_format}
+        return {"rollout.agent.kind": "multi_turn", "rollout.agent.env.name": "calculator",
+                "rollout.agent.env.max_turns": args.max_turns}
+    r = "rollout.agent.env.retriever."
+    return {"rollout.agent.kind": "multi_turn", "rollout.agent.env.name": "search",
+            "rollout.agent.env.max_turns": args.max_searches + 1,
+            r + "corpus": args.corpus or str(corpus_path(args.data_dir)),
+            r + "data_dir": args.data_dir or "", r + "topk": args.topk, r + "passage_format": args.observation_format}
 
 
 def add_demos_parser(sub) -> None:
@@ -302,7 +305,7 @@ def add_demos_parser(sub) -> None:
     d.add_argument("--difficulty", type=int, default=3, help="arithmetic: steps per problem, 1-4 (default 3)")
     d.add_argument("--seed", type=int, default=0, help="arithmetic: the task's seed (default 0)")
     d.add_argument("--max-turns", dest="max_turns", type=int, default=4, help="calculator: the turn budget the "
-                   "demonstrations fit, as env.max_turns in training (default 4: up to 3 calls)")
+                   "demonstrations fit, as rollout.agent.env.max_turns in training (default 4: up to 3 calls)")
     d.add_argument("--corpus", default="", help="search: the corpus (default: corpus.jsonl of the search data dir)")
     d.add_argument("--topk", type=int, default=3, help="search: passages per search, as search.topk (default 3)")
     d.add_argument("--max-searches", dest="max_searches", type=int, default=4,

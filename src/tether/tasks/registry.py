@@ -7,8 +7,8 @@ of a finite dataset (a list of :class:`~tether.tasks.base.Example`) or, for a ge
 
 ``reward``     the reward that fits it (``data.reward=auto``): a name or spec, or ``reward(cfg)``;
                None: ``math``
-``agent``      the agent whose episodes read it (then ``rollout.agent`` picks it, and ``data.task``
-               names its dataset); None: it is picked by ``data.task``
+``env``        the environment whose episodes read it (then ``rollout.agent.env.name`` picks it, and
+               ``data.task`` names its dataset); None: it is picked by ``data.task``
 ``ignores``    the ``data.*`` keys it has no use for (setting one is a config error) and ``about``,
                how such an error names it (default: "only applies to data.task=...")
 ``check``      ``check(cfg) -> list[str]``: problems of its own settings
@@ -18,8 +18,8 @@ of a finite dataset (a list of :class:`~tether.tasks.base.Example`) or, for a ge
 
 ``data.task`` picks the task: a user's ``module:function`` / ``path/to/file.py:function`` (the
 function is the builder; metadata are its attributes of the same names), else the task registered
-for ``rollout.agent``, else a registered task of that name, else ``math`` (files, named datasets and
-hub ids).
+for the environment ``rollout.agent.env.name``, else a registered task of that name, else ``math``
+(files, named datasets and hub ids).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .rewards import load_reward
 DATA_KEYS = ("prompt_key", "answer_key", "data_dir", "split", "limit", "shuffle", "difficulty")
 
 TASKS: Registry[Callable[..., Any]] = Registry("task", error=DataError, defaults={
-    "reward": None, "agent": None, "ignores": (), "about": None, "check": None, "held_out": {}, "test_set": None,
+    "reward": None, "env": None, "ignores": (), "about": None, "check": None, "held_out": {}, "test_set": None,
     "preset": None})
 
 
@@ -109,9 +109,10 @@ def task_name(cfg) -> Optional[str]:
     task = cfg.data.task
     if is_spec(task):
         return None
-    for name in TASKS.where(agent=cfg.rollout.agent):
+    env = getattr(getattr(cfg.rollout.agent, "env", None), "name", None)
+    for name in TASKS.where(env=env) if env is not None else ():
         return name
-    if task in TASKS and TASKS.meta(task)["agent"] is None:
+    if task in TASKS and TASKS.meta(task)["env"] is None:
         return task
     return "math"
 

@@ -1,0 +1,146 @@
+"""``rollout.agent``: how an episode runs, a section chosen by its ``kind``.
+
+* ``single_turn``: prompt -> one response (the math tasks); no keys of its own.
+* ``multi_turn``: the environment ``rollout.agent.env`` (tool calls and observations, token-exact,
+  docs/environments.md). Search is one such environment: ``env.name=search`` with its retriever section
+  ``env.retriever`` (Search-R1's protocol, docs/search_agents.md).
+* another name: a user's agent ``module:function`` / ``path.py:function`` (docs/extending.md).
+
+``rollout.agent=multi_turn`` is short for ``rollout.agent.kind=multi_turn``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import Discriminator, Field, Tag
+
+from ..sections import Section
+
+#: the turn budget of env.name=search when env.max_turns is 0: 4 searches, then one final turn without search
+SEARCH_MAX_TURNS = 5
+
+
+class RetrieverConfig(Section):
+    """``rollout.agent.env.retriever``: the retriever of ``env.name=search`` (tether.search); defaults follow
+    Search-R1. Leaving it unset uses these defaults."""
+
+    kind: str = "bm25"
+    """bm25 (bm25s over corpus) | dense (sentence-transformers + faiss; extra tether[dense]) | http (a Search-R1
+    retrieval server at url) | a user's retriever module:name"""
+    corpus: str = ""
+    """bm25, dense: a JSONL corpus of {"id", "contents"} rows ("" = corpus.jsonl of the search data dir); http
+    (optional, "" = none): the corpus the server indexes, to recover the ids of documents it sends without one
+    (Search-R1's servers send none) so tether eval can measure gold recall"""
+    data_dir: str = ""
+    """the search data directory for named QA sets and the corpus ("" = $TETHER_SEARCH_DATA_DIR, else
+    <$TETHER_DATA_DIR>/../search)"""
+    url: str = ""
+    """http: the server's base URL; queries go to POST <url>/retrieve"""
+    dense_model: str = "intfloat/e5-base-v2"
+    """dense: a sentence-transformers model name or local directory"""
+    topk: int = Field(3, ge=1)
+    """passages per search"""
+    passage_format: Literal["search_r1", "clean"] = "search_r1"
+    """how a search's passages are shown to the model: search_r1 (Search-R1's exact bytes, Doc i(Title: "T") text,
+    title quotes and newlines as stored; no results: an empty block) | clean (title quotes stripped, one line per
+    passage, "No results found.")"""
+    timeout: float = Field(30.0, gt=0)
+    """http: seconds per request"""
+    retries: int = Field(2, ge=0)
+    """http: extra attempts after a failed request; a search that still fails becomes an observation saying so"""
+
+
+class EnvConfig(Section):
+    """``rollout.agent.env``: the environment of ``rollout.agent.kind=multi_turn`` and how the agent runs it
+    (docs/environments.md)."""
+
+    name: str = "calculator"
+    """calculator (<calc> arithmetic, a #### final answer: data.task=arithmetic or gsm8k) | search (Search-R1's
+    protocol over env.retriever; data.task names a QA set, docs/search_agents.md) | a user's environment
+    module:Class / path.py:Class (a tether.envs.TextEnv subclass, or any object with its methods)"""
+    max_turns: int = Field(0, ge=0)
+    """policy turns per episode, the last one without tool calls (0 = the environment's own; calculator: 4, so up
+    to 3 calls; search: 5, so up to 4 searches)"""
+    max_obs_tokens: int = Field(512, ge=1)
+    """tokens per observation; longer ones are cut (keeping the environment's closing tag)"""
+    max_context: int = Field(4096, ge=1)
+    """prompt + response tokens per episode (at most the model's context); an episode that reaches it ends
+    ("length")"""
+    observation_format: Literal["raw", "chat"] = "raw"
+    """raw (observations are text inside the one assistant turn, Search-R1's way) | chat (each observation is a
+    turn of the chat template, tokenized as the difference between the conversation rendered with and without
+    it, so the policy's ids stay exact; for models trained with tool turns)"""
+    observation_role: Literal["tool", "user"] = "tool"
+    """observation_format=chat: the role of an observation turn"""
+    retriever: Optional[RetrieverConfig] = None
+    """env.name=search only: its retriever (unset = the defaults below; setting one of its keys sets it)"""
+
+    def search_turns(self) -> int:
+        """The turn budget of the search environment: max_turns, else :data:`SEARCH_MAX_TURNS`."""
+        return self.max_turns or SEARCH_MAX_TURNS
+
+    def retriever_section(self) -> RetrieverConfig:
+        """The search environment's retriever section (its defaults when unset)."""
+        return self.retriever if self.retriever is not None else RetrieverConfig()
+
+
+
+
+class SingleTurnAgentConfig(Section):
+    """``rollout.agent.kind=single_turn``: prompt -> one response (the default)."""
+
+    kind: Literal["single_turn"] = "single_turn"
+    """single_turn"""
+
+
+class MultiTurnAgentConfig(Section):
+    """``rollout.agent.kind=multi_turn``: the environment ``env`` run turn by turn, token-exact."""
+
+    kind: Literal["multi_turn"] = "multi_turn"
+    """multi_turn"""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """the environment and the agent's budgets (its keys below)"""
+
+
+class OtherAgentConfig(Section):
+    """A user's agent (``module:function`` / ``path.py:function``, docs/extending.md) or another agent registered in
+    tether.agents.AGENTS: no keys of its own."""
+
+    kind: str
+    """its module:function, path.py:function or registered name"""
+
+
+def _agent_tag(value: Any) -> str:
+    kind = value.get("kind", "single_turn") if isinstance(value, dict) else getattr(value, "kind", "single_turn")
+    return kind if kind in ("single_turn", "multi_turn") else "other"
+
+
+AgentConfig = Annotated[Union[Annotated[SingleTurnAgentConfig, Tag("single_turn")],
+                              Annotated[MultiTurnAgentConfig, Tag("multi_turn")],
+                              Annotated[OtherAgentConfig, Tag("other")]], Discriminator(_agent_tag)]
+
+
+def agent_shorthand(value: Any) -> Any:
+    """``rollout.agent=NAME`` (a string) is ``{kind: NAME}``; a mapping without ``kind`` is multi_turn's if it
+    has an ``env``, else single_turn's. The
+    earlier ``search`` agent is the search environment now: a ValueError naming the new keys."""
+    if value == "search" or isinstance(value, dict) and value.get("kind") == "search":
+        raise ValueError("rollout.agent=search is now the search environment: rollout.agent.kind=multi_turn with "
+                         "rollout.agent.env.name=search (its retriever: rollout.agent.env.retriever.*)")
+    if isinstance(value, str):
+        return {"kind": value}
+    if isinstance(value, dict) and "kind" not in value:
+        return {"kind": "multi_turn" if "env" in value else "single_turn", **value}
+    return value
+
+
+def env_of(cfg) -> Optional[EnvConfig]:
+    """The environment section of ``cfg``'s agent (``rollout.agent.env``), None for an agent without one."""
+    return getattr(cfg.rollout.agent, "env", None)
+
+
+def env_name(cfg) -> Optional[str]:
+    """The name of ``cfg``'s environment (``rollout.agent.env.name``), None for an agent without one."""
+    env = env_of(cfg)
+    return None if env is None else env.name
