@@ -84,7 +84,7 @@ def test_every_search_key_is_documented():
     """The hand-listed generator this replaced left out the whole search section; the search environment's keys
     are the env section's and its retriever's."""
     search = [k for k in every_key() if k.startswith("rollout.agent.env.")]
-    assert len(search) == 16
+    assert len(search) == 17
     rows = {ln.split("`")[1]: ln for ln in reference().splitlines() if ln.startswith("| `rollout.agent.env.")}
     assert set(rows) == set(search)
     assert "passages per search" in rows["rollout.agent.env.retriever.topk"]  # the comment at its declaration

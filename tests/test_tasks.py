@@ -658,7 +658,7 @@ def test_the_registries_name_the_config_choices():
     from tether.config import ConfigError, load_config
     from tether.tasks.rewards import REWARDS
 
-    assert list(REWARDS) == ["arithmetic", "gsm8k", "math", "search", "search_f1"]
+    assert list(REWARDS) == ["arithmetic", "gsm8k", "math", "search", "search_f1", "reasoning_gym", "none"]
     with pytest.raises(ConfigError, match=r"unknown data.reward 'gsm8'\. Did you mean 'gsm8k'"):
         load_config(None, {"data.reward": "gsm8"})
     with pytest.raises(ConfigError, match="unknown rollout.agent.kind 'multi_trun'. Did you mean 'multi_turn'"):

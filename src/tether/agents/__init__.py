@@ -25,6 +25,7 @@ from ..errors import ConfigError
 from ..algo.registry import Registry
 from ..envs import make_env
 from ..envs.search import SearchEnv
+from ..envs.skyrl_gym import PREFIX as SKYRL_PREFIX, SkyRLGymEnv
 from ..rollout.base import RolloutBatch, SamplingParams
 from ..search.retrievers import retriever_from_config
 from ..tasks.base import Example
@@ -67,13 +68,20 @@ def _env_options(cfg) -> dict[str, Any]:
 
 def env_from_config(e, retriever=None):
     """The environment of the env section ``e`` (``rollout.agent.env``): ``search`` over ``retriever`` (default:
-    the one ``e.retriever`` configures; bm25 / dense load and check the corpus here), any other name built with
-    ``e.max_turns`` when set."""
+    the one ``e.retriever`` configures; bm25 / dense load and check the corpus here); ``skyrl_gym:<name>`` a
+    SkyRL environment (`tether.envs.skyrl_gym`); any other name built with ``e.max_turns`` when set; ``e.options``
+    are the constructor's keyword arguments."""
     if e.name == "search":
         r = e.retriever_section()
         return SearchEnv(retriever_from_config(r) if retriever is None else retriever, topk=r.topk,
                          max_searches=e.search_turns() - 1, observation_format=r.passage_format)
-    return make_env(e.name, **({"max_turns": e.max_turns} if e.max_turns else {}))
+    turns = {"max_turns": e.max_turns} if e.max_turns else {}
+    if e.name.startswith(SKYRL_PREFIX):
+        try:
+            return SkyRLGymEnv(e.name[len(SKYRL_PREFIX):], role=e.observation_role, **turns, **e.options)
+        except TypeError as err:
+            raise ConfigError(f"rollout.agent.env.options of {e.name}: {err}") from None
+    return make_env(e.name, **turns, **e.options)
 
 
 def _env_tools(cfg) -> dict[str, Any]:

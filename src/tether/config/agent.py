@@ -57,7 +57,8 @@ class EnvConfig(Section):
 
     name: str = "calculator"
     """calculator (<calc> arithmetic, a #### final answer: data.task=arithmetic or gsm8k) | search (Search-R1's
-    protocol over env.retriever; data.task names a QA set, docs/search_agents.md) | a user's environment
+    protocol over env.retriever; data.task names a QA set, docs/search_agents.md) | skyrl_gym:<name> (a SkyRL
+    environment, extra tether[skyrl-gym], observation_format=chat, docs/ecosystem.md) | a user's environment
     module:Class / path.py:Class (a tether.envs.TextEnv subclass, or any object with its methods)"""
     max_turns: int = Field(0, ge=0)
     """policy turns per episode, the last one without tool calls (0 = the environment's own; calculator: 4, so up
@@ -72,7 +73,12 @@ class EnvConfig(Section):
     turn of the chat template, tokenized as the difference between the conversation rendered with and without
     it, so the policy's ids stay exact; for models trained with tool turns)"""
     observation_role: Literal["tool", "user"] = "tool"
-    """observation_format=chat: the role of an observation turn"""
+    """observation_format=chat: the role of an observation turn (skyrl_gym: user, the role of SkyRL's
+    observations)"""
+    options: dict = Field(default_factory=dict)
+    """keyword arguments of the environment's constructor: a user's environment's own; skyrl_gym:<name>:
+    env_config, extras (besides each example's reward_spec.ground_truth) and stop (the stop strings of a turn),
+    docs/ecosystem.md; calculator and search take none (their keys are above)"""
     retriever: Optional[RetrieverConfig] = None
     """env.name=search only: its retriever (unset = the defaults below; setting one of its keys sets it)"""
 

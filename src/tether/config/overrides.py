@@ -173,10 +173,15 @@ def apply_keys(cfg, vals: dict[str, Any], source: str) -> None:
                                            + "\n  - ".join(errs)))
 
 
+#: keys whose value is a mapping kept whole (data.options, rollout.agent.env.options), not a section
+VALUE_MAPPINGS = ("options",)
+
+
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as dotted keys (the mappings of :data:`VALUE_MAPPINGS` kept as values)."""
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict) and k not in ("stop",):
+        if isinstance(v, dict) and k not in VALUE_MAPPINGS:
             out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v

@@ -26,7 +26,8 @@ class DataConfig(Section):
     """Where prompts come from and how responses are scored."""
 
     task: str = "arithmetic"
-    """arithmetic (synthetic, no files) | gsm8k | math500 | aime24 | amc | minerva | olympiadbench | a
+    """arithmetic (synthetic, no files) | reasoning_gym:<name> (a reasoning-gym dataset, extra tether[reasoning-gym],
+    its options in data.options) | gsm8k | math500 | aime24 | amc | minerva | olympiadbench | a
     .jsonl/.json/.parquet file | a hub dataset id | a user's task module:function / path.py:function
     (docs/extending.md); with rollout.agent.env.name=search, a QA set of the search data dir"""
     split: str = "train"
@@ -44,6 +45,10 @@ class DataConfig(Section):
     """files/datasets: visit examples in a seeded random order (train.seed)"""
     difficulty: int = 1
     """arithmetic: number of steps per problem (1-4)"""
+    options: dict = Field(default_factory=dict)
+    """the task's own options; data.task=reasoning_gym:<name>: keyword arguments of reasoning_gym.create_dataset:
+    size (default 1000), seed (default train.seed) and the dataset's difficulty options, e.g. {size: 500,
+    min_terms: 2, max_terms: 4} (docs/ecosystem.md); an error with any other task"""
     reward: str = "auto"
     """auto (the task's own) | a registered reward | a user's module:function / path.py:function
     (docs/extending.md)"""
@@ -273,7 +278,8 @@ class EvalConfig(Section):
 
 # eval.benchmarks=auto: the held-out set of a training task (tasks not listed have none), from the tasks'
 # registered ``held_out`` (tether.tasks.registry.TASKS)
-HELD_OUT = {k: v for n in TASKS for k, v in TASKS.meta(n)["held_out"].items()}
+HELD_OUT = {k: v for n in TASKS if isinstance(TASKS.meta(n)["held_out"], dict)
+            for k, v in TASKS.meta(n)["held_out"].items()}
 
 
 def eval_benchmarks(cfg: "Config") -> list[str]:

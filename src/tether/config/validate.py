@@ -78,6 +78,9 @@ def _check_data(cfg: Config) -> list[str]:
                 users = [n for n in TASKS if k not in TASKS.meta(n)["ignores"]]
                 errs.append(f"data.{k} has no effect with {meta['about']}" if meta["about"] else
                             f"data.{k} only applies to data.task={' or '.join(users)}")
+        if d.options and not meta["options"]:
+            users = [TASKS.meta(n)["prefix"] + "<name>" for n in TASKS if TASKS.meta(n)["options"]]
+            errs.append(f"data.options only applies to data.task={' or '.join(users)}")
         errs.extend(meta["check"](cfg) if meta["check"] else [])
     if not (d.reward_timeout >= 0 and d.reward_timeout != float("inf")):
         errs.append(f"data.reward_timeout must be >= 0 seconds (0 = no limit), got {d.reward_timeout}")
@@ -109,8 +112,14 @@ def _check_env(cfg: Config) -> list[str]:
     if e is None:
         return []
     errs, p = [], "rollout.agent.env"
-    if e.name not in ENVS:
+    if e.name.startswith("skyrl_gym:"):
+        if e.observation_format != "chat":
+            errs.append(f"{p}.name={e.name}: its observations are chat messages: set {p}.observation_format=chat "
+                        f"(and {p}.observation_role=user, the role of SkyRL's observations)")
+    elif e.name not in ENVS:
         errs.extend(_check_spec(f"{p}.name", e.name, ENVS))
+    if e.options and e.name in ("calculator", "search"):
+        errs.append(f"{p}.options: {p}.name={e.name} takes none (its settings are {p}'s own keys)")
     if e.observation_role != "tool" and e.observation_format != "chat":
         errs.append(f"{p}.observation_role only applies with {p}.observation_format=chat")
     if e.name != "search":

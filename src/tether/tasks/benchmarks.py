@@ -23,6 +23,7 @@ from ..errors import EvalError
 from ..organism.problems import MAX_DIFFICULTY, RL_DIFFICULTY
 from .arithmetic import LEVELS, ArithmeticTask
 from .data import default_reward_name, load_examples, resolve_dataset_name
+from . import reasoning_gym
 from .organism import OrganismTask
 from .rewards import load_reward
 
@@ -78,6 +79,21 @@ def _synthetic_benchmark(kind: str, difficulty: int, limit: Optional[int], rewar
                      examples=examples, reward=spec, reward_fn=fn)
 
 
+def _reasoning_gym_benchmark(source: str, limit: Optional[int], reward: Optional[str]) -> Benchmark:
+    """``reasoning_gym:<name>``: the dataset's held-out problems with its default options (seed
+    `TEST_SEED_OFFSET`: those a run with ``train.seed=0`` holds out), ``limit`` of them (default 100), scored by
+    its own verifier unless ``reward`` says otherwise."""
+    spec = reward or "reasoning_gym"
+    try:
+        fn = load_reward(spec)
+    except (ValueError, ImportError) as e:
+        raise EvalError(f"benchmark {source!r}: {e}") from None
+    name = reasoning_gym.dataset_name(source)
+    examples = reasoning_gym.make_examples(name, seed=reasoning_gym.TEST_SEED_OFFSET, size=limit or 100, split="test")
+    return Benchmark(name=slug(source), source=source, split="test", examples=examples, reward=spec,
+                     reward_fn=fn)
+
+
 def load_benchmark(
     source: str,
     *,
@@ -90,7 +106,8 @@ def load_benchmark(
 ) -> Benchmark:
     """Load and validate one benchmark, and resolve its reward.
 
-    ``source`` is ``arithmetic`` / ``arithmetic-dN`` (the synthetic task's test split at difficulty
+    ``source`` is ``reasoning_gym:<name>`` (a reasoning-gym dataset's held-out problems, default 100), or
+    ``arithmetic`` / ``arithmetic-dN`` (the synthetic task's test split at difficulty
     N, seed 0, ``limit`` problems, default 100), ``organism`` / ``organism-dN`` (the model organism's
     test split, difficulty 3 unless N is given, seed 0, default 200 problems), a named benchmark (``gsm8k``,
     ``math500``, ``aime24``, ``amc``, ``minerva``, ``olympiadbench``, or an alias), read from ``data_dir`` /
@@ -103,6 +120,8 @@ def load_benchmark(
         DataError: unknown source, missing file, or a malformed row (naming file and row).
         EvalError: an unknown or unimportable reward.
     """
+    if str(source).startswith(reasoning_gym.PREFIX):
+        return _reasoning_gym_benchmark(str(source), limit, reward)
     m = _ARITHMETIC_RE.fullmatch(str(source))
     if m and not Path(str(source)).expanduser().exists():
         return _synthetic_benchmark("arithmetic", int(m.group(1) or 1), limit, reward)

@@ -7,12 +7,16 @@ of a finite dataset (a list of :class:`~tether.tasks.base.Example`) or, for a ge
 
 ``reward``     the reward that fits it (``data.reward=auto``): a name or spec, or ``reward(cfg)``;
                None: ``math``
+``prefix``     ``data.task`` values starting with it pick this task (``reasoning_gym:``), before a user's
+               ``module:function``
+``options``    whether it reads ``data.options`` (else setting it is a config error)
 ``env``        the environment whose episodes read it (then ``rollout.agent.env.name`` picks it, and
                ``data.task`` names its dataset); None: it is picked by ``data.task``
 ``ignores``    the ``data.*`` keys it has no use for (setting one is a config error) and ``about``,
                how such an error names it (default: "only applies to data.task=...")
 ``check``      ``check(cfg) -> list[str]``: problems of its own settings
-``held_out``   ``{data.task: benchmark}``: the held-out set ``eval.benchmarks=auto`` evaluates on
+``held_out``   ``{data.task: benchmark}`` or ``held_out(cfg) -> benchmark``: the held-out set
+               ``eval.benchmarks=auto`` evaluates on
 ``test_set``   ``test_set(cfg, limit) -> (examples, reward)``: the benchmark named like the task
 ``preset``     the settings ``tether train --task NAME`` brings (None: no such option)
 
@@ -31,6 +35,7 @@ from ..organism.problems import MAX_DIFFICULTY, RL_DIFFICULTY
 from .arithmetic import ArithmeticTask
 from .base import DataError
 from .data import default_reward_name, load_examples
+from . import reasoning_gym
 from .organism import OrganismTask
 from .rewards import load_reward
 
@@ -38,8 +43,8 @@ from .rewards import load_reward
 DATA_KEYS = ("prompt_key", "answer_key", "data_dir", "split", "limit", "shuffle", "difficulty")
 
 TASKS: Registry[Callable[..., Any]] = Registry("task", error=DataError, defaults={
-    "reward": None, "env": None, "ignores": (), "about": None, "check": None, "held_out": {}, "test_set": None,
-    "preset": None})
+    "reward": None, "prefix": None, "options": False, "env": None, "ignores": (), "about": None, "check": None,
+    "held_out": {}, "test_set": None, "preset": None})
 
 
 def _arithmetic_check(cfg) -> list[str]:
@@ -104,9 +109,34 @@ def dataset_task(cfg) -> list:
                          data_dir=d.data_dir, limit=d.limit or None)
 
 
+def _reasoning_gym_test_set(cfg, limit: int):
+    """A reasoning-gym task's held-out problems: its dataset at train.seed + TEST_SEED_OFFSET, ``limit`` of them."""
+    seed, _, opts = reasoning_gym.split_options(cfg.data.options, cfg.train.seed, reasoning_gym.DEFAULT_SIZE)
+    name = reasoning_gym.dataset_name(cfg.data.task)
+    return (reasoning_gym.make_examples(name, seed=seed + reasoning_gym.TEST_SEED_OFFSET, size=limit, options=opts,
+                                        split="test"), load_reward("reasoning_gym"))
+
+
+@TASKS.register("reasoning_gym", reward="reasoning_gym", prefix=reasoning_gym.PREFIX, options=True,
+                ignores=("prompt_key", "answer_key", "data_dir", "split", "difficulty"),
+                about="data.task=reasoning_gym:<name> (its options are data.options)",
+                held_out=lambda cfg: cfg.data.task, test_set=_reasoning_gym_test_set)
+def reasoning_gym_task(cfg) -> list:
+    """A reasoning-gym dataset (``data.task=reasoning_gym:<name>``): ``data.options`` are its size (default
+    1000), seed (default train.seed) and its own difficulty options (`tether.tasks.reasoning_gym`)."""
+    seed, size, opts = reasoning_gym.split_options(cfg.data.options, cfg.train.seed, reasoning_gym.DEFAULT_SIZE)
+    examples = reasoning_gym.make_examples(reasoning_gym.dataset_name(cfg.data.task), seed=seed, size=size,
+                                           options=opts)
+    return examples[:cfg.data.limit] if cfg.data.limit else examples
+
+
 def task_name(cfg) -> Optional[str]:
     """The registered task ``cfg`` trains on (None: ``data.task`` is a user's ``module:function``)."""
     task = cfg.data.task
+    for name in TASKS:
+        prefix = TASKS.meta(name)["prefix"]
+        if prefix and task.startswith(prefix):
+            return name
     if is_spec(task):
         return None
     env = getattr(getattr(cfg.rollout.agent, "env", None), "name", None)
@@ -126,7 +156,10 @@ def resolve_task(cfg) -> tuple[Callable[..., Any], dict[str, Any]]:
 def held_out_benchmark(cfg) -> Optional[str]:
     """The held-out benchmark of the training task (``eval.benchmarks=auto``), None if it has none."""
     name = task_name(cfg)
-    return None if name is None else TASKS.meta(name)["held_out"].get(cfg.data.task)
+    if name is None:
+        return None
+    held_out = TASKS.meta(name)["held_out"]
+    return held_out(cfg) if callable(held_out) else held_out.get(cfg.data.task)
 
 
 def task_presets() -> dict[str, dict[str, Any]]:

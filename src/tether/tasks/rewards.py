@@ -27,6 +27,12 @@ Built-in rewards (registered in :data:`REWARDS`; see :func:`load_reward`):
     are accepted spellings of 12 and 1234; ``"12.5"`` never equals 12).
 ``"search"``, ``"search_f1"``
     The search agent's exact match / token F1 of the last ``<answer>`` (:mod:`tether.tasks.qa_reward`).
+``"none"``
+    0 and never correct: no text reward, an environment's step rewards are the whole reward (the skyrl-gym
+    environments', `tether.envs.skyrl_gym`).
+``"reasoning_gym"``
+    A reasoning-gym dataset's own verifier on the last ``<answer>`` (:mod:`tether.tasks.reasoning_gym`): its
+    score in [0, 1], correct when 1.
 
 For ``gsm8k`` and ``arithmetic`` an extracted answer that is not a number by itself
 (``The final answer is 8 + 4 = 12 pencils.`` gives ``8 + 4 = 12 pencils``) is reduced to its
@@ -56,6 +62,7 @@ from ..errors import RewardError
 from .base import Example, RewardFn, RewardResult
 from .math import extract_answer, gsm8k_reference, has_answer_format, is_equivalent, last_number, parse_number
 from .qa_reward import SearchReward, search_reward
+from .reasoning_gym import reasoning_gym_reward
 
 __all__ = [
     "math_reward",
@@ -180,6 +187,8 @@ REWARDS.register("gsm8k")(gsm8k_reward)
 REWARDS.register("math")(math_reward)
 REWARDS.register("search", weighted=lambda w: SearchReward("em", format_weight=w))(search_reward)
 REWARDS.register("search_f1", weighted=lambda w: SearchReward("f1", format_weight=w))(SearchReward("f1"))
+REWARDS.register("reasoning_gym")(reasoning_gym_reward)
+REWARDS.register("none")(lambda completion, example: RewardResult(reward=0.0, correct=False))
 BUILTIN_REWARDS = REWARDS  # its former name
 
 

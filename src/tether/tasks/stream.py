@@ -20,8 +20,8 @@ from typing import Callable, Optional
 import torch
 
 from .base import Example
-from .benchmarks import load_benchmark
-from .registry import TASKS, resolve_task
+from .benchmarks import load_benchmark, slug
+from .registry import TASKS, resolve_task, task_name
 from .reward_worker import reward_scorer
 
 
@@ -86,11 +86,14 @@ def held_out_sets(cfg, names: list[str]) -> dict:
     the synthetic task's test split, never trained on) gives its own; any other name is a
     `tether.tasks.benchmarks` benchmark."""
     e, d = cfg.eval, cfg.data
+    own = task_name(cfg)  # the training task's own test set, for its name (reasoning_gym:<name>)
     out = {}
     for src in names:
         test_set = TASKS.meta(src)["test_set"] if src in TASKS else None
+        if test_set is None and src == d.task and own is not None:
+            test_set = TASKS.meta(own)["test_set"]
         if test_set is not None:
-            out[src] = test_set(cfg, e.limit)
+            out[slug(src)] = test_set(cfg, e.limit)  # reasoning_gym:<name> -> reasoning_gym_<name>, as tether eval
         else:
             b = load_benchmark(src, limit=e.limit, data_dir=d.data_dir)
             out[b.name] = (b.examples, b.reward_fn)
