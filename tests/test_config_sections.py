@@ -249,3 +249,25 @@ def test_section_base():
         d.a = "many"  # assignments are validated
     assert replace(d, a=3).a == 3 and d.a == 1
     assert default(_Demo, "b") == "x" and doc(_Demo, "a") == "first" and keys_of(_Demo) == ["a", "b"]
+
+
+def test_env_options_are_the_environment_constructors_keyword_arguments(tmp_path):
+    """rollout.agent.env.options reach a user's environment's constructor; an argument it does not take is a
+    ConfigError naming the environment; the built-in calculator and search take none."""
+    from tether.agents import env_from_config
+    from tether.envs import TextEnv
+
+    (tmp_path / "opt_env.py").write_text(
+        "from tether.envs import TextEnv\n"
+        "class Guess(TextEnv):\n"
+        "    name = 'guess'\n"
+        "    def __init__(self, secret_range=10, **kw):\n"
+        "        super().__init__(**kw)\n        self.secret_range = secret_range\n")
+    over = {"rollout.agent.kind": "multi_turn", "rollout.agent.env.name": f"{tmp_path / 'opt_env.py'}:Guess"}
+    env = env_from_config(load_config(None, {**over, "rollout.agent.env.options": {"secret_range": 100},
+                                             "rollout.agent.env.max_turns": 3}).rollout.agent.env)
+    assert isinstance(env, TextEnv) and (env.secret_range, env.max_turns) == (100, 3)
+    with pytest.raises(ConfigError, match="opt_env.py:Guess.*unexpected keyword argument 'colour'"):
+        env_from_config(load_config(None, {**over, "rollout.agent.env.options": {"colour": 1}}).rollout.agent.env)
+    with pytest.raises(ConfigError, match="rollout.agent.env.options: rollout.agent.env.name=calculator takes none"):
+        load_config(None, {"rollout.agent.kind": "multi_turn", "rollout.agent.env.options": {"max_turns": 2}})
