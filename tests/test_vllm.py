@@ -247,10 +247,11 @@ def test_tether_train_with_vllm(tmp_path_factory, tmp_path):
 
 
 def test_search_agent_runs_on_vllm(setup):
-    """The multi-turn search agent on the vLLM engine: every turn's ids come back as sampled, observations are
-    masked out of the loss, and the engine's log-probs sit on the policy's tokens (0 on observations) and equal
-    the trainer's there."""
-    from tether.agents.search import SearchAgent
+    """The search environment run by the multi-turn agent on the vLLM engine: every turn's ids come back as
+    sampled, observations are masked out of the loss, and the engine's log-probs sit on the policy's tokens (0 on
+    observations) and equal the trainer's there."""
+    from tether.agents import MultiTurnAgent
+    from tether.envs.search import SearchEnv
     from tether.search.corpus import Passage
     from tether.tasks import Example
 
@@ -260,7 +261,8 @@ def test_search_agent_runs_on_vllm(setup):
         def search(self, queries, k):
             return [[Passage(id="p", title="T", text="text", score=1.0)] for _ in queries]
 
-    agent = SearchAgent(eng, tok, Retriever(), topk=1, max_searches=2, max_obs_tokens=64, max_context=240)
+    agent = MultiTurnAgent(eng, tok, SearchEnv(Retriever(), topk=1, max_searches=2), max_obs_tokens=64,
+                           max_context=240)
     exs = [Example(prompt=p, answer="4", id=str(i)) for i, p in enumerate(PROMPTS[:2])]
     rb = agent.rollout(exs, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3))
     assert len(rb) == 4 and rb.sampler_logp is not None
