@@ -61,6 +61,14 @@ _ARITHMETIC_RE = re.compile(r"arithmetic(?:-d(\d+))?")
 _ORGANISM_RE = re.compile(r"organism(?:-d(\d+))?")
 
 
+def _benchmark_reward(label: str, spec: str):
+    """The reward ``spec`` of benchmark ``label`` (as errors name it); one that does not load is an EvalError."""
+    try:
+        return load_reward(spec)
+    except (ValueError, ImportError) as e:
+        raise EvalError(f"benchmark {label}: {e}") from None
+
+
 def _synthetic_benchmark(kind: str, difficulty: int, limit: Optional[int], reward: Optional[str]) -> Benchmark:
     """A generated task's test split at ``difficulty`` (seed 0; never trained on): ``arithmetic`` (``limit``
     problems, default 100) or ``organism`` (the model organism's, default 200), scored by ``reward`` (default
@@ -70,10 +78,7 @@ def _synthetic_benchmark(kind: str, difficulty: int, limit: Optional[int], rewar
     if difficulty not in valid:
         raise EvalError(f"benchmark '{kind}-d{difficulty}': the difficulty must be one of {valid}")
     spec = reward or "arithmetic"
-    try:
-        fn = load_reward(spec)
-    except (ValueError, ImportError) as e:
-        raise EvalError(f"benchmark '{kind}-d{difficulty}': {e}") from None
+    fn = _benchmark_reward(f"'{kind}-d{difficulty}'", spec)
     examples = task(seed=0, difficulty=difficulty, split="test").examples(limit or default_limit)
     return Benchmark(name=f"{kind}_d{difficulty}", source=f"{kind}-d{difficulty}", split="test",
                      examples=examples, reward=spec, reward_fn=fn)
@@ -84,10 +89,7 @@ def _reasoning_gym_benchmark(source: str, limit: Optional[int], reward: Optional
     `TEST_SEED_OFFSET`: those a run with ``train.seed=0`` holds out), ``limit`` of them (default 100), scored by
     its own verifier unless ``reward`` says otherwise."""
     spec = reward or "reasoning_gym"
-    try:
-        fn = load_reward(spec)
-    except (ValueError, ImportError) as e:
-        raise EvalError(f"benchmark {source!r}: {e}") from None
+    fn = _benchmark_reward(repr(source), spec)
     name = reasoning_gym.dataset_name(source)
     examples = reasoning_gym.make_examples(name, seed=reasoning_gym.TEST_SEED_OFFSET, size=limit or 100, split="test")
     return Benchmark(name=slug(source), source=source, split="test", examples=examples, reward=spec,
@@ -135,10 +137,7 @@ def load_benchmark(
     examples = load_examples(source, split=sp, prompt_key=prompt_key, answer_key=answer_key,
                              data_dir=data_dir, limit=limit)
     reward_spec = reward or default_reward_name(str(source))
-    try:
-        fn = load_reward(reward_spec)
-    except (ValueError, ImportError) as e:
-        raise EvalError(f"benchmark {source!r}: {e}") from None
+    fn = _benchmark_reward(repr(source), reward_spec)
     if named is not None and not is_file:
         name = named
     else:
