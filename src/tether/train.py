@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from . import distributed as dist
-from .agents import agent_tools, env_reward, reward_parts
+from .agents import agent_tools, env_correct, env_reward, reward_parts
 from .agents.build import build_rollout
 from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, overlong_penalty, zero_variance_groups
 from .algo.correction import lr_scale
@@ -178,7 +178,7 @@ class Trainer:
         if r.overlong_buffer_frac > 0:
             rew = rew - overlong_penalty(rb.response_lengths, r.max_new_tokens, r.overlong_buffer_frac,
                                          r.overlong_penalty)
-        return rew, torch.tensor(correct)
+        return rew, torch.tensor([c or e for c, e in zip(correct, env_correct(rb))])  # or the environment's verdict
 
     def _rollout(self) -> tuple[StepBatch, dict]:
         """Generate one step's groups (refilling with new prompts under dynamic sampling), score them."""

@@ -7,7 +7,9 @@ and, for a multi-turn agent, interleaves tool observations, marking them False i
 * ``single_turn`` (:class:`SingleTurnAgent`): prompt -> one response (the math tasks).
 * ``multi_turn`` (:class:`~tether.agents.multi_turn.MultiTurnAgent`): any text environment
   (``tether.envs``, ``rollout.agent.env.name``: ``calculator``, ``search`` (Search-R1's protocol over a
-  retriever, ``tether.search``) or a user's ``module:Class``), token-exact.
+  retriever, ``tether.search``), ``skyrl_gym:<name>`` or a user's ``module:Class``), token-exact; a verifiers
+  environment (``verifiers:<env_id>``) drives its own turns through
+  :class:`~tether.agents.verifiers.VerifiersAgent`, token-exact as well.
 
 Agents register in :data:`AGENTS` with how a config configures them (metadata ``options``,
 ``tools``); ``rollout.agent`` also takes a user's ``module:name`` / ``file.py:name``.
@@ -26,11 +28,13 @@ from ..algo.registry import Registry
 from ..envs import make_env
 from ..envs.search import SearchEnv
 from ..envs.skyrl_gym import PREFIX as SKYRL_PREFIX, SkyRLGymEnv
+from ..envs.verifiers import PREFIX as VERIFIERS_PREFIX, VerifiersEnv
 from ..rollout.base import RolloutBatch, SamplingParams
 from ..search.retrievers import retriever_from_config
 from ..tasks.base import Example
 from .multi_turn import MultiTurnAgent
 from .single_turn import SingleTurnAgent
+from .verifiers import VerifiersAgent
 
 
 @runtime_checkable
@@ -76,9 +80,12 @@ def env_from_config(e, retriever=None):
         return SearchEnv(retriever_from_config(r) if retriever is None else retriever, topk=r.topk,
                          max_searches=e.search_turns() - 1, observation_format=r.passage_format)
     turns = {"max_turns": e.max_turns} if e.max_turns else {}
-    if e.name.startswith(SKYRL_PREFIX):
+    if e.name.startswith((SKYRL_PREFIX, VERIFIERS_PREFIX)):
+        skyrl = e.name.startswith(SKYRL_PREFIX)
         try:
-            return SkyRLGymEnv(e.name[len(SKYRL_PREFIX):], role=e.observation_role, **turns, **e.options)
+            if skyrl:
+                return SkyRLGymEnv(e.name[len(SKYRL_PREFIX):], role=e.observation_role, **turns, **e.options)
+            return VerifiersEnv(e.name[len(VERIFIERS_PREFIX):], **turns, **e.options)
         except TypeError as err:
             raise ConfigError(f"rollout.agent.env.options of {e.name}: {err}") from None
     return make_env(e.name, **turns, **e.options)
@@ -96,7 +103,15 @@ def _env_tools(cfg) -> dict[str, Any]:
 AGENTS: Registry[Callable[..., Agent]] = Registry("agent", defaults={"options": _options, "tools": _no_tools},
                                                   error=ConfigError)
 AGENTS.register("single_turn")(SingleTurnAgent)
-AGENTS.register("multi_turn", options=_env_options, tools=_env_tools)(MultiTurnAgent)
+
+
+def multi_turn_agent(engine, tokenizer, env, **options: Any) -> Agent:
+    """The agent of ``rollout.agent.kind=multi_turn``: :class:`MultiTurnAgent` (tether drives the environment's
+    turns), or :class:`~tether.agents.verifiers.VerifiersAgent` for a verifiers environment (it drives its own)."""
+    return (VerifiersAgent if isinstance(env, VerifiersEnv) else MultiTurnAgent)(engine, tokenizer, env, **options)
+
+
+AGENTS.register("multi_turn", options=_env_options, tools=_env_tools)(multi_turn_agent)
 
 
 def env_reward(tools: dict[str, Any]) -> Optional[str]:
@@ -108,6 +123,12 @@ def env_reward(tools: dict[str, Any]) -> Optional[str]:
 def reward_parts(rb: RolloutBatch) -> list[float]:
     """Each row's environment reward parts (``info["env_reward"]``, summed over its steps; 0 without)."""
     return [float((i or {}).get("env_reward", 0.0)) for i in rb.info] if rb.info is not None else [0.0] * len(rb)
+
+
+def env_correct(rb: RolloutBatch) -> list[bool]:
+    """Each row's verdict from its environment (``info["env_correct"]``, e.g. a verifiers rubric's score at least
+    its pass threshold; False without): a row is correct when its text reward or its environment says so."""
+    return [bool((i or {}).get("env_correct", False)) for i in rb.info] if rb.info is not None else [False] * len(rb)
 
 
 def make_agent(name: str, engine, tokenizer, **options: Any) -> Agent:
@@ -127,5 +148,6 @@ def agent_from_config(cfg, engine, tokenizer, tools: Optional[dict[str, Any]] = 
     return build(engine, tokenizer, **meta["options"](cfg), **(meta["tools"](cfg) if tools is None else tools))
 
 
-__all__ = ["AGENTS", "Agent", "MultiTurnAgent", "SingleTurnAgent", "agent_from_config", "agent_tools",
-           "env_from_config", "env_reward", "make_agent", "reward_parts"]
+__all__ = ["AGENTS", "Agent", "MultiTurnAgent", "SingleTurnAgent", "VerifiersAgent", "agent_from_config",
+           "agent_tools", "env_correct", "env_from_config", "env_reward", "make_agent", "multi_turn_agent",
+           "reward_parts"]

@@ -62,19 +62,28 @@ class ChatTurns:
         eos = list(eos_ids or []) + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
         self.eos = {int(i): tokenizer.decode([int(i)]) for i in eos}
 
-    def render(self, messages: list[dict], generation_prompt: bool = False) -> str:
-        """The conversation as the template writes it."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def render(self, messages: list[dict], generation_prompt: bool = False, tools: Optional[list] = None) -> str:
+        """The conversation as the template writes it (with the tool definitions ``tools``, when given)."""
+        kw = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                  **kw)
 
     def observation_ids(self, messages: list[dict], turn_text: str, turn_ids: list[int],
                         observation: str) -> list[int]:
         """The ids after the policy's turn (``turn_ids``, decoded ``turn_text``) that close it, hold the
         observation as a :attr:`role` turn and open the next assistant turn. ``messages``: the
         conversation before the turn (it ends with a generation prompt's assistant turn to come)."""
-        before = self.render(messages, generation_prompt=True)
+        return self.continuation_ids(messages, turn_text, turn_ids, [{"role": self.role, "content": observation}])
+
+    def continuation_ids(self, messages: list[dict], turn_text: str, turn_ids: list[int], new_messages: list[dict],
+                         tools: Optional[list] = None) -> list[int]:
+        """The ids after the policy's turn that close it, hold ``new_messages`` (any roles: tool results, a user's
+        reply) and open the next assistant turn, rendered with the tool definitions ``tools`` (the same at every
+        turn). Raises ChatTemplateError when the template rewrites what came before."""
+        before = self.render(messages, generation_prompt=True, tools=tools)
         turn = {"role": "assistant", "content": turn_text}
-        without = self.render(messages + [turn])
-        with_ = self.render(messages + [turn, {"role": self.role, "content": observation}], generation_prompt=True)
+        without = self.render(messages + [turn], tools=tools)
+        with_ = self.render(messages + [turn, *new_messages], generation_prompt=True, tools=tools)
         if not without.startswith(before + turn_text) or not with_.startswith(without):
             raise ChatTemplateError(
                 "the chat template rewrites earlier turns when a turn is added (or changes the assistant's text), "

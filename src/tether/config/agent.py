@@ -58,7 +58,9 @@ class EnvConfig(Section):
     name: str = "calculator"
     """calculator (<calc> arithmetic, a #### final answer: data.task=arithmetic or gsm8k) | search (Search-R1's
     protocol over env.retriever; data.task names a QA set, docs/search_agents.md) | skyrl_gym:<name> (a SkyRL
-    environment, extra tether[skyrl-gym], observation_format=chat, docs/ecosystem.md) | a user's environment
+    environment, extra tether[skyrl-gym], observation_format=chat, docs/ecosystem.md) | verifiers:<env_id> (a
+    verifiers 0.3 environment: its module's load_environment; its dataset is the training data, its rubric the
+    reward; extra tether[verifiers], observation_format=chat, docs/ecosystem.md) | a user's environment
     module:Class / path.py:Class (a tether.envs.TextEnv subclass, or any object with its methods)"""
     max_turns: int = Field(0, ge=0)
     """policy turns per episode, the last one without tool calls (0 = the environment's own; calculator: 4, so up
@@ -77,8 +79,9 @@ class EnvConfig(Section):
     observations)"""
     options: dict = Field(default_factory=dict)
     """keyword arguments of the environment's constructor: a user's environment's own; skyrl_gym:<name>:
-    env_config, extras (besides each example's reward_spec.ground_truth) and stop (the stop strings of a turn),
-    docs/ecosystem.md; calculator and search take none (their keys are above)"""
+    env_config, extras (besides each example's reward_spec.ground_truth) and stop (the stop strings of a turn);
+    verifiers:<env_id>: args (load_environment's keyword arguments) and tool_format (auto | hermes | llama3_json:
+    how the policy writes tool calls), docs/ecosystem.md; calculator and search take none (their keys are above)"""
     retriever: Optional[RetrieverConfig] = None
     """env.name=search only: its retriever (unset = the defaults below; setting one of its keys sets it)"""
 

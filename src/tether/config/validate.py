@@ -19,6 +19,7 @@ from ..agents import AGENTS
 from ..algo.registry import is_spec, unknown_choice
 from ..anchor import ANCHOR_KINDS
 from ..envs import ENVS
+from ..envs.verifiers import OPTIONS as VERIFIERS_OPTIONS, PREFIX as VERIFIERS_PREFIX, TOOL_FORMATS
 from ..models import DTYPES, ModelConfig
 from ..rollout import ENGINES, engine_reports_logp, worker_records_logp
 from ..search.retrievers import RETRIEVERS
@@ -116,6 +117,8 @@ def _check_env(cfg: Config) -> list[str]:
         if e.observation_format != "chat":
             errs.append(f"{p}.name={e.name}: its observations are chat messages: set {p}.observation_format=chat "
                         f"(and {p}.observation_role=user, the role of SkyRL's observations)")
+    elif e.name.startswith(VERIFIERS_PREFIX):
+        errs += _check_verifiers(e, p, cfg)
     elif e.name not in ENVS:
         errs.extend(_check_spec(f"{p}.name", e.name, ENVS))
     if e.options and e.name in ("calculator", "search"):
@@ -139,6 +142,30 @@ def _check_env(cfg: Config) -> list[str]:
         if k not in meta["keys"] and getattr(r, k) != getattr(dr, k):
             users = [n for n in RETRIEVERS if k in RETRIEVERS.meta(n)["keys"]]
             errs.append(f"{q}.{k} only applies with {q}.kind={' or '.join(users)}")
+    return errs
+
+
+def _check_verifiers(e, p: str, cfg: Config) -> list[str]:
+    """A verifiers environment (``verifiers:<env_id>``): chat turns, its options (load_environment's ``args``, the
+    ``tool_format``), no observation role (its messages carry theirs), no system prompt (its rows carry theirs)."""
+    errs = []
+    if not e.name[len(VERIFIERS_PREFIX):]:
+        errs.append(f"{p}.name=verifiers: names no environment (verifiers:<env_id>, the module with load_environment)")
+    if e.observation_format != "chat":
+        errs.append(f"{p}.name={e.name}: its messages are chat turns: set {p}.observation_format=chat")
+    if e.observation_role != "tool":
+        errs.append(f"{p}.observation_role has no effect with {p}.name={e.name} (its messages carry their roles)")
+    bad = sorted(set(e.options) - set(VERIFIERS_OPTIONS))
+    if bad:
+        errs.append(f"{p}.options of {e.name}: unknown key(s) {bad} (known: {', '.join(VERIFIERS_OPTIONS)}; "
+                    f"load_environment's arguments go in {p}.options.args)")
+    if "tool_format" in e.options and e.options["tool_format"] not in TOOL_FORMATS:
+        errs.append(unknown_choice(f"{p}.options.tool_format", str(e.options["tool_format"]), TOOL_FORMATS))
+    if "args" in e.options and not isinstance(e.options["args"], dict):
+        errs.append(f"{p}.options.args must be a mapping (load_environment's keyword arguments), got "
+                    f"{e.options['args']!r}")
+    if cfg.data.system_prompt:
+        errs.append(f"data.system_prompt has no effect with {p}.name={e.name} (its rows carry their own)")
     return errs
 
 

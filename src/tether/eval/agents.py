@@ -92,11 +92,12 @@ def agent_setup(args) -> tuple[list, Config, dict[str, Any]]:
             raise EvalError("--agent search scores with the search reward (EM) on the search data dir; "
                             "drop --reward/--split/--data-dir (use --search-data-dir)")
         return search_setup(args)
+    cfg = env_setup(args, run_env(args)) if agent == "multi_turn" else load_config(None, {"rollout.agent.kind": agent})
+    tools = agent_tools(cfg)  # first: an environment that holds its benchmark (verifiers:<env_id>) is loaded here
     benches = load_benchmarks(args.benchmarks, limit=args.limit, data_dir=args.data_dir,
                               prompt_key=args.prompt_key, answer_key=args.answer_key, split=args.split,
                               reward=args.reward)
-    cfg = env_setup(args, run_env(args)) if agent == "multi_turn" else load_config(None, {"rollout.agent.kind": agent})
-    return benches, cfg, agent_tools(cfg)
+    return benches, cfg, tools
 
 
 def run_env(args) -> dict[str, Any]:

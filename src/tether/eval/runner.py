@@ -23,6 +23,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from ..errors import EvalError
 from ..rollout import SamplingParams
 from ..tasks.base import Example, RewardFn
+from ..agents import env_correct, reward_parts
 from ..tasks.rewards import call_reward, load_reward
 from .metrics import check_ks, majority_vote, summarize
 
@@ -166,14 +167,15 @@ def _score_chunk(rb, chunk: list[int], examples: list[Example], reward: RewardFn
         lo, hi = g * n, (g + 1) * n
         texts = rb.texts[lo:hi]
         preds, correct, rewards = [], [], []
-        for text in texts:
+        parts, verdicts = reward_parts(rb)[lo:hi], env_correct(rb)[lo:hi]  # an environment's reward and verdict
+        for text, part, verdict in zip(texts, parts, verdicts):
             res, err = call_reward(reward, text, ex)
             if err is not None:
                 tally.errors += 1
                 tally.first_error = tally.first_error or err
             preds.append(res.pred)
-            correct.append(bool(res.correct))
-            rewards.append(float(res.reward))
+            correct.append(bool(res.correct) or verdict)
+            rewards.append(float(res.reward) + part)
         maj = majority_vote(preds, correct=correct)
         row = {
             "id": ex.id, "prompt": ex.prompt, "answer": ex.answer, "responses": list(texts),

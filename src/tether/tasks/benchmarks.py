@@ -27,7 +27,11 @@ from . import reasoning_gym
 from .organism import OrganismTask
 from .rewards import load_reward
 
-__all__ = ["Benchmark", "load_benchmark", "load_benchmarks", "slug"]
+__all__ = ["BENCHMARK_PREFIXES", "Benchmark", "load_benchmark", "load_benchmarks", "slug"]
+
+#: a source prefix -> ``loader(source, limit, reward) -> Benchmark`` for benchmarks an environment holds (registered by
+#: its module: ``verifiers:`` in `tether.envs.verifiers`, the environment's eval dataset)
+BENCHMARK_PREFIXES: dict = {}
 
 
 @dataclass
@@ -108,7 +112,8 @@ def load_benchmark(
 ) -> Benchmark:
     """Load and validate one benchmark, and resolve its reward.
 
-    ``source`` is ``reasoning_gym:<name>`` (a reasoning-gym dataset's held-out problems, default 100), or
+    ``source`` is ``reasoning_gym:<name>`` (a reasoning-gym dataset's held-out problems, default 100), one of
+    :data:`BENCHMARK_PREFIXES` (``verifiers:<env_id>``: the environment's eval dataset), or
     ``arithmetic`` / ``arithmetic-dN`` (the synthetic task's test split at difficulty
     N, seed 0, ``limit`` problems, default 100), ``organism`` / ``organism-dN`` (the model organism's
     test split, difficulty 3 unless N is given, seed 0, default 200 problems), a named benchmark (``gsm8k``,
@@ -124,6 +129,11 @@ def load_benchmark(
     """
     if str(source).startswith(reasoning_gym.PREFIX):
         return _reasoning_gym_benchmark(str(source), limit, reward)
+    for prefix, loader in BENCHMARK_PREFIXES.items():
+        if str(source).startswith(prefix):
+            b = loader(str(source), limit, reward)
+            return Benchmark(name=slug(b.name), source=b.source, split=b.split, examples=b.examples, reward=b.reward,
+                             reward_fn=b.reward_fn)
     m = _ARITHMETIC_RE.fullmatch(str(source))
     if m and not Path(str(source)).expanduser().exists():
         return _synthetic_benchmark("arithmetic", int(m.group(1) or 1), limit, reward)

@@ -11,7 +11,8 @@ of a finite dataset (a list of :class:`~tether.tasks.base.Example`) or, for a ge
                ``module:function``
 ``options``    whether it reads ``data.options`` (else setting it is a config error)
 ``env``        the environment whose episodes read it (then ``rollout.agent.env.name`` picks it, and
-               ``data.task`` names its dataset); None: it is picked by ``data.task``
+               ``data.task`` names its dataset), or a prefix ending in ``:`` of its names (``verifiers:``);
+               None: it is picked by ``data.task``
 ``ignores``    the ``data.*`` keys it has no use for (setting one is a config error) and ``about``,
                how such an error names it (default: "only applies to data.task=...")
 ``check``      ``check(cfg) -> list[str]``: problems of its own settings
@@ -140,8 +141,10 @@ def task_name(cfg) -> Optional[str]:
     if is_spec(task):
         return None
     env = getattr(getattr(cfg.rollout.agent, "env", None), "name", None)
-    for name in TASKS.where(env=env) if env is not None else ():
-        return name
+    for name in TASKS if env is not None else ():
+        want = TASKS.meta(name)["env"]  # an environment's name, or a prefix of its names (``verifiers:``)
+        if want is not None and (env == want or (want.endswith(":") and env.startswith(want))):
+            return name
     if task in TASKS and TASKS.meta(task)["env"] is None:
         return task
     return "math"

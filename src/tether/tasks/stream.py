@@ -21,7 +21,7 @@ import torch
 
 from .base import Example
 from .benchmarks import load_benchmark, slug
-from .registry import TASKS, resolve_task, task_name
+from .registry import TASKS, held_out_benchmark, resolve_task, task_name
 from .reward_worker import reward_scorer
 
 
@@ -90,8 +90,8 @@ def held_out_sets(cfg, names: list[str]) -> dict:
     out = {}
     for src in names:
         test_set = TASKS.meta(src)["test_set"] if src in TASKS else None
-        if test_set is None and src == d.task and own is not None:
-            test_set = TASKS.meta(own)["test_set"]
+        if test_set is None and own is not None and src in (d.task, held_out_benchmark(cfg)):
+            test_set = TASKS.meta(own)["test_set"]  # e.g. verifiers:<env_id>: the environment's eval dataset
         if test_set is not None:
             out[slug(src)] = test_set(cfg, e.limit)  # reasoning_gym:<name> -> reasoning_gym_<name>, as tether eval
         else:

@@ -1,0 +1,494 @@
+"""`VerifiersAgent`: runs a verifiers environment (`tether.envs.verifiers`) with the policy, token-exact.
+
+A verifiers environment drives its episodes itself: it calls a ``vf.Client`` for every assistant turn. Here that
+client is in-process and backed by tether's engine::
+
+    for each example, n times (concurrently, in one asyncio loop):
+        state = await env.rollout(row, client, ...)       # each turn: await client.get_response(messages, tools)
+    await env.rubric.score_group(the example's n states)  # the episode's reward (info["env_reward"])
+
+Every rollout's turn requests wait in one queue; when every unfinished rollout waits on the model, the queue goes to
+``engine.generate`` as one batch (the environments' own code, e.g. tool calls, runs in between).
+
+Token bookkeeping, as `tether.agents.multi_turn` keeps it in the chat format. Turn 1's ids are the chat template's
+rendering of the environment's prompt messages, with the tool definitions (``tools=``; a template that renders none,
+SmolLM2's, gets them described in the system message in the Hermes format). A later turn's messages must be the
+earlier ones, the assistant's turn, then new messages (tool results, a user's reply); its ids are the earlier prompt
+ids, the ids the policy sampled (verbatim, never re-tokenized) and the ids of only the new messages
+(`tether.agents.chat_turns.ChatTurns.continuation_ids`: the difference of two renderings), marked False in
+``loss_mask``. A template that rewrites earlier turns, or an environment that rewrites earlier messages, is an error
+naming it. The engine's log-probs of the sampled ids are kept beside them (``sampler_logp``), and returned to the
+environment in the response's ``tokens`` (``prompt_ids``, ``completion_ids``, ``completion_logprobs``), as
+verifiers stores them in ``state["trajectory"]``.
+
+Tool calls are parsed from the turn's text in the format of the model family (``tool_format``): ``hermes``
+(``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: Qwen 2.5 / 3, SmolLM, Hermes; also every template
+that renders no tools) or ``llama3_json`` (Llama 3.1+: a JSON object ``{"name": ..., "parameters": {...}}``);
+``auto`` reads it from the template. A template that renders tools in another format is a ConfigError. A tool call
+whose JSON does not parse goes to the environment as a call to ``invalid`` with the text as its arguments (a
+``ToolEnv`` answers it with the error, as it answers any failed call).
+
+An episode the environment marks with ``state["error"]`` (a ``vf.Error``: a tool that raised a stop error, ...)
+is kept with its ``loss_mask`` all False and counted (``verifiers/errors``); anything else the environment's code
+raises is an `EnvError` naming it and the example.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..envs.verifiers import VerifiersEnv
+from ..errors import ConfigError, EnvError
+from ..rollout.base import RolloutBatch, SamplingParams
+from ..tasks.base import Example
+from ..tasks.prompts import agent_prompt_encoder
+from .chat_turns import ChatTemplateError, ChatTurns
+from .tool_calls import parse_tool_calls, template_tool_format, tools_system_text
+
+__all__ = ["VerifiersAgent"]
+
+_ROW: contextvars.ContextVar[int] = contextvars.ContextVar("tether_verifiers_row")
+MODEL_NAME = "tether-policy"  # what the environment is told the model is called
+
+
+def _dump(messages) -> list[dict]:
+    """verifiers messages (pydantic models or dicts) as plain dicts without empty fields."""
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m)
+        out.append({k: v for k, v in d.items() if v is not None})
+    return out
+
+
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") if isinstance(p, dict) else "" for p in content)
+    return "" if content is None else str(content)
+
+
+@dataclass
+class _Trace:
+    """One episode's tokens: the opening prompt's ids, then every id after it (the policy's, and the messages')."""
+
+    example: Example
+    prompt: list[int] = field(default_factory=list)
+    seen: list[dict] = field(default_factory=list)  # the messages as the environment sent them last
+    rendered: list[dict] = field(default_factory=list)  # the conversation as tether renders it (tools described)
+    turn_text: str = ""
+    turn_ids: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    policy: list[bool] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)
+    finish: str = "stop"
+    turns: int = 0
+    tool_calls: int = 0
+    obs_tokens: int = 0
+
+    def add(self, ids: list[int], policy: bool, logp: Optional[list[float]] = None) -> None:
+        self.ids += ids
+        self.policy += [policy] * len(ids)
+        self.logp += logp if logp is not None else [0.0] * len(ids)
+
+
+class _Native:
+    """What the engine answered one turn (the client's native response)."""
+
+    def __init__(self, prompt_ids, ids, logp, text, reason, content, calls):
+        self.prompt_ids, self.ids, self.logp, self.text, self.reason = prompt_ids, ids, logp, text, reason
+        self.content, self.calls = content, calls
+
+
+class _Prompts:
+    """The opening prompts' ids (``tether eval``'s length order) and the check of every row against the context."""
+
+    def __init__(self, agent: "VerifiersAgent"):
+        self.agent = agent
+
+    def encode(self, examples: Sequence[Example], max_new_tokens: int) -> list[list[int]]:
+        a = self.agent
+        return [a._open(a._input(ex)["prompt"], a._template_tools(a.env.env.tool_defs), ex, max_new_tokens)[0]
+                for ex in examples]
+
+    def check(self, examples: Sequence[Example], max_new_tokens: int) -> None:
+        self.encode(examples, max_new_tokens)
+
+
+_CLIENTS: dict[int, type] = {}
+
+
+def _client_class(vf) -> type:
+    """The ``vf.Client`` subclass whose turns the agent answers with its engine (built once per library)."""
+    if id(vf) in _CLIENTS:
+        return _CLIENTS[id(vf)]
+    T = vf.types
+
+    class EngineClient(vf.Client):
+        """An in-process verifiers client: ``get_response`` asks the agent (and so tether's engine)."""
+
+        def setup_client(self, config):
+            raise ConfigError("the tether engine client is built around an agent, not a ClientConfig")
+
+        async def to_native_tool(self, tool):
+            return {"type": "function", "function": {"name": tool.name, "description": tool.description,
+                                                     "parameters": tool.parameters}}
+
+        async def to_native_prompt(self, messages):
+            return _dump(messages), {}
+
+        async def get_native_response(self, prompt, model, sampling_args, tools=None, **kwargs):
+            return await self.client._turn(kwargs.get("state"), prompt, tools)
+
+        async def raise_from_native_response(self, response):
+            return None  # the engine's answer is always a response (its failures raised in get_native_response)
+
+        async def from_native_response(self, r: _Native):
+            truncated = r.reason == "length"
+            finish = "tool_calls" if r.calls else ("length" if truncated else "stop")
+            calls = [T.ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"]) for c in r.calls] or None
+            tokens = T.ResponseTokens(prompt_ids=list(r.prompt_ids), prompt_mask=[0] * len(r.prompt_ids),
+                                      completion_ids=list(r.ids), completion_mask=[1] * len(r.ids),
+                                      completion_logprobs=list(r.logp))
+            msg = T.ResponseMessage(content=r.content, tool_calls=calls, finish_reason=finish, is_truncated=truncated,
+                                    tokens=tokens)
+            usage = T.Usage(prompt_tokens=len(r.prompt_ids), reasoning_tokens=0, completion_tokens=len(r.ids),
+                            total_tokens=len(r.prompt_ids) + len(r.ids))
+            return T.Response(id=f"tether-{time.monotonic_ns()}", created=int(time.time()), model=MODEL_NAME,
+                              usage=usage, message=msg)
+
+        async def close(self):
+            return None
+
+    _CLIENTS[id(vf)] = EngineClient
+    return EngineClient
+
+
+class VerifiersAgent:
+    """Runs the verifiers environment ``env`` with the policy (module docstring).
+
+    Args:
+        engine: a ``tether.rollout.Engine`` (every waiting turn decodes in one call).
+        tokenizer: the policy's tokenizer (it must have a chat template).
+        env: a `tether.envs.verifiers.VerifiersEnv`.
+        system_prompt: refused (the environment's rows carry their own system prompt).
+        max_obs_tokens: tokens per new message's text (longer ones are cut; the template closes the message).
+        max_context: prompt + response tokens per episode (at most the model's context).
+        prompt_overflow: an opening prompt that leaves no room: ``"error"`` or ``"truncate"``.
+        observation_format: must be ``"chat"`` (the environment's messages are chat turns).
+        observation_role: unused (each message carries its role); accepted for the multi_turn options.
+        reuse_kv: unused (each turn's batch is encoded whole).
+    """
+
+    def __init__(self, engine, tokenizer, env: VerifiersEnv, *, system_prompt: str = "", max_obs_tokens: int = 512,
+                 max_context: int = 4096, prompt_overflow: str = "error", observation_format: str = "chat",
+                 observation_role: str = "tool", reuse_kv: bool = True):
+        if system_prompt:
+            raise ConfigError("data.system_prompt has no effect with a verifiers environment (its rows carry their "
+                              "own system prompt)")
+        if observation_format != "chat":
+            raise ConfigError("a verifiers environment's messages are chat turns: set "
+                              "rollout.agent.env.observation_format=chat")
+        self.engine, self.tokenizer, self.env, self.vf = engine, tokenizer, env, env.vf
+        served = getattr(engine, "max_model_len", None)
+        cap = max_context if not served else min(max_context, int(served))
+        self.encoder = agent_prompt_encoder(engine, tokenizer, "", prompt_overflow, max_context=cap, reserve=1)
+        self.max_context, self.max_obs_tokens = self.encoder.context, max_obs_tokens
+        self.chat = ChatTurns(tokenizer, "tool", getattr(engine, "eos_token_ids", None))
+        self.tool_format, self.renders_tools = template_tool_format(tokenizer, env.tool_format)
+        self.prompts = _Prompts(self)
+        self.client = _client_class(self.vf)(self)
+        sa = getattr(env.env, "sampling_args", None) or {}
+        stop = sa.get("stop")
+        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
+        self._ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+        self._counters: dict[str, float] = {}
+
+    # ------------------------------------------------------------ the rollout
+
+    def rollout(self, examples: Sequence[Example], params: SamplingParams) -> RolloutBatch:
+        """``params.n`` episodes per example (rows of example ``i`` contiguous, ``group == i``)."""
+        rows = [(i, ex) for i, ex in enumerate(examples) for _ in range(params.n)]
+        self._traces: dict[int, _Trace] = {}
+        self._row_examples = [ex for _, ex in rows]
+        self._params, self._pending, self._calls, self._fatal = params, [], 0, None
+        self._gen_time = 0.0
+        t0 = time.perf_counter()
+        states = _run(self._episodes(rows, params.n))
+        if self._fatal is not None:
+            raise self._fatal
+        rb = self._batch(rows, states, params.n)
+        self._count(states, time.perf_counter() - t0 - self._gen_time)
+        return rb
+
+    async def _episodes(self, rows: list[tuple[int, Example]], n: int) -> list:
+        env = self.env.env
+        sampling = dict(getattr(env, "sampling_args", None) or {})
+
+        async def one(r: int, ex: Example):
+            _ROW.set(r)
+            try:
+                return await env.rollout(self._input(ex), self.client, MODEL_NAME, sampling)
+            except Exception as e:  # the environment's own code (a vf.Error it did not catch, or any other)
+                if self._fatal is None:
+                    self._fatal = EnvError(f"verifiers environment {self.env.env_id!r}: rollout on example "
+                                           f"{ex.id!r} raised {type(e).__name__}: {e}")
+                raise
+
+        tasks = [asyncio.ensure_future(one(r, ex)) for r, (_, ex) in enumerate(rows)]
+        await self._drive(tasks)
+        states = await asyncio.gather(*tasks, return_exceptions=True)
+        if self._fatal is not None:
+            return states
+        for g in range(0, len(states), n):  # the rubric scores each example's group together
+            group = states[g:g + n]
+            try:
+                await env.rubric.score_group(group)
+                for s in group:
+                    await env.rubric.cleanup(s)
+            except Exception as e:  # noqa: BLE001
+                self._fatal = EnvError(f"verifiers environment {self.env.env_id!r}: its rubric raised "
+                                       f"{type(e).__name__}: {e} scoring example {rows[g][1].id!r}")
+                return states
+        return states
+
+    async def _drive(self, tasks: list) -> None:
+        """Send the waiting turns to the engine as one batch whenever every unfinished episode waits on the model
+        (or, when some wait on something else, after a short while)."""
+        while not all(t.done() for t in tasks):
+            for spin in range(400):
+                live = sum(not t.done() for t in tasks)
+                if len(self._pending) >= live:
+                    break
+                await asyncio.sleep(0 if spin < 200 else 0.001)
+            if self._pending:
+                self._flush()
+            else:
+                await asyncio.sleep(0)
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        p = self._params
+        sp = SamplingParams(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, greedy=p.greedy,
+                            max_new_tokens=max(m for _, m, _ in batch), stop=list(self.stop),
+                            seed=None if p.seed is None else (p.seed + 7919 * self._calls) % (2**31))
+        self._calls += 1
+        t0 = time.perf_counter()
+        try:
+            rb = self.engine.generate([ids for ids, _, _ in batch], sp)
+        except Exception as e:  # noqa: BLE001  (the engine's failure ends the rollout, as it does elsewhere)
+            self._fatal = self._fatal or e
+            for _, _, fut in batch:
+                fut.set_exception(e)
+            return
+        self._gen_time += time.perf_counter() - t0
+        for j, (_, cap, fut) in enumerate(batch):
+            m = rb.response_mask[j]
+            ids = rb.response_ids[j][m].tolist()
+            logp = rb.sampler_logp[j][m].tolist() if rb.sampler_logp is not None else [0.0] * len(ids)
+            reason = rb.finish_reason[j]
+            if len(ids) > cap:
+                ids, logp, reason = ids[:cap], logp[:cap], "length"
+            text = rb.texts[j] if len(ids) == int(m.sum()) else self.tokenizer.decode(ids, skip_special_tokens=True)
+            fut.set_result((ids, logp, text, reason))
+
+    # ------------------------------------------------------------ one turn (the client's request)
+
+    def _input(self, ex: Example) -> dict:
+        row = ex.meta.get("vf_input") if isinstance(ex.meta, dict) else None
+        if row is None:  # a row of another task: its prompt as one user message
+            row = {"prompt": [{"role": "user", "content": ex.prompt}], "answer": ex.answer, "example_id": 0}
+        return json.loads(json.dumps(row, default=str))  # a copy the environment may keep
+
+    def _template_tools(self, tools) -> list[dict]:
+        return [t if isinstance(t, dict) else {"type": "function", "function": {
+            "name": t.name, "description": t.description, "parameters": t.parameters}} for t in (tools or [])]
+
+    def _prepare(self, messages: list[dict], tools: list[dict]) -> list[dict]:
+        """The opening messages as rendered: with the tools described in the system message when the template
+        renders none."""
+        msgs = [dict(m, content=_text(m.get("content"))) for m in messages]
+        if tools and not self.renders_tools:
+            desc = tools_system_text([t["function"] for t in tools])
+            if msgs and msgs[0].get("role") == "system":
+                msgs[0] = dict(msgs[0], content=msgs[0]["content"] + "\n\n" + desc)
+            else:
+                msgs.insert(0, {"role": "system", "content": desc})
+        return msgs
+
+    def _render_tools(self, tools: list[dict]) -> Optional[list[dict]]:
+        return tools if tools and self.renders_tools else None
+
+    def _open(self, messages, tools, ex: Example, max_new_tokens: int) -> tuple[list[int], list[dict]]:
+        rendered = self._prepare(_dump(messages), tools)
+        text = self.chat.render(rendered, generation_prompt=True, tools=self._render_tools(tools))
+        return self.encoder.fit(self._ids(text), ex, max_new_tokens), rendered
+
+    async def _turn(self, state, messages: list[dict], tools: Optional[list[dict]]) -> _Native:
+        row = _ROW.get()
+        tools = list(tools or [])
+        tr = self._traces.get(row)
+        try:
+            if tr is None:
+                ex = self._row_examples[row]
+                tr = self._traces[row] = _Trace(example=ex)
+                tr.prompt, tr.rendered = self._open(messages, tools, ex, self._params.max_new_tokens)
+            else:
+                self._extend(tr, messages, tools)
+        except (ChatTemplateError, ConfigError, EnvError) as e:
+            self._fatal = self._fatal or _named(e, self.env.env_id)
+            raise
+        tr.seen = list(messages)
+        room = self.max_context - len(tr.prompt) - len(tr.ids)
+        if room <= 0:
+            tr.finish = "length"
+            raise self.vf.OverlongPromptError("the episode filled its context (rollout.agent.env.max_context)")
+        fut = asyncio.get_running_loop().create_future()
+        context = tr.prompt + tr.ids
+        self._pending.append((context, max(1, min(self._params.max_new_tokens, room)), fut))
+        ids, logp, text, reason = await fut
+        tr.add(ids, True, logp)
+        tr.turn_text, tr.turn_ids, tr.turns, tr.finish = text, ids, tr.turns + 1, reason
+        if len(tr.prompt) + len(tr.ids) >= self.max_context:
+            tr.finish = "length"
+        content, calls = parse_tool_calls(text, self.tool_format, tr.turns) if tools else (text, [])
+        tr.tool_calls += len(calls)
+        return _Native(context, ids, logp, text, reason, content, calls)
+
+    def _extend(self, tr: _Trace, messages: list[dict], tools: list[dict]) -> None:
+        """Append the ids of the messages after the policy's last turn (masked), checking the conversation only
+        grew."""
+        k = len(tr.seen)
+        if len(messages) <= k or messages[:k] != tr.seen or messages[k].get("role") != "assistant":
+            raise EnvError(f"verifiers environment {self.env.env_id!r} rewrote the conversation of example "
+                           f"{tr.example.id!r} (its turn {tr.turns + 1} messages do not extend turn {tr.turns}'s "
+                           f"messages and the assistant's reply): tether trains on the ids as sampled, so each turn "
+                           f"must extend the last")
+        new = []
+        for m in messages[k + 1:]:
+            text = _text(m.get("content"))
+            ids = self._ids(text)
+            if len(ids) > self.max_obs_tokens:
+                text = self.tokenizer.decode(ids[:self.max_obs_tokens])
+            new.append({**{kk: v for kk, v in m.items() if kk in ("role", "name", "tool_call_id")}, "content": text})
+        obs = self.chat.continuation_ids(tr.rendered, tr.turn_text, tr.turn_ids, new, tools=self._render_tools(tools))
+        tr.rendered = tr.rendered + [{"role": "assistant", "content": tr.turn_text}, *new]
+        room = self.max_context - len(tr.prompt) - len(tr.ids)
+        if len(obs) >= room:
+            obs = obs[:max(room, 0)]
+        tr.add(obs, False)
+        tr.obs_tokens += len(obs)
+
+    # ------------------------------------------------------------ batch and metrics
+
+    def _batch(self, rows: list[tuple[int, Example]], states: list, n: int) -> RolloutBatch:
+        pad = getattr(self.engine, "pad_token_id", 0)
+        traces = []
+        for r, (_, ex) in enumerate(rows):
+            tr = self._traces.get(r)
+            if tr is None:  # the environment ended the episode before the model's first turn
+                tr = _Trace(example=ex)
+                tr.prompt = self._open(self._input(ex)["prompt"], self._template_tools(self.env.env.tool_defs), ex,
+                                       self._params.max_new_tokens)[0]
+            traces.append(tr)
+        B, P = len(traces), max(max(len(t.prompt) for t in traces), 1)
+        T = max(max(len(t.ids) for t in traces), 1)
+        prompt_ids = torch.full((B, P), pad, dtype=torch.long)
+        prompt_mask = torch.zeros(B, P, dtype=torch.bool)
+        ids = torch.full((B, T), pad, dtype=torch.long)
+        resp_mask, loss_mask = torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T, dtype=torch.bool)
+        logp = torch.zeros(B, T)
+        info = []
+        for i, (tr, st) in enumerate(zip(traces, states)):
+            if tr.prompt:
+                prompt_ids[i, P - len(tr.prompt):] = torch.tensor(tr.prompt)
+                prompt_mask[i, P - len(tr.prompt):] = True
+            L = len(tr.ids)
+            err = st.get("error") if isinstance(st, dict) else None
+            if L:
+                ids[i, :L], resp_mask[i, :L], logp[i, :L] = torch.tensor(tr.ids), True, torch.tensor(tr.logp)
+                if err is None:
+                    loss_mask[i, :L] = torch.tensor(tr.policy)
+            reward = float(st.get("reward") or 0.0) if err is None else 0.0
+            if st.get("prompt_too_long"):
+                tr.finish = "length"
+            rec = {"turns": tr.turns, "tool_calls": tr.tool_calls, "obs_tokens": tr.obs_tokens, "env_reward": reward,
+                   "env_correct": err is None and reward >= self.env.pass_threshold,
+                   "stop_condition": st.get("stop_condition"),
+                   "metrics": {k: float(v) for k, v in (st.get("metrics") or {}).items()
+                               if isinstance(v, (int, float))}}
+            if err is not None:
+                rec["error"] = f"{type(err).__name__}: {err}"
+            info.append(rec)
+        return RolloutBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=ids, response_mask=resp_mask,
+            finish_reason=[t.finish for t in traces], group=torch.arange(B) // n,
+            texts=[self.tokenizer.decode(t.ids, skip_special_tokens=True) for t in traces],
+            gen_time_s=self._gen_time, gen_tokens=int(sum(sum(t.policy) for t in traces)), pad_token_id=pad,
+            loss_mask=loss_mask, sampler_logp=logp, info=info)
+
+    def _count(self, states: list, env_s: float) -> None:
+        c = self._counters
+        c["episodes"] = c.get("episodes", 0) + len(states)
+        c["env_s"] = c.get("env_s", 0.0) + max(env_s, 0.0)
+        for tr in self._traces.values():
+            c["turns"] = c.get("turns", 0) + tr.turns
+            c["tool_calls"] = c.get("tool_calls", 0) + tr.tool_calls
+            c["obs_tokens"] = c.get("obs_tokens", 0) + tr.obs_tokens
+        for st in states:
+            c["errors"] = c.get("errors", 0) + int(st.get("error") is not None)
+            c["reward"] = c.get("reward", 0.0) + float(st.get("reward") or 0.0)
+            for k, v in (st.get("metrics") or {}).items():
+                if isinstance(v, (int, float)):
+                    c[f"m:{k}"] = c.get(f"m:{k}", 0.0) + float(v)
+
+    def metrics(self) -> dict[str, float]:
+        """Per-episode means since the last call (then reset), under ``verifiers/``: turns, tool calls, the new
+        messages' tokens, errors (the rate of episodes the environment marked with ``state["error"]``), the rubric's
+        reward and each rubric metric; and seconds in the environment's own code in all."""
+        c, self._counters = self._counters, {}
+        if not c:
+            return {}
+        n = max(c["episodes"], 1)
+        out = {f"verifiers/{k}": c.get(k, 0) / n for k in ("turns", "tool_calls", "obs_tokens", "errors", "reward")}
+        out["verifiers/env_s"] = c["env_s"]
+        out.update({f"verifiers/{k[2:]}": v / n for k, v in c.items() if k.startswith("m:")})
+        return out
+
+
+def _named(e: Exception, env_id: str) -> Exception:
+    if isinstance(e, ChatTemplateError):
+        return ChatTemplateError(f"verifiers environment {env_id!r}: the chat template rewrites earlier turns when a "
+                                 f"turn is added, so the environment's messages cannot be appended to the ids the "
+                                 f"policy sampled; run a model whose template only appends")
+    return e
+
+
+def _run(coro):
+    """Run ``coro`` to its end: in this thread, or in a new one when an event loop already runs here."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    out: dict[str, Any] = {}
+
+    def target():
+        try:
+            out["v"] = asyncio.run(coro)
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+            out["e"] = e
+
+    th = threading.Thread(target=target)
+    th.start()
+    th.join()
+    if "e" in out:
+        raise out["e"]
+    return out["v"]
