@@ -11,6 +11,14 @@ def test_python_m_tether_help_lists_subcommands():
         assert cmd in r.stdout, (cmd, r.stdout)
 
 
+def test_train_task_choices_include_search_in_a_fresh_process():
+    """`tether train --task search` (the README's command): the search task's preset registers when tether.search is
+    imported, so the choices must be read after it (a fresh interpreter, as a user runs it)."""
+    r = run_module("train", "--help")
+    assert r.returncode == 0, r.stderr
+    assert "--task {organism,math,search}" in r.stdout
+
+
 def test_python_m_tether_recipes():
     r = run_module("recipes")
     assert r.returncode == 0, r.stdout + r.stderr

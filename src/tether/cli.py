@@ -159,9 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=50")
     t.add_argument("--config", help="YAML config file")
     t.add_argument("--recipe", help="named algorithm (tether recipes lists them); default ema_pg")
-    from .tasks.registry import task_presets  # deferred: pulls in torch
+    from .config import TASK_PRESETS  # deferred: pulls in torch (and registers every task: search's preset too)
 
-    t.add_argument("--task", choices=list(task_presets()),
+    t.add_argument("--task", choices=list(TASK_PRESETS),
                    help="math (default: single-turn, arithmetic / GSM8K / MATH data) | search (the multi-turn search "
                    "agent on the closed-pool multi-hop set with BM25; tether.config.TASK_PRESETS)")
     t.add_argument("--model", help="hub id, local directory, .gguf file, or 'smollm2' (the embedded default)")
