@@ -9,7 +9,6 @@ import json
 import sys
 
 import pytest
-import torch
 
 from tether.agents import MultiTurnAgent, env_from_config
 from tether.config import load_config
@@ -19,7 +18,7 @@ from tether.tasks.base import DataError, Example
 from tether.tasks.rewards import load_reward
 
 from helpers import rows, run_module
-from test_search_agent import ScriptedEngine, segments
+from test_search_agent import LogpEngine, ScriptedEngine, segments
 
 rg = pytest.importorskip("reasoning_gym", reason="the optional extra tether[reasoning-gym]")
 skyrl_gym = pytest.importorskip("skyrl_gym", reason="the optional extra tether[skyrl-gym]")
@@ -143,16 +142,6 @@ def test_skyrl_gym_episode_is_token_exact_with_step_rewards(tok):
             {"role": "user", "content": final}]
     assert eng.calls[1][0][0] == eng.calls[0][0][0] + odd + [tok.eos_token_id] + segs[1][1]
     assert tok.decode(eng.calls[1][0][0]) == tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-
-
-class LogpEngine(ScriptedEngine):
-    """A scripted engine that also reports the sampler's log-probs: -(k + 1) / 100 for the k-th id of a turn."""
-
-    def generate(self, prompts, params):
-        rb = super().generate(prompts, params)
-        T = rb.response_ids.shape[1]
-        rb.sampler_logp = -(torch.arange(T, dtype=torch.float32) + 1).expand(len(rb), T) / 100 * rb.response_mask
-        return rb
 
 
 def test_skyrl_gym_single_turn_env_and_the_sampler_log_probs_aligned(tok):

@@ -68,6 +68,16 @@ class ScriptedEngine:
         pass
 
 
+class LogpEngine(ScriptedEngine):
+    """A scripted engine that also reports the sampler's log-probs: -(k + 1) / 100 for the k-th id of a turn."""
+
+    def generate(self, prompts, params):
+        rb = super().generate(prompts, params)
+        T = rb.response_ids.shape[1]
+        rb.sampler_logp = -(torch.arange(T, dtype=torch.float32) + 1).expand(len(rb), T) / 100 * rb.response_mask
+        return rb
+
+
 class FakeRetriever:
     def __init__(self, fail: bool = False):
         self.batches, self.fail = [], fail

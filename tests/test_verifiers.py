@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tether.agents import env_from_config, multi_turn_agent
 from tether.agents.chat_turns import ChatTemplateError
@@ -23,7 +22,7 @@ from tether.rollout import SamplingParams
 from tether.tasks.stream import held_out_sets, prompt_stream
 
 from helpers import rows, run_module
-from test_search_agent import ScriptedEngine, segments
+from test_search_agent import LogpEngine, ScriptedEngine, segments
 
 vf = pytest.importorskip("verifiers", reason="the optional extra tether[verifiers]")
 
@@ -48,16 +47,6 @@ def tok(tiny_model_dir):
 
 def ids_of(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
-
-
-class LogpEngine(ScriptedEngine):
-    """A scripted engine that reports the sampler's log-probs: -(k + 1) / 100 for the k-th id of a turn."""
-
-    def generate(self, prompts, params):
-        rb = super().generate(prompts, params)
-        T = rb.response_ids.shape[1]
-        rb.sampler_logp = -(torch.arange(T, dtype=torch.float32) + 1).expand(len(rb), T) / 100 * rb.response_mask
-        return rb
 
 
 def agent_for(tok, over: dict, script, engine=ScriptedEngine, **kw) -> tuple[VerifiersAgent, ScriptedEngine, list]:

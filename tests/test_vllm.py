@@ -275,6 +275,30 @@ def test_search_agent_runs_on_vllm(setup):
     assert eng.supports_sessions and eng.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
 
 
+def test_verifiers_env_runs_on_vllm(setup, monkeypatch):
+    """A verifiers MultiTurnEnv (tests/vf_envs/tether_vf_echo.py: a user message after every turn) through the
+    in-process client on the vLLM engine (docs/ecosystem.md): the concurrent episodes' turns batch into engine calls,
+    the user turns are masked with log-prob 0, and the engine's log-probs equal the trainer's on the policy's ids."""
+    pytest.importorskip("verifiers")
+    from tether.agents import env_from_config, multi_turn_agent
+    from tether.config import load_config
+    from tether.tasks.stream import prompt_stream
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "vf_envs"))
+    _, model, tok, eng = setup
+    cfg = load_config(None, {"rollout.agent.kind": "multi_turn", "rollout.agent.env.name": "verifiers:tether_vf_echo",
+                             "rollout.agent.env.observation_format": "chat"})
+    agent = multi_turn_agent(eng, tok, env_from_config(cfg.rollout.agent.env), max_context=240, max_obs_tokens=64,
+                             observation_format="chat")
+    rb = agent.rollout(prompt_stream(cfg).take(2), SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3))
+    assert len(rb) == 4 and rb.sampler_logp is not None and rb.group.tolist() == [0, 0, 1, 1]
+    obs = rb.response_mask & ~rb.loss_mask
+    assert obs.any() and torch.all(rb.sampler_logp[obs] == 0)  # the environment's "Once more." turns
+    lp = _trainer_logp(model, rb)
+    assert float((lp - rb.sampler_logp).abs()[rb.loss_mask].max()) < 1e-4
+    assert all(r["turns"] == 2 for r in rb.info) and agent.metrics()["verifiers/turns"] == 2
+
+
 # ---------------------------------------------------------------- asynchronous RL: vLLM rollout workers (docs/async.md)
 
 STALE_VLLM_AGENT = '''
