@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tether.agents import env_from_config, multi_turn_agent
 from tether.agents.chat_turns import ChatTemplateError
@@ -118,6 +119,34 @@ def test_an_error_row_is_masked_and_counted(tok):
     assert "ToolCallError" in rb.info[0]["error"] and not rb.loss_mask[0].any() and rb.info[0]["env_reward"] == 0.0
     assert rb.loss_mask[1].any() and "error" not in rb.info[1]
     assert agent.metrics()["verifiers/errors"] == 0.5
+
+
+def test_the_engine_keeps_each_episode_between_turns(tiny_model_dir):
+    """On the transformers engine (a MultiTurnEnv with a user turn after each turn, tests/vf_envs/tether_vf_echo.py)
+    each episode is a session: turn 2 encodes only its new tokens, and the ids sampled are those of a run that
+    re-encodes every turn (rollout.reuse_kv=false); the engine's log-probs equal the trainer's on the policy's ids."""
+    from tether.logprobs import response_stats
+    from tether.models import ModelConfig, load_model
+    from tether.rollout import HFEngine
+
+    model, tok = load_model(ModelConfig(name=str(tiny_model_dir)))
+    eng = HFEngine(model, tok, record_logp=True)
+    cfg = load_config(None, {**ADD, "rollout.agent.env.name": "verifiers:tether_vf_echo"})
+    out = []
+    for reuse in (True, False):
+        agent = multi_turn_agent(eng, tok, env_from_config(cfg.rollout.agent.env), max_context=240,
+                                 max_obs_tokens=64, observation_format="chat", reuse_kv=reuse)
+        assert agent.sessions == reuse
+        rb = agent.rollout(prompt_stream(cfg).take(2), SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=3))
+        assert all(r["turns"] == 2 for r in rb.info) and not len(eng.session_store)  # released at the end
+        out.append(rb)
+    assert out[0].response_ids.tolist() == out[1].response_ids.tolist()
+    rb = out[0]
+    with torch.no_grad():
+        st = response_stats(model, rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask, temperature=1.0,
+                            entropy=False)
+    assert float((st.logp.float() - rb.sampler_logp).abs()[rb.loss_mask].max()) < 1e-4
+    assert torch.all(rb.sampler_logp[rb.response_mask & ~rb.loss_mask] == 0)
 
 
 def test_tool_call_formats():

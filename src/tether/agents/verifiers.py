@@ -45,7 +45,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..envs.verifiers import VerifiersEnv
+from ..envs.verifiers import VerifiersEnv, message_text
 from ..errors import ConfigError, EnvError
 from ..rollout.base import RolloutBatch, SamplingParams
 from ..tasks.base import Example
@@ -66,14 +66,6 @@ def _dump(messages) -> list[dict]:
         d = m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m)
         out.append({k: v for k, v in d.items() if v is not None})
     return out
-
-
-def _text(content) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else "" for p in content)
-    return "" if content is None else str(content)
 
 
 @dataclass
@@ -185,7 +177,8 @@ class VerifiersAgent:
         prompt_overflow: an opening prompt that leaves no room: ``"error"`` or ``"truncate"``.
         observation_format: must be ``"chat"`` (the environment's messages are chat turns).
         observation_role: unused (each message carries its role); accepted for the multi_turn options.
-        reuse_kv: unused (each turn's batch is encoded whole).
+        reuse_kv: keep each episode's cache in the engine between turns when it can (``supports_sessions``: the
+            transformers engine's KV, vLLM's prefix cache), so a turn encodes only the tokens added since the last.
     """
 
     def __init__(self, engine, tokenizer, env: VerifiersEnv, *, system_prompt: str = "", max_obs_tokens: int = 512,
@@ -206,6 +199,8 @@ class VerifiersAgent:
         self.tool_format, self.renders_tools = template_tool_format(tokenizer, env.tool_format)
         self.prompts = _Prompts(self)
         self.client = _client_class(self.vf)(self)
+        self.sessions = bool(reuse_kv and getattr(engine, "supports_sessions", False))
+        self._key = 0  # one session namespace per rollout call
         sa = getattr(env.env, "sampling_args", None) or {}
         stop = sa.get("stop")
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
@@ -222,7 +217,12 @@ class VerifiersAgent:
         self._params, self._pending, self._calls, self._fatal = params, [], 0, None
         self._gen_time = 0.0
         t0 = time.perf_counter()
-        states = _run(self._episodes(rows, params.n))
+        self._key += 1
+        try:
+            states = _run(self._episodes(rows, params.n))
+        finally:
+            if self.sessions:
+                self.engine.release([(("verifiers", self._key), r) for r in range(len(rows))])
         if self._fatal is not None:
             raise self._fatal
         rb = self._batch(rows, states, params.n)
@@ -278,19 +278,20 @@ class VerifiersAgent:
         batch, self._pending = self._pending, []
         p = self._params
         sp = SamplingParams(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, greedy=p.greedy,
-                            max_new_tokens=max(m for _, m, _ in batch), stop=list(self.stop),
+                            max_new_tokens=max(m for _, m, _, _ in batch), stop=list(self.stop),
                             seed=None if p.seed is None else (p.seed + 7919 * self._calls) % (2**31))
         self._calls += 1
         t0 = time.perf_counter()
         try:
-            rb = self.engine.generate([ids for ids, _, _ in batch], sp)
+            kw = {"sessions": [(("verifiers", self._key), row) for _, _, _, row in batch]} if self.sessions else {}
+            rb = self.engine.generate([ids for ids, _, _, _ in batch], sp, **kw)
         except Exception as e:  # noqa: BLE001  (the engine's failure ends the rollout, as it does elsewhere)
             self._fatal = self._fatal or e
-            for _, _, fut in batch:
+            for _, _, fut, _ in batch:
                 fut.set_exception(e)
             return
         self._gen_time += time.perf_counter() - t0
-        for j, (_, cap, fut) in enumerate(batch):
+        for j, (_, cap, fut, _) in enumerate(batch):
             m = rb.response_mask[j]
             ids = rb.response_ids[j][m].tolist()
             logp = rb.sampler_logp[j][m].tolist() if rb.sampler_logp is not None else [0.0] * len(ids)
@@ -315,7 +316,7 @@ class VerifiersAgent:
     def _prepare(self, messages: list[dict], tools: list[dict]) -> list[dict]:
         """The opening messages as rendered: with the tools described in the system message when the template
         renders none."""
-        msgs = [dict(m, content=_text(m.get("content"))) for m in messages]
+        msgs = [dict(m, content=message_text(m.get("content"))) for m in messages]
         if tools and not self.renders_tools:
             desc = tools_system_text([t["function"] for t in tools])
             if msgs and msgs[0].get("role") == "system":
@@ -353,7 +354,7 @@ class VerifiersAgent:
             raise self.vf.OverlongPromptError("the episode filled its context (rollout.agent.env.max_context)")
         fut = asyncio.get_running_loop().create_future()
         context = tr.prompt + tr.ids
-        self._pending.append((context, max(1, min(self._params.max_new_tokens, room)), fut))
+        self._pending.append((context, max(1, min(self._params.max_new_tokens, room)), fut, row))
         ids, logp, text, reason = await fut
         tr.add(ids, True, logp)
         tr.turn_text, tr.turn_ids, tr.turns, tr.finish = text, ids, tr.turns + 1, reason
@@ -374,7 +375,7 @@ class VerifiersAgent:
                            f"must extend the last")
         new = []
         for m in messages[k + 1:]:
-            text = _text(m.get("content"))
+            text = message_text(m.get("content"))
             ids = self._ids(text)
             if len(ids) > self.max_obs_tokens:
                 text = self.tokenizer.decode(ids[:self.max_obs_tokens])

@@ -27,7 +27,7 @@ from ..tasks.benchmarks import BENCHMARK_PREFIXES, Benchmark
 from ..tasks.registry import TASKS
 from ..tasks.rewards import load_reward
 
-__all__ = ["PREFIX", "OPTIONS", "TOOL_FORMATS", "VerifiersEnv", "verifiers_library"]
+__all__ = ["PREFIX", "OPTIONS", "TOOL_FORMATS", "VerifiersEnv", "message_text", "verifiers_library"]
 
 #: ``rollout.agent.env.name`` prefix of a verifiers environment
 PREFIX = "verifiers:"
@@ -102,8 +102,8 @@ def load_env(env_id: str, args: Optional[dict] = None):
     return env
 
 
-def _text(content) -> str:
-    """A message's content as text (a list of content parts: their text parts joined)."""
+def message_text(content) -> str:
+    """A verifiers message's content as text (a list of content parts: their text parts joined)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -128,7 +128,8 @@ def dataset_examples(env_id: str, env, split: str, limit: Optional[int] = None) 
         users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
         vf_input = {k: row[k] for k in ("prompt", "answer", "info", "example_id", "task") if k in row}
         vf_input.setdefault("example_id", i)
-        out.append(Example(prompt=_text(users[-1]["content"]) if users else _text(prompt[-1].get("content")),
+        last = users[-1] if users else prompt[-1]
+        out.append(Example(prompt=message_text(last.get("content")),
                            answer=str(row.get("answer", "")), id=f"vf:{env_id}:{split}:{row.get('example_id', i)}",
                            meta={"vf_input": vf_input}))
     return out
