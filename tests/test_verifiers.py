@@ -270,3 +270,14 @@ def test_verifiers_trains_and_evaluates(tiny_model_dir, tmp_path):
     res = json.loads((out / "results.json").read_text())
     (name, b), = res["benchmarks"].items()
     assert name == "verifiers_tether_vf_add" and b["metrics"]["avg@1"] >= 0.0 and len(b["metrics"]) > 3
+    # a plain model (no run to take the environment from): --env and --env-options, in the chat format
+    out = tmp_path / "eval_plain"
+    r = run_module("eval", "--model", tiny_model_dir, "--agent", "multi_turn", "--env", "verifiers:tether_vf_add",
+                   "--env-options", "{args: {n: 6, n_eval: 3, digits: 2}}", "--benchmarks", "verifiers:tether_vf_add",
+                   "--greedy", "--max-new-tokens", 8, "--no-progress", "--out", out, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["benchmarks"]["verifiers_tether_vf_add"]["metrics"]["n_problems"] == 3
+    r = run_module("eval", "--model", tiny_model_dir, "--agent", "multi_turn", "--env", "verifiers:tether_vf_add",
+                   "--env-options", "[1, 2]", "--benchmarks", "verifiers:tether_vf_add", env=env)
+    assert r.returncode == 2 and "--env-options must be a mapping" in r.stderr

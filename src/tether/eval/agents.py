@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
+
+import yaml
 
 from ..agents import AGENTS, agent_tools
 from ..config import Config, load_config
@@ -36,9 +38,14 @@ def add_agent_arguments(e) -> None:
                    "the search environment, rollout.agent.env.name=search, on QA benchmarks)")
     m = e.add_argument_group("multi-turn agent", "--agent multi_turn runs an environment (docs/environments.md) on the "
                              "benchmarks; the task's reward scores the episodes' text")
-    m.add_argument("--env", default=None, help="multi_turn (rollout.agent.env.name): calculator | module:Class | "
-                   "path.py:Class (default: the rollout.agent.env settings a --model run trained with, when it ran "
-                   "an environment other than search; else calculator; a flag given here overrides the run's value)")
+    m.add_argument("--env", default=None, help="multi_turn (rollout.agent.env.name): calculator | skyrl_gym:<name> | "
+                   "verifiers:<env_id> | module:Class | path.py:Class (default: the rollout.agent.env settings a "
+                   "--model run trained with, when it ran an environment other than search; else calculator; a flag "
+                   "given here overrides the run's value). skyrl_gym and verifiers environments run in the chat "
+                   "observation format (skyrl_gym: user observation turns) unless the run says otherwise")
+    m.add_argument("--env-options", dest="env_options", default=None, metavar="YAML",
+                   help="multi_turn: the environment's options as a YAML/JSON mapping (rollout.agent.env.options), "
+                   "e.g. '{args: {num_eval_examples: 200}}' for a verifiers environment's load_environment")
     m.add_argument("--max-turns", dest="max_turns", type=int, default=None,
                    help="multi_turn: policy turns per episode (rollout.agent.env.max_turns; default: the run's, "
                    "else 0: the environment's own)")
@@ -75,7 +82,8 @@ def agent_setup(args) -> tuple[list, Config, dict[str, Any]]:
     ``env`` section: `tether.agents.build.build_rollout` builds the engine and agent from it) and the
     agent's tools (built here, before the model)."""
     agent = getattr(args, "agent", "single_turn")
-    env_keys = [f"--{k.replace('_', '-')}" for k in ("env", "max_turns") if getattr(args, k, None) not in (None, "")]
+    env_keys = [f"--{k.replace('_', '-')}" for k in ("env", "max_turns", "env_options")
+                if getattr(args, k, None) not in (None, "")]
     if agent != "multi_turn" and env_keys:
         raise EvalError(" and ".join(env_keys) + " only apply with --agent multi_turn")
     wasted = []
@@ -138,11 +146,29 @@ def env_setup(args, trained: Mapping[str, Any] | None = None) -> Config:
         print("[tether] using the run's environment: " + ", ".join(f"{p}{k}={v}" for k, v in trained.items())
               + " (flags given here override it)", file=sys.stderr)
     given = {"name": args.env, "max_turns": args.max_turns, "max_obs_tokens": args.max_obs_tokens,
-             "max_context": args.max_context}
+             "max_context": args.max_context, "options": _options(getattr(args, "env_options", None))}
     over.update({p + k: v for k, v in given.items() if v is not None and v != ""})
+    name = str(over.get(p + "name") or "")
+    if name.startswith(("skyrl_gym:", "verifiers:")) and p + "observation_format" not in over:
+        over[p + "observation_format"] = "chat"  # the only format these environments run in
+        if name.startswith("skyrl_gym:"):
+            over.setdefault(p + "observation_role", "user")  # SkyRL's observations are user messages
     cfg = load_config(None, over)
     args.env_used = as_dict(cfg.rollout.agent.env)  # what results.json records
     return cfg
+
+
+def _options(text: Optional[str]) -> Optional[dict]:
+    """--env-options: a YAML / JSON mapping (None when not given)."""
+    if text in (None, ""):
+        return None
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise EvalError(f"--env-options is not YAML / JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise EvalError(f"--env-options must be a mapping (the environment's options), got {text!r}")
+    return value
 
 
 def search_setup(args) -> tuple[list, Config, dict[str, Any]]:
