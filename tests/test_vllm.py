@@ -295,7 +295,10 @@ def test_verifiers_env_runs_on_vllm(setup, monkeypatch):
     obs = rb.response_mask & ~rb.loss_mask
     assert obs.any() and torch.all(rb.sampler_logp[obs] == 0)  # the environment's "Once more." turns
     lp = _trainer_logp(model, rb)
-    assert float((lp - rb.sampler_logp).abs()[rb.loss_mask].max()) < 1e-4
+    d = (lp - rb.sampler_logp).abs()[rb.loss_mask]
+    # aligned: a log-prob on the wrong token is off by ~1; vLLM's CPU backend has given one token in ~50 a
+    # difference of 6e-4 here (turn 2 reuses the episode's cached prefix), the rest ~1e-7
+    assert float(d.max()) < 2e-3 and float(d.median()) < 1e-5
     assert all(r["turns"] == 2 for r in rb.info) and agent.metrics()["verifiers/turns"] == 2
 
 
