@@ -17,9 +17,8 @@ sharded with FSDP2 and rollouts are data-parallel: the loop calls ``tether.distr
 With ``train.async`` (max_staleness K >= 1) the rollout arrow runs ahead in worker processes
 (``tether.asynchronous``: ``feed``, the trainer's side; ``workers``; on other nodes with
 ``train.async.transport.kind=remote``, ``remote``; docs/async.md):
-the workers start with the first step (``Trainer.feed``, from the weights they sample with); the trainer submits
-each step's examples as a job, takes the batch of the oldest job (sampled by weights at most K updates old) and
-scores it, and pushes its weights after each step; K = 0 is the synchronous loop, unchanged.
+the trainer submits each step's examples as a job, takes the batch of the oldest job (sampled by weights at most K
+updates old) and scores it, and pushes its weights after each step; K = 0 is the synchronous loop, unchanged.
 `train` / `resume` run a Trainer inside its locked run directory (``tether.rundir``).
 """
 
@@ -147,20 +146,10 @@ class Trainer:
         self._fwd = dict(temperature=cfg.rollout.temperature, chunk_size=t.logprob_chunk)  # as every pass runs
         self._trim = malloc_trim if t.malloc_trim else (lambda: False)  # after the rollout and the update
         self.probes = StepProbes()  # observers of each step's phases (tether.memory.StepMemory)
-        self._feed: Optional[RolloutFeed] = None  # train.async: started by the first step (`feed`)
-        self._feed_state: Optional[dict] = None  # a resume's asynchronous state, for the feed when it starts
-
-    @property
-    def feed(self) -> Optional[RolloutFeed]:
-        """train.async (K >= 1): the jobs to the rollout workers and their batches back; None when synchronous. The
-        workers start at first use (the first step's batch, after a resume's restore), so they start from the
-        weights they sample with and a trainer that is only built starts no process; ``close()`` stops them."""
-        if self._feed is None and self.cfg.train.max_staleness > 0:
-            self._feed = RolloutFeed(self.cfg, self.model, self.data.take, lambda: self.data.position,
-                                     lambda job: self._sampling(0, step=job), self.step, self.log, self.tokenizer)
-            if self._feed_state is not None:  # restored before the first job: nothing is in flight
-                self._feed.restore(self._feed_state, self.step, self.data.position)
-        return self._feed
+        self.feed: Optional[RolloutFeed] = None  # train.async: jobs to the rollout workers, batches back
+        if t.max_staleness > 0:  # last in __init__: nothing after the workers start can fail
+            self.feed = RolloutFeed(cfg, model, self.data.take, lambda: self.data.position,
+                                    lambda job: self._sampling(0, step=job), self.step, self.log, tokenizer)
 
     def _engine_config(self):
         """rollout.* for the trainer's own engine. With K >= 1 the workers sample; the trainer's engine only serves
@@ -193,7 +182,7 @@ class Trainer:
 
     def _rollout(self) -> tuple[StepBatch, dict]:
         """Generate one step's groups (refilling with new prompts under dynamic sampling), score them."""
-        if self.cfg.train.max_staleness > 0:
+        if self.feed is not None:
             return self._async_rollout()
         r = self.cfg.rollout
         kept, seen, n_groups, rounds = [], [], 0, 0
@@ -360,8 +349,8 @@ class Trainer:
             moved = self.anchor.update(self.model, self.step, token_kl=upd.get("kl"))
         t5 = time.perf_counter()
         self.engine.sync_weights(self.model)  # a copy's engine (vLLM) reloads its weights here
-        if self._feed is not None:
-            self._feed.push(self.model, self.step)  # the rollout workers' next jobs sample with this version
+        if self.feed is not None:
+            self.feed.push(self.model, self.step)  # the rollout workers' next jobs sample with this version
         m.update(upd, time_sync_s=time.perf_counter() - t5)
         if exact is not None:
             m["exact_kl_sample"] = exact
@@ -382,10 +371,8 @@ class Trainer:
     def state(self) -> dict:
         st = {"data_position": self.data.position, "skipped_updates": self.skipped_updates,
               "reward_errors": self.reward_errors.count, "schedule": self.schedule.plan}
-        if self._feed is not None:  # the jobs in flight are not saved: a resume regenerates them
-            st.update(data_position=self._feed.position, async_=self._feed.state())
-        elif self._feed_state is not None:  # restored, not yet started: what was restored
-            st.update(async_=self._feed_state)
+        if self.feed is not None:  # the jobs in flight are not saved: a resume regenerates them
+            st.update(data_position=self.feed.position, async_=self.feed.state())
         return st
 
     def save(self) -> Path:
@@ -401,16 +388,14 @@ class Trainer:
         if "schedule" in st:  # absent in checkpoints written before it was saved: those keep the config's schedule
             self.schedule.continue_from(st["schedule"], self.step, self.run_dir)
         self.engine.sync_weights(self.model)
-        if self.cfg.train.max_staleness > 0:
-            self._feed_state = st.get("async_", {})
-            if self._feed is not None:  # already started (restored before the first job: nothing is in flight)
-                self._feed.restore(self._feed_state, self.step, self.data.position)
-                self._feed.push(self.model, self.step)
+        if self.feed is not None:  # restored before the first job: nothing is in flight
+            self.feed.restore(st.get("async_", {}), self.step, self.data.position)
+            self.feed.push(self.model, self.step)
 
     def close(self) -> None:
         """Stop the rollout workers (K >= 1); ``run()`` calls it however it ends."""
-        if self._feed is not None:
-            self._feed.close()
+        if self.feed is not None:
+            self.feed.close()
 
     def run(self, resume: bool = False) -> Path:
         """Train until ``train.steps`` (`tether.loop.run_steps`); checkpoints every ``run.save_every`` steps and at
