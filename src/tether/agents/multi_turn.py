@@ -62,7 +62,7 @@ from ..tasks.base import Example
 from ..tasks.prompts import agent_prompt_encoder, chat_messages
 from .chat_turns import OBSERVATION_FORMATS, ChatTurns
 
-__all__ = ["MultiTurnAgent"]
+__all__ = ["MultiTurnAgent", "turn_of"]
 
 _SESSIONS = itertools.count()
 
@@ -119,6 +119,19 @@ class _EnvPrompts:
     def check(self, examples: Sequence[Example], max_new_tokens: int) -> None:
         texts = [Example(p, ex.answer, ex.id, ex.meta) for ex in examples if isinstance(p := self._prompt(ex), str)]
         self.agent.encoder.check(texts, max_new_tokens)
+
+
+def turn_of(rb: RolloutBatch, j: int, cap: int, tokenizer) -> tuple[list[int], Optional[list[float]], str, str]:
+    """Row ``j`` of an engine's batch as one policy turn, cut to ``cap`` ids (then finished ``"length"``): its ids,
+    the engine's log-probs of them (None when it reports none), its text and its finish reason."""
+    m = rb.response_mask[j]
+    ids = rb.response_ids[j][m].tolist()
+    logp = rb.sampler_logp[j][m].tolist() if rb.sampler_logp is not None else None
+    reason = rb.finish_reason[j]
+    if len(ids) > cap:
+        ids, logp, reason = ids[:cap], (logp[:cap] if logp is not None else None), "length"
+    text = rb.texts[j] if len(ids) == int(m.sum()) else tokenizer.decode(ids, skip_special_tokens=True)
+    return ids, logp, text, reason
 
 
 def _prompt_key(prompt) -> str:
@@ -268,18 +281,7 @@ class MultiTurnAgent:
         kw = {"sessions": [(key, e.index) for e in active]} if self.sessions else {}
         rb = self.engine.generate(prompts, sp, **kw)
         self._got_logp = self._got_logp and rb.sampler_logp is not None
-        out = []
-        for j, e in enumerate(active):
-            m = rb.response_mask[j]
-            ids = rb.response_ids[j][m].tolist()
-            logp = rb.sampler_logp[j][m].tolist() if rb.sampler_logp is not None else None
-            cap = self.max_context - e.length  # this episode's own room
-            reason = rb.finish_reason[j]
-            if len(ids) > cap:
-                ids, logp, reason = ids[:cap], (logp[:cap] if logp is not None else None), "length"
-            text = rb.texts[j] if len(ids) == int(m.sum()) else self.tokenizer.decode(ids, skip_special_tokens=True)
-            out.append((ids, logp, text, reason))
-        return out
+        return [turn_of(rb, j, self.max_context - e.length, self.tokenizer) for j, e in enumerate(active)]  # own room
 
     def _after(self, e: _Episode, r, ids: list[int], text: str, reason: str) -> None:
         """Apply one step's result to its episode: counters, the end, or the observation."""

@@ -51,6 +51,7 @@ from ..rollout.base import RolloutBatch, SamplingParams
 from ..tasks.base import Example
 from ..tasks.prompts import agent_prompt_encoder
 from .chat_turns import ChatTemplateError, ChatTurns
+from .multi_turn import turn_of
 from .tool_calls import parse_tool_calls, template_tool_format, tools_system_text
 
 __all__ = ["VerifiersAgent"]
@@ -115,6 +116,12 @@ class _Prompts:
         self.encode(examples, max_new_tokens)
 
 
+def _tool_dict(tool) -> dict:
+    """A ``vf.Tool`` as a chat template's (and an OpenAI client's) tool definition."""
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
+                                             "parameters": tool.parameters}}
+
+
 _CLIENTS: dict[int, type] = {}
 
 
@@ -131,14 +138,13 @@ def _client_class(vf) -> type:
             raise ConfigError("the tether engine client is built around an agent, not a ClientConfig")
 
         async def to_native_tool(self, tool):
-            return {"type": "function", "function": {"name": tool.name, "description": tool.description,
-                                                     "parameters": tool.parameters}}
+            return _tool_dict(tool)
 
         async def to_native_prompt(self, messages):
             return _dump(messages), {}
 
         async def get_native_response(self, prompt, model, sampling_args, tools=None, **kwargs):
-            return await self.client._turn(kwargs.get("state"), prompt, tools)
+            return await self.client._turn(prompt, tools)
 
         async def raise_from_native_response(self, response):
             return None  # the engine's answer is always a response (its failures raised in get_native_response)
@@ -292,14 +298,8 @@ class VerifiersAgent:
             return
         self._gen_time += time.perf_counter() - t0
         for j, (_, cap, fut, _) in enumerate(batch):
-            m = rb.response_mask[j]
-            ids = rb.response_ids[j][m].tolist()
-            logp = rb.sampler_logp[j][m].tolist() if rb.sampler_logp is not None else [0.0] * len(ids)
-            reason = rb.finish_reason[j]
-            if len(ids) > cap:
-                ids, logp, reason = ids[:cap], logp[:cap], "length"
-            text = rb.texts[j] if len(ids) == int(m.sum()) else self.tokenizer.decode(ids, skip_special_tokens=True)
-            fut.set_result((ids, logp, text, reason))
+            ids, logp, text, reason = turn_of(rb, j, cap, self.tokenizer)
+            fut.set_result((ids, [0.0] * len(ids) if logp is None else logp, text, reason))
 
     # ------------------------------------------------------------ one turn (the client's request)
 
@@ -310,8 +310,7 @@ class VerifiersAgent:
         return json.loads(json.dumps(row, default=str))  # a copy the environment may keep
 
     def _template_tools(self, tools) -> list[dict]:
-        return [t if isinstance(t, dict) else {"type": "function", "function": {
-            "name": t.name, "description": t.description, "parameters": t.parameters}} for t in (tools or [])]
+        return [t if isinstance(t, dict) else _tool_dict(t) for t in (tools or [])]
 
     def _prepare(self, messages: list[dict], tools: list[dict]) -> list[dict]:
         """The opening messages as rendered: with the tools described in the system message when the template
@@ -333,7 +332,7 @@ class VerifiersAgent:
         text = self.chat.render(rendered, generation_prompt=True, tools=self._render_tools(tools))
         return self.encoder.fit(self._ids(text), ex, max_new_tokens), rendered
 
-    async def _turn(self, state, messages: list[dict], tools: Optional[list[dict]]) -> _Native:
+    async def _turn(self, messages: list[dict], tools: Optional[list[dict]]) -> _Native:
         row = _ROW.get()
         tools = list(tools or [])
         tr = self._traces.get(row)
