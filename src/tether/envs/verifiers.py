@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from ..errors import ConfigError
 from ..tasks.base import DataError, Example
-from ..tasks.benchmarks import BENCHMARK_PREFIXES, Benchmark
+from ..tasks.benchmarks import BENCHMARK_PREFIXES, Benchmark, slug
 from ..tasks.registry import TASKS
 from ..tasks.rewards import load_reward
 
@@ -207,7 +207,7 @@ def _benchmark(source: str, limit: Optional[int], reward: Optional[str]) -> Benc
     env = _LAST.get(env_id) or load_env(env_id)
     examples = dataset_examples(env_id, env, "eval", limit)
     spec = reward or "none"
-    return Benchmark(name=source, source=source, split="eval", examples=examples, reward=spec,
+    return Benchmark(name=slug(source), source=source, split="eval", examples=examples, reward=spec,
                      reward_fn=load_reward(spec))
 
 

@@ -29,8 +29,8 @@ from .rewards import load_reward
 
 __all__ = ["BENCHMARK_PREFIXES", "Benchmark", "load_benchmark", "load_benchmarks", "slug"]
 
-#: a source prefix -> ``loader(source, limit, reward) -> Benchmark`` for benchmarks an environment holds (registered by
-#: its module: ``verifiers:`` in `tether.envs.verifiers`, the environment's eval dataset)
+#: a source prefix -> ``loader(source, limit, reward) -> Benchmark`` (named ``slug(source)``) for benchmarks an
+#: environment holds (registered by its module: ``verifiers:`` in `tether.envs.verifiers`, its eval dataset)
 BENCHMARK_PREFIXES: dict = {}
 
 
@@ -131,9 +131,7 @@ def load_benchmark(
         return _reasoning_gym_benchmark(str(source), limit, reward)
     for prefix, loader in BENCHMARK_PREFIXES.items():
         if str(source).startswith(prefix):
-            b = loader(str(source), limit, reward)
-            return Benchmark(name=slug(b.name), source=b.source, split=b.split, examples=b.examples, reward=b.reward,
-                             reward_fn=b.reward_fn)
+            return loader(str(source), limit, reward)
     m = _ARITHMETIC_RE.fullmatch(str(source))
     if m and not Path(str(source)).expanduser().exists():
         return _synthetic_benchmark("arithmetic", int(m.group(1) or 1), limit, reward)
