@@ -80,7 +80,7 @@ def test_the_user_module_is_importable_python():
 def test_a_user_agent_by_spec_gets_the_default_options(tmp_path, monkeypatch):
     """rollout.agent=module:name builds the user's agent with system_prompt and prompt_overflow (its
     ``options`` attribute replaces them); one that does not load is a ConfigError (one error line)."""
-    from tether.agents import agent_from_config, agent_tools
+    from tether.agents.build import RolloutPlan
     from tether.config import ConfigError, load_config
 
     (tmp_path / "my_agent_mod.py").write_text(
@@ -90,7 +90,7 @@ def test_a_user_agent_by_spec_gets_the_default_options(tmp_path, monkeypatch):
         "    def metrics(self):\n        return {}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load_config(None, {"rollout.agent": "my_agent_mod:Echo", "data.system_prompt": "Be brief."})
-    agent = agent_from_config(cfg, engine=None, tokenizer=None)
+    agent = RolloutPlan(cfg).agent(engine=None, tokenizer=None)
     assert agent.options == {"system_prompt": "Be brief.", "prompt_overflow": "error"}
     with pytest.raises(ConfigError, match="my_agent_mod:Nope"):
-        agent_tools(load_config(None, {"rollout.agent": "my_agent_mod:Nope"}))
+        RolloutPlan(load_config(None, {"rollout.agent": "my_agent_mod:Nope"}))

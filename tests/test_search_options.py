@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tether.agents import agent_from_config, agent_tools, env_from_config
+from tether.agents import env_from_config
+from tether.agents.build import RolloutPlan
 from tether.envs.search import SearchEnv
 from tether.errors import ConfigError
 from tether.config import load_config
@@ -51,7 +52,7 @@ def test_observation_format_reaches_the_agent(tok, fmt):
     env = cfg.rollout.agent.env
     assert env.retriever_section().passage_format == (fmt or "search_r1")
     eng = _script(tok)
-    agent = agent_from_config(cfg, eng, tok, tools={"env": env_from_config(env, FakeRetriever())})
+    agent = RolloutPlan(cfg, tools={"env": env_from_config(env, FakeRetriever())}).agent(eng, tok)
     obs = _episode_observation(agent, tok, eng)
     passages = FakeRetriever().search(["first q"], env.retriever_section().topk)[0]
     assert obs == render_observation(passages, fmt or "search_r1")
@@ -77,9 +78,9 @@ def test_search_corpus_goes_to_the_http_retriever(tmp_path):
     base = {"rollout.agent.env.retriever.kind": "http", "rollout.agent.env.retriever.url": "http://127.0.0.1:1"}
     # no longer "only bm25 or dense"
     cfg = load_config(None, {**base, "rollout.agent.env.retriever.corpus": str(corpus)}, task="search")
-    r = agent_tools(cfg)["env"].retriever
+    r = RolloutPlan(cfg).tools["env"].retriever
     assert isinstance(r, HTTPRetriever) and r.corpus is not None and len(r.corpus) == 5
-    assert agent_tools(load_config(None, base, task="search"))["env"].retriever.corpus is None  # none by default
+    assert RolloutPlan(load_config(None, base, task="search")).tools["env"].retriever.corpus is None  # none by default
     with pytest.raises(ConfigError, match="rollout.agent.env.retriever.dense_model only applies with "
                                           "rollout.agent.env.retriever.kind=dense"):
         load_config(None, {**base, "rollout.agent.env.retriever.dense_model": "m"}, task="search")
@@ -152,7 +153,8 @@ def test_eval_flags_reach_the_http_retriever(tmp_path, tok, stub):
     srv, url, corpus = stub
     args = _eval_args(tmp_path, "--retriever", "http", "--url", url, "--timeout", "7.5", "--retries", "0",
                       "--corpus", str(corpus), "--observation-format", "clean", "--topk", "2")
-    _, cfg, tools = _search_setup(args)
+    _, plan = _search_setup(args)
+    cfg, tools = plan.cfg, plan.tools
     r = tools["env"].retriever
     assert isinstance(r, HTTPRetriever) and (r.timeout, r.retries, len(r.corpus)) == (7.5, 0, 6)
     r_cfg = cfg.rollout.agent.env.retriever_section()
@@ -160,7 +162,7 @@ def test_eval_flags_reach_the_http_retriever(tmp_path, tok, stub):
     # one episode through the agent: the server's id-less documents get their corpus ids back (gold recall)
     eng = _script(tok)
     cfg.rollout.agent.env.max_obs_tokens = 10_000
-    agent = agent_from_config(cfg, eng, tok, tools)
+    agent = RolloutPlan(cfg, tools).agent(eng, tok)
     rb = agent.rollout([EX], SamplingParams(n=1, max_new_tokens=64))
     assert srv.requests == [("/retrieve", {"queries": ["first q"], "topk": 2, "return_scores": True})]
     assert rb.info[0]["retrieved"] == ["p0", "p1"]
@@ -168,14 +170,14 @@ def test_eval_flags_reach_the_http_retriever(tmp_path, tok, stub):
     assert obs.startswith("\n\n<information>Doc 1(Title: Entry 0) The ")  # clean: no quotes
     # --retries 1: a failing server is asked twice; --retries 0 and --timeout: one attempt that times out
     srv.mode = "500"
-    r1 = _search_setup(_eval_args(tmp_path, "--retriever", "http", "--url", url, "--retries", "1"))[2]["env"].retriever
+    r1 = _search_setup(_eval_args(tmp_path, "--retriever", "http", "--url", url, "--retries", "1"))[1].tools["env"].retriever
     r1.backoff = 0.0
     with pytest.raises(RetrievalError, match="HTTP 500") as e:
         r1.search(["q"], 1)
     assert e.value.attempts == 2 and len(srv.requests) == 3
     srv.mode = "hang"
     r0 = _search_setup(_eval_args(tmp_path, "--retriever", "http", "--url", url, "--retries", "0",
-                                  "--timeout", "0.2"))[2]["env"].retriever
+                                  "--timeout", "0.2"))[1].tools["env"].retriever
     with pytest.raises(RetrievalError, match="timed out") as e:
         r0.search(["q"], 1)
     assert e.value.attempts == 1 and len(srv.requests) == 4

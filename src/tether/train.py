@@ -35,8 +35,8 @@ from typing import Optional
 import torch
 
 from . import distributed as dist
-from .agents import agent_tools, env_correct, env_reward, reward_parts
-from .agents.build import build_rollout
+from .agents import env_correct, reward_parts
+from .agents.build import RolloutPlan
 from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, overlong_penalty, zero_variance_groups
 from .algo.correction import lr_scale
 from .anchor import make_anchor
@@ -103,10 +103,9 @@ class Trainer:
         # the cheap checks, before the (slow) model load and before a run directory is made
         if t.async_ is not None and t.async_.transport.kind == "remote":  # a missing or weak key
             worker_key(t.async_.transport.key_env)
-        tools = agent_tools(cfg)  # e.g. the search agent's retriever: its corpus is checked
-        own_reward = env_reward(tools)  # the environment's reward, if it has one
+        plan = RolloutPlan(cfg)  # the agent and its tools, e.g. the search environment's retriever: its corpus is checked
         self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row
-        self.score_rewards = training_reward(cfg, self.data, own_reward)  # a bad reward spec fails here, too
+        self.score_rewards = training_reward(cfg, self.data, plan.env_reward)  # a bad reward spec fails here, too
         dist.check_supported(cfg.rollout.prompts_per_step, cfg.rollout.dynamic_sampling)
         if run_guard is not None:
             run_guard.open(cfg)  # after the cheap checks (a bad config leaves no directory), before the model load
@@ -116,9 +115,14 @@ class Trainer:
             from .models import load_model  # deferred: read at call time (tests patch tether.models.load_model)
             self.log(f"[tether] loading model {describe_model(cfg.model.name)}")
             model, tokenizer = load_model(cfg.model)
-        model = dist.shard_model(model)  # FSDP2 under torchrun (before the optimizer and the anchor see it)
+        model = dist.shard_model(model)  # FSDP2 under torchrun (before the engine, the optimizer and the anchor see it)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
+        parts = plan.assemble(model, tokenizer, engine_cfg=self._engine_config())  # the engine, and the agent on it
+        self.engine, self.agent = parts.engine, parts.agent
+        prompts = getattr(self.agent, "prompts", None)  # the agent's PromptEncoder (tether.tasks.prompts)
+        if prompts is not None and self.data.examples is not None:  # an overlong row fails now, not at its step
+            prompts.check(self.data.examples, cfg.rollout.max_new_tokens)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.anchor = make_anchor(cfg.algo.anchor, model)
         self.optimizer = make_adamw(self.params, t)
@@ -126,11 +130,6 @@ class Trainer:
         self.schedule = LRSchedule(self.optimizer, t.schedule, t.warmup_steps, t.steps, t.lr,
                                    per_step=t.epochs * t.mini_batches)
         self.scheduler = self.schedule.scheduler
-        parts = build_rollout(cfg, model, tokenizer, tools=tools, engine_cfg=self._engine_config())
-        self.engine, self.agent = parts.engine, parts.agent
-        prompts = getattr(self.agent, "prompts", None)  # the agent's PromptEncoder (tether.tasks.prompts)
-        if prompts is not None and self.data.examples is not None:  # an overlong row fails now, not at its step
-            prompts.check(self.data.examples, cfg.rollout.max_new_tokens)
         self.step, self.skipped_updates = 0, 0
         self.reward_errors = RewardErrorLog(self.run_dir, self.log)  # counted; the first of each kind logged
         self.held_out = HeldOut(cfg, self.log)  # tether.report: eval.* sets (none when the run does not evaluate)

@@ -13,10 +13,9 @@ and, for a multi-turn agent, interleaves tool observations, marking them False i
 
 Agents register in :data:`AGENTS` with how a config configures them (metadata ``options``,
 ``tools``); ``rollout.agent`` also takes a user's ``module:name`` / ``file.py:name``.
-``make_agent(name, engine, tokenizer, **options)`` builds one by name;
-``agent_from_config(cfg, engine, tokenizer)`` builds the one ``rollout.agent.kind`` names, with its
-options from the config. ``agent_tools(cfg)`` builds its tools (e.g. the retriever, which loads
-and checks its corpus) on their own, so a trainer can do it before the slow model load.
+``make_agent(name, engine, tokenizer, **options)`` builds one by name; the one ``rollout.agent.kind``
+names, with its options and tools from a config, is built by `tether.agents.build.RolloutPlan` (its tools, e.g.
+the retriever, which loads and checks its corpus, first: a trainer does that before the slow model load).
 """
 
 from __future__ import annotations
@@ -114,12 +113,6 @@ def multi_turn_agent(engine, tokenizer, env, **options: Any) -> Agent:
 AGENTS.register("multi_turn", options=_env_options, tools=_env_tools)(multi_turn_agent)
 
 
-def env_reward(tools: dict[str, Any]) -> Optional[str]:
-    """The reward spec of the environment among an agent's ``tools`` (None: no environment, or it keeps the
-    task's reward)."""
-    return getattr(tools.get("env"), "reward", None)
-
-
 def reward_parts(rb: RolloutBatch) -> list[float]:
     """Each row's environment reward parts (``info["env_reward"]``, summed over its steps; 0 without)."""
     return [float((i or {}).get("env_reward", 0.0)) for i in rb.info] if rb.info is not None else [0.0] * len(rb)
@@ -137,17 +130,5 @@ def make_agent(name: str, engine, tokenizer, **options: Any) -> Agent:
     return AGENTS.resolve(name)[0](engine, tokenizer, **options)
 
 
-def agent_tools(cfg) -> dict[str, Any]:
-    """The tools the agent ``cfg.rollout.agent`` needs, e.g. a retriever (build once, before the model)."""
-    return AGENTS.resolve(cfg.rollout.agent.kind)[1]["tools"](cfg)
-
-
-def agent_from_config(cfg, engine, tokenizer, tools: Optional[dict[str, Any]] = None) -> Agent:
-    """The agent ``cfg.rollout.agent`` names, configured from a ``tether.config.Config``."""
-    build, meta = AGENTS.resolve(cfg.rollout.agent.kind)
-    return build(engine, tokenizer, **meta["options"](cfg), **(meta["tools"](cfg) if tools is None else tools))
-
-
-__all__ = ["AGENTS", "Agent", "MultiTurnAgent", "SingleTurnAgent", "VerifiersAgent", "agent_from_config",
-           "agent_tools", "env_correct", "env_from_config", "env_reward", "make_agent", "multi_turn_agent",
-           "reward_parts"]
+__all__ = ["AGENTS", "Agent", "MultiTurnAgent", "SingleTurnAgent", "VerifiersAgent", "env_correct",
+           "env_from_config", "make_agent", "multi_turn_agent", "reward_parts"]

@@ -4,8 +4,8 @@
 * :func:`agent_setup` -- the benchmarks, and the flags as the ``rollout.agent`` section of a config (with its
   ``env`` and the search environment's ``retriever``: the same keys ``tether train`` reads) with the agent's
   tools built from it (the environment, with the search environment's retriever), all checked before any model
-  is touched; the model's engine and agent are then built from that config by
-  `tether.agents.build.build_rollout`, as training builds them;
+  is touched (a `tether.agents.build.RolloutPlan`); the model's engine and agent are then assembled from that
+  plan, as training assembles them;
 * :func:`format_search_table` -- the search agent's table (EM, F1, answered rate, searches, gold recall).
 """
 
@@ -16,7 +16,8 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-from ..agents import AGENTS, agent_tools
+from ..agents import AGENTS
+from ..agents.build import RolloutPlan
 from ..config import Config, load_config
 from ..errors import EvalError
 from ..search.data import load_search_examples
@@ -77,10 +78,10 @@ def add_agent_arguments(e) -> None:
                    "default 4096; multi_turn: the run's when --model is a multi-turn run)")
 
 
-def agent_setup(args) -> tuple[list, Config, dict[str, Any]]:
-    """The benchmarks (each fully loaded and checked), the config the flags make (``rollout.agent`` and its
-    ``env`` section: `tether.agents.build.build_rollout` builds the engine and agent from it) and the
-    agent's tools (built here, before the model)."""
+def agent_setup(args) -> tuple[list, RolloutPlan]:
+    """The benchmarks (each fully loaded and checked) and the rollout plan of the config the flags make
+    (``rollout.agent`` and its ``env`` section; ``plan.cfg``), with the agent's tools built here, before the model
+    (`tether.agents.build.RolloutPlan`: its ``assemble`` then builds the engine and agent on the model)."""
     agent = getattr(args, "agent", "single_turn")
     env_keys = [f"--{k.replace('_', '-')}" for k in ("env", "max_turns", "env_options")
                 if getattr(args, k, None) not in (None, "")]
@@ -101,11 +102,11 @@ def agent_setup(args) -> tuple[list, Config, dict[str, Any]]:
                             "drop --reward/--split/--data-dir (use --search-data-dir)")
         return search_setup(args)
     cfg = env_setup(args, run_env(args)) if agent == "multi_turn" else load_config(None, {"rollout.agent.kind": agent})
-    tools = agent_tools(cfg)  # first: an environment that holds its benchmark (verifiers:<env_id>) is loaded here
+    plan = RolloutPlan(cfg)  # first: an environment that holds its benchmark (verifiers:<env_id>) is loaded here
     benches = load_benchmarks(args.benchmarks, limit=args.limit, data_dir=args.data_dir,
                               prompt_key=args.prompt_key, answer_key=args.answer_key, split=args.split,
                               reward=args.reward)
-    return benches, cfg, tools
+    return benches, plan
 
 
 def run_env(args) -> dict[str, Any]:
@@ -171,9 +172,9 @@ def _options(text: Optional[str]) -> Optional[dict]:
     return value
 
 
-def search_setup(args) -> tuple[list, Config, dict[str, Any]]:
-    """--agent search: the QA benchmarks (search reward), the config of the search environment
-    (``rollout.agent.env.*`` and its ``retriever`` from the flags) and its tools (the environment over the
+def search_setup(args) -> tuple[list, RolloutPlan]:
+    """--agent search: the QA benchmarks (search reward) and the rollout plan of the search environment's config
+    (``rollout.agent.env.*`` and its ``retriever`` from the flags), with its tools (the environment over the
     retriever, built and checked here)."""
     args.max_obs_tokens = 512 if args.max_obs_tokens is None else args.max_obs_tokens  # the parser's defaults,
     args.max_context = 4096 if args.max_context is None else args.max_context  # recorded in results.json as used
@@ -199,7 +200,7 @@ def search_setup(args) -> tuple[list, Config, dict[str, Any]]:
                                   answers_key=args.answer_key)
         benches.append(Benchmark(name=slug(Path(src).stem if src.endswith(".jsonl") else src), source=src,
                                  split=None, examples=ex, reward="search", reward_fn=load_reward("search")))
-    return benches, cfg, agent_tools(cfg)
+    return benches, RolloutPlan(cfg)
 
 
 def format_search_table(results: Mapping[str, Mapping[str, float]]) -> str:

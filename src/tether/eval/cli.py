@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from .. import __version__
-from ..agents.build import build_rollout
+from ..agents.build import RolloutPlan
 from ..config import check_device
 from ..errors import EvalError, OutputError
 from ..metrics import json_safe, write_json_atomic, write_text_atomic
@@ -197,7 +197,7 @@ def run_eval_cli(args) -> int:
     # 1. every benchmark, fully validated (and the agent's tools: the search corpus, the environment), before any
     # model is touched
     search = getattr(args, "agent", "single_turn") == "search"
-    benches, rollout_cfg, tools = agent_setup(args)
+    benches, plan = agent_setup(args)
     # 2. the model (cheap checks first: run without checkpoint, anchor without tensors)
     info = getattr(args, "eval_spec", None) or resolve_eval_spec(args.model)  # --agent multi_turn resolved it
     if args.anchor:
@@ -220,10 +220,9 @@ def run_eval_cli(args) -> int:
                                                           f"problems finished so far are in {out}"))
     try:
         with stopper:
-            rollout_cfg.data.system_prompt = system_prompt
-            rollout_cfg.rollout.batch_size = settings.batch_size
-            table = _run_benches(args, benches, info, out, stopper, search=search, rollout_cfg=rollout_cfg,
-                                 tools=tools, settings=settings)
+            plan.cfg.data.system_prompt = system_prompt
+            plan.cfg.rollout.batch_size = settings.batch_size
+            table = _run_benches(args, benches, info, out, stopper, search=search, plan=plan, settings=settings)
     except BaseException:
         if not any((out / f).is_file() and (out / f).stat().st_size for f in files):
             _drop_out(out, created, files)  # nothing finished: leave no empty --out behind
@@ -256,17 +255,17 @@ def _finish(table: dict, stopper, out: Path, created: bool, files: Sequence[str]
     return 0
 
 
-def _run_benches(args, benches, info, out: Path, stopper, *, search: bool, rollout_cfg, tools: dict,
+def _run_benches(args, benches, info, out: Path, stopper, *, search: bool, plan: RolloutPlan,
                  settings: EvalSettings) -> dict:
     """Load the model, build its engine (transformers, ``--batch-size`` sequences per generate call) and the
     agent (``--agent`` with the system prompt and the sections `tether.eval.agents.agent_setup` made of the flags,
-    its tools already built) once with `tether.agents.build.build_rollout`, as training builds them, then
+    its tools already built) once from ``plan`` (`tether.agents.build.RolloutPlan.assemble`), as training does, then
     evaluate every benchmark until the end or a stop signal. Returns the table (benchmark -> metrics) with the
     model's description under ``"_desc"``."""
     print(f"[tether] loading {args.model!r}{' (anchor)' if args.anchor else ''}", file=sys.stderr)
     model, tok, desc = load_eval_model(info, anchor=args.anchor, dtype=args.dtype, device=args.device)
-    agent = build_rollout(rollout_cfg, model, tok, tools=tools, engine_options={"show_progress": False}).agent
-    system_prompt = rollout_cfg.data.system_prompt
+    agent = plan.assemble(model, tok, engine_options={"show_progress": False}).agent
+    system_prompt = plan.cfg.data.system_prompt
     print(f"[tether] evaluating {desc}\n[tether] writing to {out}", file=sys.stderr)
     if search:
         print(f"[tether] search agent: {args.retriever} retriever, top-{args.topk}, up to {args.max_searches} "
