@@ -132,7 +132,7 @@ def test_iterative_anchor_keeps_nothing():
 
 
 def saved(a: Anchor) -> dict:
-    """What ``tether.checkpoint`` saves of an anchor and hands back to ``load_state_dict`` on resume."""
+    """What ``tether.rundir.checkpoint`` saves of an anchor and hands back to ``load_state_dict`` on resume."""
     return {"kind": a.kind, "num_updates": a.num_updates, "kl_ma": a.kl_ma, "tensors": a.tensors()}
 
 

@@ -21,7 +21,7 @@ import torch
 
 from helpers import ALWAYS_ENV, DIGITS, cli_args, rows, strip, subprocess_env, tiny_config
 from tether.errors import ConfigError
-from tether.checkpoint import latest_checkpoint
+from tether.rundir.checkpoint import latest_checkpoint
 from tether.rollout import SamplingParams
 from tether.asynchronous.weights import WeightSyncError, effective_weights
 from tether.asynchronous.workers import Job

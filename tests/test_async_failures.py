@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import DIGITS, cli_args, rows, subprocess_env, tiny_config, worker_pid
-from tether.checkpoint import checkpoints
+from tether.rundir.checkpoint import checkpoints
 from tether.train import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -108,7 +108,7 @@ def test_reward_file_spec_is_checked_without_importing_it(tmp_path):
 
 def test_keep_checkpoints_minus_one_keeps_every_checkpoint(tmp_path):
     """The documented 'keep all' value: pruning with keep=-1 removes nothing."""
-    from tether.checkpoint import _prune
+    from tether.rundir.checkpoint import _prune
 
     for i in range(1, 5):
         (tmp_path / f"step-{i:06d}").mkdir()

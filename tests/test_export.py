@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 import tether
 import tether.export as export_mod
 from tether.anchor import make_anchor
-from tether.checkpoint import load_anchor_tensors, load_policy_weights
+from tether.rundir.checkpoint import load_anchor_tensors, load_policy_weights
 from tether.cli import main
 from tether.config import load_config
 from tether.export import ExportError, export_run, plain_contiguous, resolve_run_checkpoint
@@ -167,7 +167,7 @@ def test_policy_export_loads_without_tether_and_matches(exports, ema_run, tiny_m
     assert "config.json" in names and "generation_config.json" in names and "README.md" in names
     assert "tokenizer.json" in names and "model.safetensors.index.json" in names
     assert sum(n.startswith("model-") and n.endswith(".safetensors") for n in names) > 1
-    assert ".tether.json" in names  # the marker of tether.owned: what --overwrite may replace
+    assert ".tether.json" in names  # the marker of tether.rundir.owned: what --overwrite may replace
     assert not any(n.startswith((".", "policy", "anchor", "optimizer", "state")) for n in names if n != ".tether.json")
     cfg = json.loads((d / "config.json").read_text())
     # the pre-transformers-5 spellings too (older transformers / vLLM would read fp32 and a default rope_theta)

@@ -174,7 +174,7 @@ def _run_with_checkpoints(run: Path, steps) -> Path:
     """A run directory holding checkpoints of a one-layer model at ``steps`` (all a checkpoint listing reads)."""
     import torch
 
-    from tether.checkpoint import save_checkpoint
+    from tether.rundir.checkpoint import save_checkpoint
 
     run.mkdir()
     (run / "config.yaml").write_text("recipe: grpo\n")

@@ -1,4 +1,4 @@
-"""Nothing a user owns is ever deleted or overwritten (tether.owned, the one rule for ``--overwrite``):
+"""Nothing a user owns is ever deleted or overwritten (tether.rundir.owned, the one rule for ``--overwrite``):
 train's and export's ``--overwrite`` and eval's ``--out`` replace only what tether wrote; a failed
 ``--overwrite`` keeps the old run; an explicitly named checkpoint is verified; a stopped evaluation
 keeps the problems it finished; output paths are checked before the model loads.
@@ -23,7 +23,7 @@ from tether.train import train
 
 pytestmark = pytest.mark.faults
 
-MARKER = ".tether.json"  # tether.owned.MARKER
+MARKER = ".tether.json"  # tether.rundir.owned.MARKER
 
 SLOW_REWARD = '''
 import time
@@ -295,7 +295,7 @@ def test_disk_full_at_the_first_checkpoint_advises_what_works(work, tiny_model_d
 def test_refusals_name_the_kind_with_its_article(tmp_path):
     """"not an export", "not an evaluation output", "a training run" (was "not a export")."""
     from tether.errors import OutputError
-    from tether.owned import check_replaceable, write_marker
+    from tether.rundir.owned import check_replaceable, write_marker
 
     d = tmp_path / "out"
     d.mkdir()

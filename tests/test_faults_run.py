@@ -1,6 +1,6 @@
 """Run directories under faults: torn logs, non-empty and locked directories, concurrent trainers,
-read-only directories, failed resumes, damaged checkpoints, a full disk (tether.rundir, tether.metrics,
-tether.checkpoint). Every test runs on the tiny random model in seconds."""
+read-only directories, failed resumes, damaged checkpoints, a full disk (tether.rundir.guard, tether.metrics,
+tether.rundir.checkpoint). Every test runs on the tiny random model in seconds."""
 
 import errno
 import json
@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from helpers import DIGITS, FAULTS, cli_args, copy_run, rows, strip, subprocess_env, tiny_config
 from tether.errors import ConfigError
-from tether.checkpoint import latest_checkpoint
+from tether.rundir.checkpoint import latest_checkpoint
 from tether.cli import main
 from tether.config import load_config
 from tether.errors import RunError
@@ -238,7 +238,7 @@ def test_bad_config_data_or_model_leaves_no_run_dir(work, tiny_model_dir, tmp_pa
 def test_a_locked_run_dir_is_refused_at_once(work, tiny_model_dir, base_run, tmp_path, monkeypatch):
     """A second trainer, fresh or --resume, fails before its model load, naming the directory and
     the pid that holds the lock; the lock goes away with its holder."""
-    from tether.rundir import RunLock
+    from tether.rundir.guard import RunLock
 
     run = copy_run(base_run, tmp_path / "run")
     fresh = tmp_path / "fresh"
@@ -267,7 +267,7 @@ def test_lock_is_released_when_training_raises(work, tiny_model_dir, tmp_path, m
     with pytest.raises(RuntimeError, match="step failed"):
         train(cfg_for(work, tiny_model_dir, 1), tmp_path / "run", log=quiet)
     assert (tmp_path / "run" / "config.yaml").is_file() and not (tmp_path / "run" / ".lock").exists()
-    from tether.rundir import RunLock
+    from tether.rundir.guard import RunLock
 
     lock = RunLock(tmp_path / "run")
     lock.acquire(warn=lambda msg: pytest.fail(f"the lock was left behind: {msg}"))
@@ -277,9 +277,9 @@ def test_lock_is_released_when_training_raises(work, tiny_model_dir, tmp_path, m
 def test_stale_lock_of_a_killed_trainer_is_taken_over(tmp_path):
     """A process that holds the lock blocks others; once it is killed (kill -9: nothing is cleaned
     up, its lock file stays), the next trainer takes the lock over with a warning naming its pid."""
-    from tether.rundir import RunLock
+    from tether.rundir.guard import RunLock
 
-    code = ("import sys, time; from tether.rundir import RunLock; RunLock(sys.argv[1]).acquire(); "
+    code = ("import sys, time; from tether.rundir.guard import RunLock; RunLock(sys.argv[1]).acquire(); "
             "print('locked', flush=True); time.sleep(120)")
     p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                          env=subprocess_env())
@@ -305,7 +305,7 @@ def test_lock_without_flock_falls_back_to_the_pid(tmp_path, monkeypatch):
     import fcntl
     import socket
 
-    from tether.rundir import RunLock
+    from tether.rundir.guard import RunLock
 
     def no_flock(fd, op):
         raise OSError(errno.ENOLCK, "No locks available")
@@ -474,7 +474,7 @@ def test_checkpoint_without_manifest_loads_unverified(base_run, tmp_path, capsys
 def test_prune_leaves_a_live_trainers_temp_checkpoint(tmp_path):
     """Checkpoint cleanup removes leftovers of dead writers (and its own), never a temp directory of a
     process that still runs (another trainer's checkpoint in progress)."""
-    import tether.checkpoint as ck
+    import tether.rundir.checkpoint as ck
 
     root = tmp_path / "checkpoints"
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -504,7 +504,7 @@ def test_disk_full_stops_cleanly_and_resume_matches(where, work, tiny_model_dir,
     """The disk fills while step 2 is written (a checkpoint file, the `latest` pointer, a metrics row): the
     CLI exits 2 with one line naming the path, no partial checkpoint is loadable, the log holds no torn
     row that blocks resume, and once space is freed --resume ends as the uninterrupted run."""
-    import tether.checkpoint as ck
+    import tether.rundir.checkpoint as ck
     import tether.metrics as mt
 
     run = tmp_path / "run"

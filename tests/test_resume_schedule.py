@@ -8,7 +8,7 @@ import torch
 
 from helpers import DIGITS, rows, tiny_config
 from tether.errors import ConfigError
-from tether.checkpoint import latest_checkpoint
+from tether.rundir.checkpoint import latest_checkpoint
 from tether.config import TrainConfig
 from tether.schedule import LRSchedule
 from tether.train import Trainer

@@ -170,7 +170,8 @@ def test_eval_flags_reach_the_http_retriever(tmp_path, tok, stub):
     assert obs.startswith("\n\n<information>Doc 1(Title: Entry 0) The ")  # clean: no quotes
     # --retries 1: a failing server is asked twice; --retries 0 and --timeout: one attempt that times out
     srv.mode = "500"
-    r1 = _search_setup(_eval_args(tmp_path, "--retriever", "http", "--url", url, "--retries", "1"))[1].tools["env"].retriever
+    _, plan = _search_setup(_eval_args(tmp_path, "--retriever", "http", "--url", url, "--retries", "1"))
+    r1 = plan.tools["env"].retriever
     r1.backoff = 0.0
     with pytest.raises(RetrievalError, match="HTTP 500") as e:
         r1.search(["q"], 1)

@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 
 from helpers import DIGITS, assert_clean_error, cli_args, rows, run_module, strip
 from tether.errors import ConfigError
-from tether.checkpoint import latest_checkpoint
+from tether.rundir.checkpoint import latest_checkpoint
 from tether.config.sft import load_sft_config, sft_reference
 from tether.errors import RunError
 from tether.models import ModelConfig, load_model
-from tether.owned import read_marker, write_marker
+from tether.rundir.owned import read_marker, write_marker
 from tether.sft import SFTTrainer, resume_sft, resume_sft_config, sft
 
 QUIET = {"run.progress": False, "run.plot": False}
@@ -187,7 +187,7 @@ def test_overwrite_replaces_only_an_sft_run(data, tiny_model_dir, tmp_path):
 def test_lora_sft_run_loads_as_a_merged_model(data, tiny_model_dir, tmp_path):
     """model.name=<a LoRA SFT run>: the base model with the run's adapters merged in computes what the adapters do."""
     from tether.eval.run import checkpoint_at, load_run_model
-    from tether.runs import RunDir
+    from tether.rundir.reader import RunDir
 
     lora = {"model.lora_r": 4, "model.lora_target_modules": ["q_proj", "v_proj"], "train.steps": 2}
     run = sft(config(data, tiny_model_dir, **lora), tmp_path / "lora", log=lambda *a: None)

@@ -1,4 +1,4 @@
-"""Graceful stop on SIGINT / SIGTERM (tether.stop, Trainer.run), tested as a user meets it:
+"""Graceful stop on SIGINT / SIGTERM (tether.rundir.stop, Trainer.run), tested as a user meets it:
 ``python -m tether train`` in a subprocess, a real signal, then ``--resume``.
 
 To signal the trainer at a known point, the subprocess scores with ``gated``: from trainer step 2
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from helpers import DIGITS, rows, strip, subprocess_env, tiny_config
-from tether import stop
-from tether.checkpoint import latest_checkpoint
+from tether.rundir import stop
+from tether.rundir.checkpoint import latest_checkpoint
 from tether.config import save_config
 from tether.train import Trainer, train
 

@@ -8,7 +8,7 @@ import torch
 from helpers import DIGITS, rows, strip, tiny_config
 from tether.config.recipes import RECIPES
 from tether.errors import ConfigError
-from tether.checkpoint import latest_checkpoint, load_checkpoint
+from tether.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from tether.config import load_config
 from tether.tasks.base import DataError
 from tether.train import Trainer, resume, train
@@ -179,7 +179,7 @@ def test_resume_is_exact(recipe, workdir, tiny_model_dir, tmp_path):
 
 
 def test_interrupted_checkpoint_write_leaves_previous_loadable(workdir, tiny_model_dir, tmp_path, monkeypatch):
-    import tether.checkpoint as ck
+    import tether.rundir.checkpoint as ck
 
     cfg = tiny_config(workdir, tiny_model_dir, "ema_pg", 1, **{"run.save_every": 1})
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)

@@ -183,7 +183,7 @@ class Anchor:
     # ------------------------------------------------------------ checkpoints
 
     def load_state_dict(self, state: dict, model: Optional[nn.Module] = None) -> None:
-        """Restore from ``{"kind", "num_updates", "kl_ma", "tensors"}`` (as ``tether.checkpoint`` saves
+        """Restore from ``{"kind", "num_updates", "kl_ma", "tensors"}`` (as ``tether.rundir.checkpoint`` saves
         them: the counters and ``tensors()``); ``model`` (the policy) sets the forward dtype, else the
         copies made at construction are refreshed (they are never left stale)."""
         if state["kind"] != self.kind:

@@ -25,7 +25,7 @@ def _train(args) -> int:
             raise ConfigError("tether train --resume RUN_DIR continues with the run's saved config; drop "
                               "--config/--recipe/--task (key=value overrides such as train.steps=60 are allowed)")
         try:
-            resume(Path(args.resume), overrides)  # a missing run dir or config.yaml: a RunError (tether.rundir)
+            resume(Path(args.resume), overrides)  # a missing run dir or config.yaml: a RunError (tether.rundir.guard)
         finally:
             distributed.teardown()  # under torchrun: leave the process group (no-op otherwise)
         return _stop_status()
@@ -76,17 +76,17 @@ def _overrides(args, flags) -> dict:
 
 def _stop_status() -> int:
     """0 when the run finished; 128 + the signal's number (SIGINT 130, SIGTERM 143) when it stopped
-    early on that signal (tether.stop: the trainer wrote a checkpoint and printed how to resume)."""
-    from . import stop  # deferred: pulls in torch
+    early on that signal (tether.rundir.stop: the trainer wrote a checkpoint and printed how to resume)."""
+    from .rundir import stop  # deferred: pulls in torch
 
     stopped = stop.last_stop()
     return stop.exit_code(stopped) if stopped else 0
 
 
 def _interrupted(e: KeyboardInterrupt) -> int:
-    """A second SIGINT / SIGTERM aborted a run (tether.stop.Aborted), or Ctrl-C came outside a run
+    """A second SIGINT / SIGTERM aborted a run (tether.rundir.stop.Aborted), or Ctrl-C came outside a run
     (while loading, evaluating, exporting): one line, and the signal's exit status instead of a traceback."""
-    from . import stop  # deferred: pulls in torch
+    from .rundir import stop  # deferred: pulls in torch
 
     if isinstance(e, stop.Interrupted):
         if e.announce:  # rank 0 under torchrun

@@ -30,7 +30,7 @@ class RunError(RuntimeError):
 
 class OutputError(RuntimeError):
     """An output path cannot be used as asked: it is a file or a symlink, not writable, or not empty
-    and not something tether wrote (``--overwrite`` deletes only what tether wrote: `tether.owned`)."""
+    and not something tether wrote (``--overwrite`` deletes only what tether wrote: `tether.rundir.owned`)."""
 
 
 class ModelLoadError(RuntimeError):

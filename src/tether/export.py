@@ -25,7 +25,7 @@ Nothing of tether's internal layout leaks into the files: CPU linear weights tha
 The directory is written into a temporary sibling ``.OUT.tmp-export-<pid>-<random>`` and
 renamed into place at the end, so a failed or killed export never leaves a half directory
 under the target name. A non-empty target is refused; ``overwrite=True`` replaces it only if it
-is an earlier export that tether wrote and nothing else was put into (`tether.owned`: the
+is an earlier export that tether wrote and nothing else was put into (`tether.rundir.owned`: the
 ``.tether.json`` marker, which lists the export's files, is written into every export).
 """
 
@@ -42,14 +42,14 @@ from typing import Optional
 
 import torch
 
-from .checkpoint import pid_alive
+from .rundir.checkpoint import pid_alive
 from .errors import OutputError
 from .export_card import render_card
 from .models import EMBEDDED_MODEL_NAME
-from .owned import check_replaceable, write_marker
-from .rundir import WRITE_ERRNOS
+from .rundir.owned import check_replaceable, write_marker
+from .rundir.guard import WRITE_ERRNOS
 from .eval.run import RunCheckpoint, check_anchor, checkpoint_at, load_run_model
-from .runs import RunDir
+from .rundir.reader import RunDir
 
 #: ``--dtype`` names -> torch dtypes (long forms accepted too).
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -69,7 +69,7 @@ class ExportError(ValueError):
 
 def resolve_run_checkpoint(run_dir: str | os.PathLike, step: Optional[int] = None) -> RunCheckpoint:
     """The run's checkpoint at ``step`` (default: the newest valid one) and its config, read by
-    `tether.runs.RunDir` (as ``tether eval`` and ``tether train --resume`` read a run).
+    `tether.rundir.reader.RunDir` (as ``tether eval`` and ``tether train --resume`` read a run).
 
     Raises:
         ExportError: no run directory / ``config.yaml``, no (valid) checkpoint, no checkpoint at ``step``
@@ -128,7 +128,7 @@ def check_target(out_dir: str | os.PathLike, overwrite: bool = False, run_dir: O
     """Validate the target directory before anything is loaded; returns it as a Path.
 
     The target must be absent or empty; with ``overwrite`` it may also be an earlier export, and
-    only one that tether wrote and nothing was added to (`tether.owned.check_replaceable`: a
+    only one that tether wrote and nothing was added to (`tether.rundir.owned.check_replaceable`: a
     directory of yours is never deleted). Its parent must be writable: a temporary directory is
     made and removed there now, so a read-only or missing place fails before the model loads.
 

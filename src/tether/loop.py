@@ -6,7 +6,7 @@
 
 Written once here: the resume from the newest valid checkpoint, metrics.jsonl (and TensorBoard / W&B), the
 progress bar, the checkpoints every ``run.save_every`` steps and at the end, SIGINT / SIGTERM finishing the step
-in progress with a checkpoint (`tether.stop`), curves.png. A trainer brings its own step and its own
+in progress with a checkpoint (`tether.rundir.stop`), curves.png. A trainer brings its own step and its own
 evaluations through the small interface `run_steps` documents.
 """
 
@@ -19,8 +19,8 @@ from .config import to_dict
 from .metrics import MetricsLogger
 from .plot import plot_runs
 from .report import Progress, rl_postfix
-from .rundir import RunDirectory, restore_latest
-from .stop import GracefulStop
+from .rundir.guard import RunDirectory, restore_latest
+from .rundir.stop import GracefulStop
 
 __all__ = ["run_guarded", "run_steps"]
 
@@ -30,7 +30,7 @@ def run_steps(t, total: int, resume: bool, *, title: str, main: bool = True, fin
     """Train ``t`` from its step to ``total``; returns the name of the signal that stopped it early, or None.
 
     ``t`` has ``cfg`` (its ``run`` section: save_every, progress, plot, the loggers), ``run_dir``, ``guard``
-    (its `tether.rundir.RunDirectory` or None), ``log``, ``step`` and the methods ``train_step() -> dict``,
+    (its `tether.rundir.guard.RunDirectory` or None), ``log``, ``step`` and the methods ``train_step() -> dict``,
     ``save() -> Path``, ``restore(ckpt)``, ``evaluate_start(resume) -> dict`` (the row logged at step 0 before
     training, {} for none), ``evaluate_step() -> dict`` (metrics added to the step's row, {} for none) and, with
     ``samples``, ``sample_rows() -> list`` (rows for samples.jsonl).

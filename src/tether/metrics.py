@@ -118,7 +118,7 @@ class JsonlWriter:
         RunError: ``path`` exists but is not a regular file (a directory, a FIFO: appending would fail
             or block), or, on resume, the old log cannot be read; the message names ``path``.
             Write failures (disk full, read-only) stay ``OSError``s naming the path, for the
-            trainer to report (`tether.rundir.RunDirectory.write_errors`).
+            trainer to report (`tether.rundir.guard.RunDirectory.write_errors`).
     """
 
     def __init__(self, path: Path, truncate_after_step: Optional[int] = None, warn: Callable[[str], None] = warn):

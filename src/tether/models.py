@@ -27,12 +27,12 @@ from typing import Any
 import torch
 
 from . import distributed
-from .checkpoint import checkpoints, latest_checkpoint, load_policy_weights, verify_checkpoint
+from .rundir.checkpoint import checkpoints, latest_checkpoint, load_policy_weights, verify_checkpoint
 from .errors import ModelLoadError, RunError  # ModelLoadError: the CLI reports it as one line (exit 2); re-exported
 from .gguf import (EMBEDDED_GGUF_NAME, strip_quantization_markers, convert_gguf,  # noqa: F401  (re-exported)
                    default_cache_dir, embedded_model_path, gguf_cache_path, is_quantized)
 from .organism import ORGANISM_MODEL_NAME, build_organism
-from .owned import is_checkpoint_dir, is_run_dir
+from .rundir.owned import is_checkpoint_dir, is_run_dir
 
 logger = logging.getLogger(__name__)
 
@@ -366,7 +366,7 @@ def run_source(name: str) -> tuple[Path, Path] | None:
     None for any other name.
 
     A run gives its newest checkpoint that passes its manifest (a damaged one is skipped with a
-    warning, `tether.checkpoint.latest_checkpoint`); a named checkpoint is verified. Raises
+    warning, `tether.rundir.checkpoint.latest_checkpoint`); a named checkpoint is verified. Raises
     ModelLoadError for a run without a valid checkpoint or a damaged named one.
     """
     p = Path(name).expanduser()
@@ -411,7 +411,7 @@ def _load_run_policy(cfg: ModelConfig, run_dir: Path, ckpt: Path) -> tuple[Any, 
 
     The run's base model is loaded as `load_model` loads any model (so the base may itself be a
     run: an RL run started from an SFT run), with the run's own LoRA; the checkpoint's policy
-    tensors are copied in (`tether.checkpoint.load_policy_weights`) and LoRA adapters merged into
+    tensors are copied in (`tether.rundir.checkpoint.load_policy_weights`) and LoRA adapters merged into
     the weights (in float32, then cast). ``cfg``'s own gradient checkpointing and LoRA apply after.
     """
 

@@ -7,7 +7,7 @@
              --update--> epochs x mini-batches x micro-batches      (_update: compute_loss, tether.schedule's LR)
              --anchor update--> EMA / reset / kl_reset              (tether.anchor)
              --push--> the new weights version to the rollout workers (train.async.max_staleness >= 1)
-             --log--> metrics.jsonl, samples.jsonl, checkpoint      (tether.report, tether.metrics, tether.checkpoint)
+             --log--> metrics.jsonl, samples.jsonl, checkpoint      (tether.report, tether.metrics, tether.rundir)
 
 `Trainer` builds a run's pieces from its config and calls them in this order; it moves tensors
 between them and decides nothing they own (docs/architecture.md names each arrow's owner). The
@@ -19,7 +19,7 @@ With ``train.async`` (max_staleness K >= 1) the rollout arrow runs ahead in work
 ``train.async.transport.kind=remote``, ``remote``; docs/async.md):
 the trainer submits each step's examples as a job, takes the batch of the oldest job (sampled by weights at most K
 updates old) and scores it, and pushes its weights after each step; K = 0 is the synchronous loop, unchanged.
-`train` / `resume` run a Trainer inside its locked run directory (``tether.rundir``).
+`train` / `resume` run a Trainer inside its locked run directory (``tether.rundir.guard``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from .agents.build import RolloutPlan
 from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, overlong_penalty, zero_variance_groups
 from .algo.correction import lr_scale
 from .anchor import make_anchor
-from .checkpoint import checkpoints, load_checkpoint, save_checkpoint
+from .rundir.checkpoint import checkpoints, load_checkpoint, save_checkpoint
 from .config import Config, apply_async_correction, evaluating
 from .sections import replace
 from .config.recipes import describe
@@ -59,9 +59,10 @@ from .asynchronous.weights import WeightSyncError
 from .asynchronous.workers import WorkerError
 from .report import HeldOut, RewardErrorLog, rollout_metrics, sample_rows
 from .loop import run_guarded, run_steps
-from .rundir import RunDirectory, resume_config
+from .config.saved import resume_config
+from .rundir.guard import RunDirectory
 from .schedule import LRSchedule
-from .stop import resume_hint
+from .rundir.stop import resume_hint
 from .tasks import Example
 from .tasks.stream import prompt_stream, training_reward
 
@@ -82,7 +83,7 @@ class StepProbes:
 class Trainer:
     """Owns the model, optimizer, anchor and data stream of one run; ``run()`` trains to ``train.steps``.
 
-    ``run_guard`` (`tether.rundir.RunDirectory`, passed by `train` / `resume`) creates, locks and
+    ``run_guard`` (`tether.rundir.guard.RunDirectory`, passed by `train` / `resume`) creates, locks and
     checks the run directory once the data, reward and tools have loaded, before the model does; it
     writes config.yaml (a resume: after the checkpoint is restored). Without it (tests, benchmarks)
     the directory is only created.
@@ -103,7 +104,7 @@ class Trainer:
         # the cheap checks, before the (slow) model load and before a run directory is made
         if t.async_ is not None and t.async_.transport.kind == "remote":  # a missing or weak key
             worker_key(t.async_.transport.key_env)
-        plan = RolloutPlan(cfg)  # the agent and its tools, e.g. the search environment's retriever: its corpus is checked
+        plan = RolloutPlan(cfg)  # the agent and its tools, e.g. the search environment's retriever: corpus checked
         self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row
         self.score_rewards = training_reward(cfg, self.data, plan.env_reward)  # a bad reward spec fails here, too
         dist.check_supported(cfg.rollout.prompts_per_step, cfg.rollout.dynamic_sampling)
@@ -400,9 +401,9 @@ class Trainer:
         """Train until ``train.steps`` (`tether.loop.run_steps`); checkpoints every ``run.save_every`` steps and at
         the end.
 
-        SIGINT / SIGTERM stop the run gracefully (``tether.stop``): the step in progress finishes,
+        SIGINT / SIGTERM stop the run gracefully (``tether.rundir.stop``): the step in progress finishes,
         a checkpoint is written, and ``run()`` returns with ``self.stopped_by`` set to the signal's
-        name; a second signal aborts at once (``tether.stop.Aborted``).
+        name; a second signal aborts at once (``tether.rundir.stop.Aborted``).
         """
         self.stopped_by = None
         try:
@@ -449,7 +450,7 @@ def train(cfg: Config, run_dir: Optional[Path] = None, model=None, tokenizer=Non
     """Train a fresh run; returns the run directory (config.yaml, metrics.jsonl, checkpoints/, curves.png).
 
     The directory must be new or empty (``run.overwrite`` deletes an old run's contents first) and is
-    locked while the run trains; see `tether.rundir`.
+    locked while the run trains; see `tether.rundir.guard`.
     """
     dist.init()
     if not (run_dir or cfg.run.output_dir) and dist.enabled():  # one timestamped name for all ranks

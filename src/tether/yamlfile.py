@@ -3,7 +3,7 @@
 Every YAML file tether reads goes through ``read_yaml_mapping``, whose loader accepts trees
 only: a key written twice in one mapping, or a node that contains itself through an alias, is
 refused with the file and line, where PyYAML would silently keep the last value or recurse
-forever. It sits low in the house so that the reader of a run directory (`tether.runs`) can read
+forever. It sits low in the house so that the reader of a run directory (`tether.rundir.reader`) can read
 a run's ``config.yaml`` without the config package (`tether.config.yaml_io` re-exports it).
 """
 

@@ -20,7 +20,7 @@ the retriever, which loads and checks its corpus, first: a trainer does that bef
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from ..errors import ConfigError
 from ..algo.registry import Registry

@@ -30,7 +30,7 @@ queues, shared memory), `tether.asynchronous.remote.RemoteWorkers` the network o
 processes on other nodes, over TCP).
 
 Local workers ignore SIGINT / SIGTERM (the trainer's graceful stop needs them to finish the step in
-progress; ``tether.stop``) and are killed by `close`, which the trainer calls however it ends;
+progress; ``tether.rundir.stop``) and are killed by `close`, which the trainer calls however it ends;
 a worker also exits when its parent is gone. A worker that raises (or dies) becomes a
 `WorkerError` naming it and its exception at the trainer's next `next_batch`.
 """

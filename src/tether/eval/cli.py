@@ -22,8 +22,8 @@ from ..config import check_device
 from ..errors import EvalError, OutputError
 from ..metrics import json_safe, write_json_atomic, write_text_atomic
 from ..models import DTYPES
-from ..owned import MARKER, check_replaceable, write_marker
-from ..stop import GracefulStop, Interrupted, exit_code
+from ..rundir.owned import MARKER, check_replaceable, write_marker
+from ..rundir.stop import GracefulStop, Interrupted, exit_code
 from ..tasks.rewards import REWARDS
 from .agents import add_agent_arguments, agent_setup, format_search_table
 from .metrics import default_ks
@@ -105,7 +105,7 @@ def _open_out(out: Path, files: Sequence[str], overwrite: bool) -> bool:
     """Check and create ``--out`` before the model loads; True if this call created the directory.
 
     It must be absent or empty; ``--overwrite`` also takes an earlier evaluation's output, and only
-    one tether wrote with nothing added (`tether.owned.check_replaceable`: a run directory, an
+    one tether wrote with nothing added (`tether.rundir.owned.check_replaceable`: a run directory, an
     export or a directory of yours is never written into). The marker lists ``files``.
     """
     old = check_replaceable(out, "eval")

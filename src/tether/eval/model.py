@@ -15,7 +15,7 @@ from typing import Any, Optional
 from ..errors import EvalError
 from ..models import ModelConfig, ModelLoadError
 from .run import RunCheckpoint, check_anchor, checkpoint_at, load_run_model
-from ..runs import RunDir, is_checkpoint_dir, is_run_dir
+from ..rundir.reader import RunDir, is_checkpoint_dir, is_run_dir
 from ..tasks.benchmarks import slug
 
 __all__ = ["EvalModelSpec", "check_run_anchor", "load_eval_model", "resolve_eval_spec"]
@@ -70,7 +70,7 @@ def resolve_eval_spec(spec: str | os.PathLike) -> EvalModelSpec:
     * anything else -> a model for :func:`tether.models.load_model` (hub id, local HF
       directory, ``.gguf`` file, ``smollm2``).
 
-    Runs are read by `tether.runs.RunDir` (as ``tether train --resume`` and ``tether export`` read them).
+    Runs are read by `tether.rundir.reader.RunDir` (as ``tether train --resume`` and ``tether export`` read them).
 
     Raises:
         EvalError: a run directory without (valid) checkpoint, a damaged checkpoint directory, or a

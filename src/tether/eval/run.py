@@ -1,5 +1,5 @@
 """A run directory at one of its checkpoints, with its config and its model, for ``tether eval`` and
-``tether export`` (the directory itself is read by `tether.runs.RunDir`; its config resolved by
+``tether export`` (the directory itself is read by `tether.rundir.reader.RunDir`; its config resolved by
 `tether.config.saved.saved_config`).
 
 * `RunCheckpoint` -- a run at one checkpoint, resolved without loading weights (`checkpoint_at`).
@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import copy_named_tensors, load_anchor_tensors, load_policy_weights
+from ..rundir.checkpoint import copy_named_tensors, load_anchor_tensors, load_policy_weights
 from ..config.saved import saved_config
 from ..errors import RunError
 from .. import models  # models.load_model read at call time (tests patch it)
 from ..models import ModelLoadError
-from ..runs import RunDir, checkpoint_step
+from ..rundir.reader import RunDir, checkpoint_step
 from ..sections import replace
 
 
@@ -111,7 +111,7 @@ def load_run_model(rc: RunCheckpoint, *, anchor: bool = False, dtype: str = "flo
 
     The base model is built from the run's ``model`` section (LoRA included; gradient
     checkpointing off; ``dtype`` / ``device`` from the arguments), then the checkpoint's policy
-    tensors are loaded (`tether.checkpoint.load_policy_weights`). With ``anchor=True`` the
+    tensors are loaded (`tether.rundir.checkpoint.load_policy_weights`). With ``anchor=True`` the
     checkpoint's anchor tensors theta_a (the EMA / fixed / reset anchor, fp32 on disk) are then
     copied into the same named parameters, so the model computes pi_a: with LoRA the policy
     tensors are loaded first for the structure and the anchor replaces the adapters. With LoRA and

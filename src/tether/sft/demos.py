@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Optional
 from ..agents.build import build_env
 from ..config import load_config
 from ..errors import ConfigError, OutputError
-from ..owned import ROW_MARK, check_replaceable_file
+from ..rundir.owned import ROW_MARK, check_replaceable_file
 from ..search.corpus import load_corpus
 from ..search.data import SEARCH_DATASETS, corpus_path, load_search_examples
 from ..search.reward import golden_answers
@@ -242,7 +242,7 @@ def _demos(args) -> int:
         raise OutputError(f"{out} exists; pass --overwrite to replace it")
     if not out.parent.is_dir():
         raise OutputError(f"cannot write {out}: {out.parent} is not a directory")
-    check_replaceable_file(out, "demos")  # --overwrite replaces only a file tether demos wrote (tether.owned)
+    check_replaceable_file(out, "demos")  # --overwrite replaces only a file tether demos wrote (tether.rundir.owned)
     examples = _examples(args)
     stats = DemoStats()
     env = build_env(load_config(None, _env_keys(args)))  # the environment training builds from the same keys

@@ -8,10 +8,10 @@ Each micro-batch's part is divided by the whole batch's count, so the sum of the
 gradients is the batch's gradient whatever ``train.micro_batch_size`` is.
 
 What it shares with ``tether train``: the model (`tether.models.load_model`: dtype, LoRA, a run
-directory as the model), the run directory and its lock (`tether.rundir.RunDirectory`, marker kind
-``sft``), checkpoints with exact resume (`tether.checkpoint`: weights, AdamW, RNG; the data
+directory as the model), the run directory and its lock (`tether.rundir.guard.RunDirectory`, marker kind
+``sft``), checkpoints with exact resume (`tether.rundir.checkpoint`: weights, AdamW, RNG; the data
 position is the step, since each step takes one batch of a seeded order), the graceful stop
-(`tether.stop`), metrics.jsonl (`tether.metrics`), the progress bar (`tether.report.Progress`) and
+(`tether.rundir.stop`), metrics.jsonl (`tether.metrics`), the progress bar (`tether.report.Progress`) and
 curves.png (`tether.plot`). `sft` / `resume_sft` run an `SFTTrainer` inside its locked directory.
 """
 
@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ..errors import ConfigError
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..rundir.checkpoint import load_checkpoint, save_checkpoint
 from ..config import flatten, to_dict
 from ..config.sft import FROZEN_ON_RESUME, SFTConfig, load_sft_config
 from ..errors import RunError
@@ -35,7 +35,7 @@ from ..metrics import peak_memory_mb
 from ..models import describe_model
 from ..optim import make_adamw, optimizer_step, skipped_update_line
 from ..loop import run_guarded, run_steps
-from ..rundir import RunDirectory, resumed_values
+from ..rundir.guard import RunDirectory, resumed_values
 from ..schedule import LRSchedule
 from .batches import BatchPlan, batch_logp, check_packing, collate, micro_batches
 from .data import ChatEncoder, encode_all, read_conversations, resolve_max_length, split_validation
@@ -190,7 +190,7 @@ class SFTTrainer:
         """Train to the last step (`tether.loop.run_steps`, as tether train does); checkpoints every
         ``run.save_every`` steps and after the last one.
 
-        SIGINT / SIGTERM stop the run gracefully (`tether.stop`): the step in progress finishes, a
+        SIGINT / SIGTERM stop the run gracefully (`tether.rundir.stop`): the step in progress finishes, a
         checkpoint is written, ``run()`` returns with ``self.stopped_by`` set.
         """
         self.stopped_by = None
@@ -219,7 +219,7 @@ def sft(cfg: SFTConfig, run_dir: Optional[Path] = None, model=None, tokenizer=No
     """Fine-tune a fresh run; returns its directory (config.yaml, metrics.jsonl, checkpoints/, curves.png).
 
     The directory must be new or empty (``run.overwrite`` replaces an earlier SFT run there) and is
-    locked while the run trains (`tether.rundir`).
+    locked while the run trains (`tether.rundir.guard`).
     """
     _single_process()
     run_dir = Path(run_dir or cfg.run.output_dir or default_sft_dir(cfg))
@@ -242,7 +242,7 @@ def resume_sft(run_dir: Path, overrides: Optional[dict] = None, model=None, toke
 def resume_sft_config(run_dir: Path, overrides: Optional[dict] = None) -> SFTConfig:
     """The saved config of SFT run ``run_dir`` with ``overrides`` applied (nothing is written).
 
-    Raises `RunError` as a training run's resume does (`tether.rundir.resumed_values`: no directory or
+    Raises `RunError` as a training run's resume does (`tether.rundir.guard.resumed_values`: no directory or
     config.yaml, a training run, no checkpoint), and `ConfigError` for an override of a key in
     `tether.config.sft.FROZEN_ON_RESUME` to another value: the model, the data and the batches stay
     the checkpoint's.

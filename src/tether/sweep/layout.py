@@ -8,7 +8,7 @@
     DIR/runs/<arm>/seed-<s>.err    the run's stderr, every attempt appended
 
 The records sit beside the run directory, not in it: a run directory holds only what `tether train`
-writes, so ``--resume`` and ``--overwrite`` treat it as they treat any run (`tether.owned`). A run
+writes, so ``--resume`` and ``--overwrite`` treat it as they treat any run (`tether.rundir.owned`). A run
 without a record has not finished (never started, running, or killed): the next ``tether sweep`` of
 the same spec continues it. Records and sweep.json are written atomically (a kill leaves the old file
 or the new one).

@@ -43,7 +43,7 @@ def action(out: Path, arm: str, seed: int, retry_failed: bool) -> str:
     rec = layout.read_record(out, arm, seed)
     if rec is not None and (rec["state"] == layout.DONE or not retry_failed):
         return rec["state"]
-    from ..checkpoint import checkpoints  # deferred: pulls in torch
+    from ..rundir.checkpoint import checkpoints  # deferred: pulls in torch
 
     rd = layout.run_dir(out, arm, seed)
     if any((p / "state.json").is_file() for p in checkpoints(rd)):  # complete checkpoints (not step-N.tmp-PID)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import distributed as dist
+from .. import distributed as dist
 from .checkpoint import checkpoints
 from .owned import RUN_KINDS, run_kind
 
@@ -51,7 +51,7 @@ def last_stop() -> Optional[str]:
 
 def resume_hint(run_dir: Path) -> str:
     """The command that resumes ``run_dir``: ``tether train --resume`` or, for an SFT run (its marker
-    says so: `tether.owned.run_kind`), ``tether sft --resume``."""
+    says so: `tether.rundir.owned.run_kind`), ``tether sft --resume``."""
     return f"{RUN_KINDS[run_kind(run_dir)]} --resume {Path(run_dir).absolute()}"
 
 

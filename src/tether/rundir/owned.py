@@ -14,7 +14,7 @@ version and the time). A run directory (``tether train --output-dir``), an SFT r
 Anything else -- a directory tether did not make (a ``config.yaml`` of your own is not enough),
 a file of yours put into a run or export, an output of another kind (``eval --out`` into a
 run directory) -- is refused with one error naming the directory and the entries in the way,
-and nothing is deleted. `check_replaceable` is that rule; `tether.rundir`, `tether.export` and
+and nothing is deleted. `check_replaceable` is that rule; `tether.rundir.guard`, `tether.export` and
 `tether.eval.cli` call it, and nothing else in tether deletes a user's directory.
 
 An output that is one JSONL file (``tether demos --out``) carries its mark in every row it writes:
@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Optional
 
-from . import __version__
-from .errors import OutputError, loads_json
+from .. import __version__
+from ..errors import OutputError, loads_json
 
 MARKER = ".tether.json"
 KINDS = ("run", "sft", "export", "eval")

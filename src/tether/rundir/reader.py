@@ -1,11 +1,11 @@
 """Reading a run directory: its ``config.yaml`` and one of its checkpoints, for ``tether train
---resume`` (`tether.rundir.resume_config`), ``tether eval`` and ``tether export``.
+--resume`` (`tether.rundir.guard.resume_config`), ``tether eval`` and ``tether export``.
 
 * `RunDir` -- one run directory ``RUN``: checked (:meth:`RunDir.open`: it exists and has a
   ``config.yaml``), its saved config as written (:meth:`~RunDir.raw_config`; resolved:
   `tether.config.saved.saved_config`), its checkpoints (:meth:`~RunDir.steps`) and the one to use
-  (:meth:`~RunDir.checkpoint`): the newest that passes its manifest (`tether.checkpoint.latest_checkpoint`),
-  or a named step or checkpoint directory, verified against its manifest (`tether.checkpoint.verify_checkpoint`).
+  (:meth:`~RunDir.checkpoint`): the newest that passes its manifest (`tether.rundir.checkpoint.latest_checkpoint`),
+  or a named step or checkpoint directory, verified against its manifest (`tether.rundir.checkpoint.verify_checkpoint`).
 * The run at one checkpoint, with its config and its model: `tether.eval.run`.
 
 Every problem is raised as the caller's error class (``error``: `RunError` for a resume,
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import ConfigError, RunError, loads_json
+from ..errors import ConfigError, RunError, loads_json
 from .owned import RUN_KINDS, is_checkpoint_dir, is_run_dir, run_kind  # noqa: F401  (is_*: re-exported for tether eval)
-from .yamlfile import read_yaml_mapping
+from ..yamlfile import read_yaml_mapping
 
 
 class RunDir:
@@ -46,7 +46,7 @@ class RunDir:
 
     @property
     def kind(self) -> str:
-        """``"run"`` or ``"sft"`` (`tether.owned.run_kind`)."""
+        """``"run"`` or ``"sft"`` (`tether.rundir.owned.run_kind`)."""
         return run_kind(self.path)
 
     def open(self) -> RunDir:
@@ -105,7 +105,7 @@ class RunDir:
         """The checkpoint to use: ``None`` the newest that passes its manifest (a damaged one is skipped
         with a warning); a step number, or a checkpoint directory of this run, that one, verified."""
         from .checkpoint import step_of, latest_checkpoint, verify_checkpoint  # deferred: pulls in torch
-        from .metrics import warn  # deferred: pulls in torch
+        from ..metrics import warn  # deferred: pulls in torch
 
         if which is None:
             try:

@@ -13,14 +13,14 @@ What ``tether.train.train`` / ``resume`` do with a run directory ``RUN`` (throug
   ends, also by an exception. Under torchrun only rank 0 takes it.
 * **Fresh runs** refuse a directory that holds anything (but a lock file) unless
   ``run.overwrite`` (``tether train --overwrite``), which replaces only a run tether wrote, and
-  only when nothing else is in it (the rule of `tether.owned`: the ``.tether.json`` marker, and
+  only when nothing else is in it (the rule of `tether.rundir.owned`: the ``.tether.json`` marker, and
   every entry one a run writes): a mistyped ``--output-dir $HOME``, or a directory of yours that
   holds a ``config.yaml``, is never emptied. The old run is moved aside and deleted only once the
   new trainer is built (the model loaded); if that fails it is put back. ``config.yaml`` and the
   marker are written as the directory is opened.
 * **Resume** (`resume_config`, `resume_checkpoint`): a missing directory, config.yaml or checkpoint is
   a `RunError` before the model loads; the checkpoint is the newest that passes its manifest
-  (``tether.checkpoint.latest_checkpoint``). ``config.yaml`` is rewritten with the overrides only
+  (``tether.rundir.checkpoint.latest_checkpoint``). ``config.yaml`` is rewritten with the overrides only
   after the checkpoint has been restored (:meth:`RunDirectory.save_config`), atomically.
 * **Write errors** while training (disk full, quota, read-only, permissions) become a `RunError`
   naming the path (:meth:`RunDirectory.write_errors`); the checkpoint and log writers leave no
@@ -45,24 +45,31 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from . import distributed as dist
+import yaml
+
+from .. import distributed as dist
 from .checkpoint import checkpoints, pid_alive
-from .config import DEFAULT_RECIPE, flatten, load_config, save_config
-from .config.migration import migrate_saved
-from .errors import ConfigError, EnvError, OutputError, RunError, loads_json
-from .metrics import warn
+from ..errors import ConfigError, EnvError, OutputError, RunError, loads_json
+from ..metrics import warn, write_text_atomic
+from ..sections import as_dict
 from .owned import MARKER, RUN_KINDS, check_replaceable, run_kind, write_marker
-from .runs import RunDir
+from .reader import RunDir
 from .stop import resume_hint
 
 LOCK_NAME = ".lock"
-ASIDE_PREFIX = ".tether-replaced-"  # tether.owned.RUN_NAMES lists it: a killed --overwrite's leftover is tether's
+ASIDE_PREFIX = ".tether-replaced-"  # owned.RUN_NAMES lists it: a killed --overwrite's leftover is tether's
 
 #: OSError codes that mean "this directory cannot be written" rather than a bug.
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 
 # flock errors of filesystems that do not support it (some network mounts)
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+def write_config(cfg, path: Path) -> None:
+    """``config.yaml`` as tether writes it: the resolved config (a pydantic section) as the YAML of the keys users
+    write (loadable with ``--config``), atomically (never half a file). ``tether.config.save_config``."""
+    write_text_atomic(path, yaml.safe_dump(as_dict(cfg), sort_keys=False))
 
 
 class RunLock:
@@ -176,7 +183,7 @@ class RunDirectory:
 
     ``fresh``: a new run, which needs an empty (or new) directory unless ``overwrite``; otherwise the
     resume of the run in it. ``kind``: ``"run"`` (``tether train``) or ``"sft"`` (``tether sft``), the
-    marker written (`tether.owned`): ``--overwrite`` replaces only a run of the same kind. Under torchrun
+    marker written (`tether.rundir.owned`): ``--overwrite`` replaces only a run of the same kind. Under torchrun
     every rank calls :meth:`open`; rank 0 does the work and the others raise the same `RunError` if it fails.
     """
 
@@ -239,7 +246,7 @@ class RunDirectory:
 
     def _set_aside(self, names: list[str]) -> None:
         """run.overwrite: move the previous run's entries into ``RUN/.tether-replaced-<pid>/``, after
-        `tether.owned.check_replaceable` has found that every one of them is tether's. They are deleted
+        `tether.rundir.owned.check_replaceable` has found that every one of them is tether's. They are deleted
         by :meth:`commit` once the new trainer is built, and put back by :meth:`abandon` if it cannot be
         (e.g. the model does not load): a failed ``--overwrite`` loses nothing."""
         try:
@@ -267,8 +274,8 @@ class RunDirectory:
         action on the directory, and a rerun of the saved config must not delete the run."""
         if not dist.is_main():
             return
-        save_config(cfg.model_copy(update={"run": cfg.run.model_copy(update={"overwrite": False})}),
-                    self.path / "config.yaml")
+        write_config(cfg.model_copy(update={"run": cfg.run.model_copy(update={"overwrite": False})}),
+                     self.path / "config.yaml")
         self._wrote_config = True
 
     def abandon(self) -> None:
@@ -295,7 +302,7 @@ class RunDirectory:
     def discard_unstarted(self) -> bool:
         """A fresh run that stopped before its first step was logged (no metrics row, no checkpoint): remove what
         it wrote, and the directory if this run created it (rank 0; then the lock is released). True if removed.
-        Nothing is removed unless every entry is one a run writes (`tether.owned`)."""
+        Nothing is removed unless every entry is one a run writes (`tether.rundir.owned`)."""
         p = self.path
         if not (self.fresh and self.lock.held and dist.is_main()) or checkpoints(p):
             return False
@@ -346,26 +353,6 @@ class RunDirectory:
         return True
 
 
-def resume_config(run_dir: Path, overrides: Optional[dict] = None):
-    """The saved config of run ``run_dir`` with ``overrides`` applied (nothing is written).
-
-    Raises `RunError` (no directory, no or unreadable config.yaml, an SFT run, no checkpoint at all:
-    the run stopped before its first save) before any model is loaded, `ConfigError` for a bad
-    override. The directory is read by `tether.runs.RunDir`, as ``tether eval`` and ``tether export``
-    read it.
-    """
-    saved, overrides = resumed_values(run_dir, overrides, "run")
-    name = saved.pop("recipe", DEFAULT_RECIPE)
-    if "recipe" in overrides and str(overrides["recipe"]) != str(name):
-        raise ConfigError(f"recipe={overrides['recipe']} cannot apply to --resume {run_dir}: the run continues "
-                          f"with its own recipe ({name}) and its checkpointed state; start a new run for another "
-                          f"recipe (tether train --recipe {overrides['recipe']} ...), or change single algo.* keys")
-    vals = migrate_saved(flatten(saved))  # a run saved in the earlier flat layout resumes in the nested one
-    vals.pop("run.overwrite", None)
-    vals.update(overrides)
-    return load_config(None, vals, recipe_name=name)
-
-
 def resumed_values(run_dir: Path, overrides: Optional[dict], kind: str) -> tuple[dict, dict]:
     """``(saved config.yaml as a mapping, overrides)`` of the ``kind`` run (``"run"`` / ``"sft"``) in
     ``run_dir``, for a resume: the checks a training run and an SFT run share.
@@ -413,7 +400,7 @@ def restore_latest(run_dir: Path, restore: Callable[[Path], None], guard: Option
 def resume_checkpoint(run_dir: Path) -> Path:
     """The checkpoint to resume from: the newest that passes its manifest (older ones if it is damaged).
 
-    Rank 0 verifies (it reads every file once; `tether.runs.RunDir.checkpoint`) and the other ranks
+    Rank 0 verifies (it reads every file once; `tether.rundir.reader.RunDir.checkpoint`) and the other ranks
     get its choice. Raises `RunError` if there is none or none is valid.
     """
     found, err = None, None

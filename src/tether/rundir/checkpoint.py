@@ -44,11 +44,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from . import distributed as dist
-from .anchor import Anchor
-from .errors import RunError, loads_json
-from .metrics import warn, with_path
-from .metrics import write_text_atomic as _write_text_atomic  # a module name: tests inject failures here
+from .. import distributed as dist
+from ..anchor import Anchor
+from ..errors import RunError, loads_json
+from ..metrics import warn, with_path
+from ..metrics import write_text_atomic as _write_text_atomic  # a module name: tests inject failures here
 
 MANIFEST = "manifest.json"
 
