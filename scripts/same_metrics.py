@@ -3,6 +3,7 @@ a multi-turn calculator run and an asynchronous K = 1 run.
 
     .venv/bin/python scripts/same_metrics.py --save before.json       # on the old code
     .venv/bin/python scripts/same_metrics.py --compare before.json    # on the new code: exit 1 on a difference
+    .venv/bin/python scripts/same_metrics.py --runs OLD_RUN NEW_RUN    # two run directories' metrics.jsonl
 
 Each recipe trains 3 steps (2 prompts x 4 samples, 8 new tokens, seed 0, one thread) on a tiny
 random Llama (`tether.testing.make_tiny_model_dir`) with a synthetic digit reward; the rows of
@@ -10,7 +11,8 @@ random Llama (`tether.testing.make_tiny_model_dir`) with a synthetic digit rewar
 rollout.agent=multi_turn with the calculator environment on the arithmetic task) and ``async_k1`` (ema_pg,
 train.async.max_staleness=1 with a local rollout worker and the default asynchronous correction). ``--compare``
 reports every value that differs by more than ``--rtol`` (default 1e-6, relative) and every key present on one
-side only.
+side only. ``--runs`` holds two run directories' ``metrics.jsonl`` against each other by the same rule (timing keys
+dropped), e.g. an archived evidence run (docs/evidence/archives/) and its re-run on today's code.
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ def run_all(recipes: list[str], extra: list[str]) -> dict:
     return out
 
 
+def run_metrics(run_dir: str) -> list[dict]:
+    """The rows of ``RUN/metrics.jsonl`` without their timing keys."""
+    rows = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows]
+
+
 def compare(old: dict, new: dict, rtol: float) -> list[str]:
     problems = []
     for name in sorted(set(old) | set(new)):
@@ -100,7 +108,17 @@ def main() -> int:
     ap.add_argument("--rtol", type=float, default=1e-6, help="relative tolerance (default 1e-6)")
     ap.add_argument("--recipes", nargs="*", default=list(RECIPES), help="default: every named recipe")
     ap.add_argument("--extra", nargs="*", default=list(EXTRA), help=f"default: {', '.join(EXTRA)}")
+    ap.add_argument("--runs", nargs=2, metavar=("OLD_RUN", "NEW_RUN"),
+                    help="compare two run directories' metrics.jsonl instead of running the recipes")
     args = ap.parse_args()
+    if args.runs:
+        old, new = ({"run": run_metrics(r)} for r in args.runs)
+        problems = compare(old, new, args.rtol)
+        for p in problems:
+            print(p)
+        n = sum(len(r) for r in new["run"])
+        print(f"{len(new['run'])} rows, {n} values: {len(problems)} difference(s) beyond rtol {args.rtol:g}")
+        return 1 if problems else 0
     got = run_all(args.recipes, args.extra)
     if args.save:
         Path(args.save).write_text(json.dumps(got, indent=1))

@@ -39,6 +39,7 @@ def ids(t) -> list:
     return [e.id for e in t._last_batch.examples]
 
 
+@pytest.mark.slow  # about 17 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_a_killed_local_worker_is_restarted_and_its_job_resubmitted(workdir, tiny_model_dir, tmp_path):
     """kill -9 on the worker after step 1 (it holds job 1, or has sent it): the trainer restarts it, resubmits
     what it held, and trains on with staleness <= K; the same examples per step as a run without the kill
@@ -73,6 +74,7 @@ def test_a_killed_local_worker_is_restarted_and_its_job_resubmitted(workdir, tin
     assert seen == want
 
 
+@pytest.mark.slow  # about 12 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_resume_pushes_the_checkpoint_version_and_continues_the_stream(workdir, tiny_model_dir, tmp_path):
     """K = 2: after 2 steps (jobs 2 and 3 in flight, not saved: a stop discards them) a checkpoint; a new
     trainer restored from it pushes version 2 first, so its first batch is sampled by version 2 (staleness 0),

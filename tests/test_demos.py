@@ -168,6 +168,7 @@ def test_the_prompt_states_the_budget_the_demo_used(max_turns):
     assert f"up to {max_turns - 1} times" in row["messages"][0]["content"]
 
 
+@pytest.mark.slow  # about 13 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_tether_demos_command(tmp_path):
     """tether demos in a subprocess: the rows file and a summary; an existing file, an evaluation set and a bad
     difficulty are one-line errors."""

@@ -210,6 +210,7 @@ def crash_second(engine, tokenizer, **options):
 '''
 
 
+@pytest.mark.slow  # about 12 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_async_worker_failure_stops_every_rank_after_a_checkpoint(work, tiny_model_dir):
     """Rank 0's rollout worker raises in its second job: every rank stops with the worker's error (none waits
     on a collective rank 0 never reaches), after step 1's checkpoint, and the worker is gone."""

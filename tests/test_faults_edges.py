@@ -95,6 +95,7 @@ def _unwritable_outs(t: Path) -> list[Path]:
     return outs
 
 
+@pytest.mark.slow  # about 13 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_plot_to_an_unwritable_path_is_one_error_line(tmp_path):
     run = _metrics_run(tmp_path / "run")
     for out in _unwritable_outs(tmp_path):
@@ -206,6 +207,7 @@ def test_reward_that_kills_its_worker_stops_being_restarted(work, tiny_model_dir
     assert "the reward worker process died" in log
 
 
+@pytest.mark.slow  # about 10 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_reward_worker_counts_crashes_in_a_row(work, tmp_path, monkeypatch):
     """The API under the trainer: a call that returns ends a row of crashes; 3 in a row end the restarts
     for good; a warning at the first crash and one at giving up, never one per call."""

@@ -40,6 +40,7 @@ def _reader(p: subprocess.Popen, lines: list) -> threading.Thread:
     return t
 
 
+@pytest.mark.slow  # about 10 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_a_killed_worker_without_restarts_leaks_no_semaphore(work, tiny_model_dir, tmp_path):
     """`train.async.worker_restarts=0` and its rollout worker killed (kill -9) after the first step: the one error line,
     and no `resource_tracker: ... leaked semaphore` warning after it (the worker's model-load progress bar made a

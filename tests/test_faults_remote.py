@@ -190,6 +190,7 @@ def handshake_threads() -> list:
     return [t for t in threading.enumerate() if t.name == "tether-handshake"]
 
 
+@pytest.mark.slow  # about 11 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_an_unfinished_handshake_times_out_and_a_real_worker_still_connects(monkeypatch):
     """A peer that connects and sends nothing is dropped after the handshake timeout (its thread ends, the
     trainer closes the socket: the peer reads EOF), the rejection is logged, and a genuine worker connects."""

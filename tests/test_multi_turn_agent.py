@@ -221,6 +221,7 @@ def test_raw_observations_on_smollm2_continue_the_assistant_turn(smol_tok):
 # ---------------------------------------------------------------- through tether train
 
 
+@pytest.mark.slow  # about 13 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_train_runs_the_calculator_and_a_users_environment(tiny_model_dir, tmp_path):
     """rollout.agent=multi_turn on the arithmetic task (calculator) and on a user's env file whose reward parts are
     added to the task's reward; metrics per environment each step; whole trajectories in samples.jsonl."""

@@ -72,28 +72,37 @@ def test_sft_rows_are_deterministic_verified_and_mix_both_prompts():
     assert 0.5 < len(direct) / sum(r["prompt"].count("+") + r["prompt"].count("-") == 3 for r in choice) < 0.7
 
 
-def test_build_is_deterministic_and_cached(tmp_path, monkeypatch):
-    a = build_organism(MINI, cache_dir=tmp_path / "a", log=lambda m: None)
-    b = build_organism(MINI, cache_dir=tmp_path / "b", log=lambda m: None)
+@pytest.fixture(scope="module")
+def mini_organism(tmp_path_factory):
+    """The MINI organism, built once for this module (a build takes ~15 s) in a cache directory of its own."""
+    return build_organism(MINI, cache_dir=tmp_path_factory.mktemp("organism"), log=lambda m: None)
+
+
+def _no_rebuild(*args, **kwargs):
+    raise AssertionError("the cached organism was built again")
+
+
+def test_build_is_deterministic_and_cached(mini_organism, tmp_path, monkeypatch):
+    a = mini_organism
+    b = build_organism(MINI, cache_dir=tmp_path / "b", log=lambda m: None)  # a second build, from nothing
     assert a.name == b.name == f"organism-{MINI.key()}"
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     meta = json.loads((a / "organism.json").read_text())
     assert meta["key"] == MINI.key() and meta["spec"]["steps"] == MINI.steps
-
-    def no_rebuild(*args, **kwargs):
-        raise AssertionError("the cached organism was built again")
-
-    monkeypatch.setattr(organism_build, "_build", no_rebuild)
-    assert build_organism(MINI, cache_dir=tmp_path / "a") == a  # the second build reuses the cache
+    monkeypatch.setattr(organism_build, "_build", _no_rebuild)
+    assert build_organism(MINI, cache_dir=a.parent) == a  # the second build reuses the cache
     assert OrganismSpec(steps=4).key() != OrganismSpec().key()  # another spec, another directory
 
 
-def test_model_name_organism_resolves_to_the_build(tmp_path, monkeypatch):
+def test_model_name_organism_resolves_to_the_build(mini_organism, monkeypatch):
+    """model.name=organism is the default spec's build in the cache (here MINI's, already built: not again)."""
     from tether.models import resolve_model_path
 
     monkeypatch.setattr(organism_build, "DEFAULT_SPEC", MINI)
-    path = resolve_model_path("organism", cache_dir=tmp_path)
-    assert path == str(organism_path(MINI, tmp_path)) and os.path.isfile(os.path.join(path, "organism.json"))
+    monkeypatch.setattr(organism_build, "_build", _no_rebuild)
+    path = resolve_model_path("organism", cache_dir=mini_organism.parent)
+    assert path == str(organism_path(MINI, mini_organism.parent)) == str(mini_organism)
+    assert os.path.isfile(os.path.join(path, "organism.json"))
 
 
 def test_a_failed_build_says_which_step_and_leaves_nothing(tmp_path):
@@ -101,11 +110,6 @@ def test_a_failed_build_says_which_step_and_leaves_nothing(tmp_path):
     with pytest.raises(Exception, match="building the organism: `tether sft` failed"):
         build_organism(bad, cache_dir=tmp_path, log=lambda m: None)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
-
-
-@pytest.fixture(scope="module")
-def mini_organism(tmp_path_factory):
-    return build_organism(MINI, cache_dir=tmp_path_factory.mktemp("organism"), log=lambda m: None)
 
 
 @pytest.mark.parametrize("agent", ["single_turn", "multi_turn"])

@@ -231,6 +231,7 @@ def test_smollm2_sft_then_one_rl_step_from_its_checkpoint(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # about 15 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_cli_sft_then_rl_eval_and_export_from_its_run(data, tiny_model_dir, tmp_path, make_workdir):
     """tether sft end to end in a subprocess, then tether train model.name=<the SFT run> --steps 1 (lr 0: its
     policy stays the SFT run's), tether eval --model <the SFT run> and tether export <the SFT run>."""

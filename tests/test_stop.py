@@ -136,7 +136,8 @@ def resume_to_the_end(run: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("name", [pytest.param("SIGTERM", marks=pytest.mark.slow),  # about 10 s: SIGINT's twin,
+                                  "SIGINT"])  # run by CI's slow step (out of the default suite's 15 minutes)
 def test_signal_stops_after_the_step_with_a_checkpoint_and_resumes_exactly(name, stopdir, tiny_model_dir,
                                                                             tmp_path, reference):
     run, rc, out = signalled_run(stopdir, tiny_model_dir, tmp_path, [name])  # run.save_every=0: no periodic save

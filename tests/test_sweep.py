@@ -211,6 +211,7 @@ def test_sweep_end_to_end_and_report(swept, tmp_path, capsys):
     assert set(res[1]["arms"]["grpo"]["per_seed"]) == {"0", "1"}
 
 
+@pytest.mark.slow  # about 15 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_shards_into_two_dirs_report_as_one_sweep(swept, tmp_path):
     """--shard 1/2 and 2/2 into separate DIRs (run at once); the report over both equals the report of the
     unsharded sweep (the runs are deterministic on one CPU thread)."""
@@ -272,6 +273,7 @@ def test_resume_after_kill_9(work, tiny_model_dir, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # each step once: resumed, not restarted or repeated
 
 
+@pytest.mark.slow  # about 15 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_failed_run_is_recorded_and_retried(work, tiny_model_dir, tmp_path, capsys):
     """A run that fails is recorded with its exit status and stderr tail, the sweep exits 1 and the report
     lists it; the next sweep skips it; --retry-failed runs it again."""

@@ -29,6 +29,7 @@ import torch
 from . import distributed as dist
 from .algo import zero_variance_groups
 from .config import eval_benchmarks, evaluating
+from .eval import runner as eval_runner  # eval_runner.evaluate_during_training: read at call time (tests patch it)
 from .metrics import read_metrics
 from .tasks.stream import held_out_sets
 
@@ -86,8 +87,6 @@ class HeldOut:
         ``rollout.engine``): held-out problems are encoded, run and sampled as training's are. For the
         anchor the engine gets the anchor's weights for the evaluation, and the policy's back after it
         (``sync_weights``: nothing to do for transformers, a reload for vLLM's copy)."""
-        # deferred: read at call time (tests patch tether.eval.runner.evaluate_during_training)
-        from .eval.runner import evaluate_during_training
         t0 = time.perf_counter()
         e = self.cfg.eval
         settings = dict(n=e.n, greedy=e.greedy, temperature=0.0 if e.greedy else e.temperature,
@@ -96,12 +95,12 @@ class HeldOut:
         examples = {k: v[0] for k, v in self.sets.items()}
         rewards = {k: v[1] for k, v in self.sets.items()}
         with dist.gathered(model):
-            out = evaluate_during_training(agent, examples, rewards, settings)
+            out = eval_runner.evaluate_during_training(agent, examples, rewards, settings)
         if e.anchor:
             try:
                 with anchor.applied(model), dist.gathered(model):
                     engine.sync_weights(model)
-                    res = evaluate_during_training(agent, examples, rewards, settings)
+                    res = eval_runner.evaluate_during_training(agent, examples, rewards, settings)
             finally:
                 engine.sync_weights(model)  # the policy's weights again
             out.update({"eval_anchor/" + k[len("eval/"):]: v for k, v in res.items()})

@@ -48,7 +48,7 @@ from .errors import ConfigError, GenerationError
 from .logprobs import response_stats
 from .memory import malloc_trim
 from .metrics import UpdateStats, peak_memory_mb
-from .models import describe_model
+from . import models  # models.load_model: an attribute read at call time (tests patch it)
 from .optim import make_adamw, optimizer_step, skipped_update_line
 from .passes import Passes, StepBatch, exact_kl_sample, forwarded_positions, head_inputs, idle_backward, micro_batches
 from .rollout import RolloutBatch, SamplingParams
@@ -113,9 +113,8 @@ class Trainer:
         else:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         if model is None:
-            from .models import load_model  # deferred: read at call time (tests patch tether.models.load_model)
-            self.log(f"[tether] loading model {describe_model(cfg.model.name)}")
-            model, tokenizer = load_model(cfg.model)
+            self.log(f"[tether] loading model {models.describe_model(cfg.model.name)}")
+            model, tokenizer = models.load_model(cfg.model)
         model = dist.shard_model(model)  # FSDP2 under torchrun (before the engine, the optimizer and the anchor see it)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device

@@ -51,6 +51,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import models  # models.load_model: an attribute read at call time (tests patch it)
 from ..agents.build import build_rollout
 from ..errors import GenerationError
 from ..sections import replace
@@ -106,10 +107,9 @@ class Sampler:
     """
 
     def __init__(self, cfg, rank: int, verify: bool, probe: list[int]):
-        from ..models import load_model  # deferred: read at call time (tests patch tether.models.load_model)
 
         self.rank, self.verify, self.probe = rank, verify, probe
-        self.model, tokenizer = load_model(replace(cfg.model, lora_r=0, gradient_checkpointing=False))
+        self.model, tokenizer = models.load_model(replace(cfg.model, lora_r=0, gradient_checkpointing=False))
         self.model.requires_grad_(False)
         self.vllm = cfg.rollout.engine.kind == "vllm"
         S = cfg.train.async_.partial_rollout_tokens

@@ -18,6 +18,7 @@ from ..rollout import ENGINES
 from ..envs import ENVS
 from ..search.retrievers import RETRIEVERS
 from ..sections import annotation, doc, key_name, keys_of, kind_of, variants
+from ..sections import default as field_default, optional as is_optional  # this module has its own default / optional
 from ..tasks.registry import TASKS
 from ..tasks.rewards import REWARDS
 from .migration import MOVED
@@ -59,10 +60,9 @@ def sections(cls: type = Config, prefix: str = "") -> list[tuple[str, type]]:
 
 
 def _default(section: type, name: str) -> object:
-    from ..sections import default  # noqa: PLC0415 (a name of this module's tables)
     if hasattr(section, "model_fields") and section.model_fields[name].is_required():
         return PydanticUndefined
-    value = default(section, name)
+    value = field_default(section, name)
     return value.model_dump(by_alias=True) if hasattr(value, "model_dump") else value
 
 
@@ -84,8 +84,7 @@ def section_keys(prefix: str, section: type) -> list[tuple[str, object, str]]:
 
 
 def _is_choice_or_optional(tp) -> bool:
-    from ..sections import optional  # noqa: PLC0415 (a name of this module's tables)
-    return len(variants(tp)) > 1 or optional(tp)
+    return len(variants(tp)) > 1 or is_optional(tp)
 
 
 def keys(cls: type = Config) -> list[tuple[str, object, str]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import EvalError
+from .. import models  # models.load_model: an attribute read at call time (tests patch it)
 from ..models import ModelConfig, ModelLoadError
 from .run import RunCheckpoint, check_anchor, checkpoint_at, load_run_model
 from ..rundir.reader import RunDir, is_checkpoint_dir, is_run_dir
@@ -119,7 +120,6 @@ def load_eval_model(
             without anchor tensors (no KL term, or the iterative anchor), anchor tensors that
             do not match the model, or a base model that cannot be loaded.
     """
-    from ..models import load_model  # deferred: read at call time (tests patch tether.models.load_model)
 
     info = spec if isinstance(spec, EvalModelSpec) else resolve_eval_spec(spec)
     if anchor:
@@ -128,7 +128,7 @@ def load_eval_model(
         return load_run_model(info.run, anchor=anchor, dtype=dtype, device=device, merge_lora=merge_lora,
                               verb="evaluate", error=EvalError)
     try:
-        model, tok = load_model(ModelConfig(name=info.spec, dtype=dtype, device=device))
+        model, tok = models.load_model(ModelConfig(name=info.spec, dtype=dtype, device=device))
     except ModelLoadError as e:
         raise EvalError(str(e)) from None
     model.requires_grad_(False)

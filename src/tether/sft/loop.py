@@ -32,7 +32,7 @@ from ..config import flatten, to_dict
 from ..config.sft import FROZEN_ON_RESUME, SFTConfig, load_sft_config
 from ..errors import RunError
 from ..metrics import peak_memory_mb
-from ..models import describe_model
+from .. import models  # models.load_model: an attribute read at call time (tests patch it)
 from ..optim import make_adamw, optimizer_step, skipped_update_line
 from ..loop import run_guarded, run_steps
 from ..rundir.guard import RunDirectory, resumed_values
@@ -74,9 +74,8 @@ class SFTTrainer:
         else:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         if model is None:
-            from ..models import load_model  # deferred: read at call time (tests patch tether.models.load_model)
-            self.log(f"[tether] loading model {describe_model(cfg.model.name)}")
-            model, tokenizer = load_model(cfg.model)
+            self.log(f"[tether] loading model {models.describe_model(cfg.model.name)}")
+            model, tokenizer = models.load_model(cfg.model)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
