@@ -12,7 +12,15 @@ rollout.agent=multi_turn with the calculator environment on the arithmetic task)
 train.async.max_staleness=1 with a local rollout worker and the default asynchronous correction). ``--compare``
 reports every value that differs by more than ``--rtol`` (default 1e-6, relative) and every key present on one
 side only. ``--runs`` holds two run directories' ``metrics.jsonl`` against each other by the same rule (timing keys
-dropped), e.g. an archived evidence run (docs/evidence/archives/) and its re-run on today's code.
+dropped), e.g. an evidence run on the code that ran it and on today's (docs/evidence.md, "The regime").
+
+Record the old side on the machine that compares: the numbers are exact on one CPU, not across CPUs (float
+rounding differs). ``scripts/same_metrics_before.json`` is the record of d125a8e (before the config redesign) made
+on the machine of 2026-12-01 with this script's cases (its EXTRA cases in the flat keys d125a8e reads); a record of
+the same commit made on an earlier machine differed from it in 161 of 1437 values. To make one for your machine:
+
+    git worktree add /tmp/old d125a8e && git show 373241b:scripts/same_metrics.py > /tmp/sm.py
+    PYTHONPATH=/tmp/old/src .venv/bin/python /tmp/sm.py --save /tmp/before.json   # from this checkout
 """
 
 from __future__ import annotations
@@ -71,7 +79,10 @@ def run_all(recipes: list[str], extra: list[str]) -> dict:
 
 def run_metrics(run_dir: str) -> list[dict]:
     """The rows of ``RUN/metrics.jsonl`` without their timing keys."""
-    rows = [json.loads(ln) for ln in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"same_metrics: {path} does not exist (is {run_dir} a run directory?)")
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
     return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows]
 
 
