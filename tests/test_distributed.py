@@ -252,6 +252,7 @@ def _truncate_to_step_1(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow  # about 8 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_resume_same_world_size(runs, work):
     """Resuming the 2-rank run from its step-1 checkpoint on 2 ranks lands where the unbroken run did."""
     one, two = runs

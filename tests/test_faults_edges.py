@@ -187,6 +187,7 @@ CRASH_WARNING = "the reward worker process died during a call"
 GAVE_UP_WARNING = "it is not restarted again"
 
 
+@pytest.mark.slow  # about 9 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_reward_that_kills_its_worker_stops_being_restarted(work, tiny_model_dir, tmp_path):
     """Every call SIGKILLs the reward worker: it was restarted for each of the run's 8 calls. Now one
     warning at the first crash, one when it gives up after 3 in a row (2 restarts); the other calls

@@ -317,6 +317,7 @@ def test_kv_reuse_gives_the_same_episodes_and_releases_them(tiny_model_dir, tok,
     assert fed_b < fed_a
 
 
+@pytest.mark.slow  # about 8 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_tether_eval_runs_the_calculator(tiny_model_dir, tmp_path):
     """tether eval --agent multi_turn: the environment runs on the benchmark (rows record each episode's turns);
     --env without it is a one-line error; before this, --agent multi_turn was accepted and ran single_turn."""

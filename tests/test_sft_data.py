@@ -178,6 +178,7 @@ CASES = {  # name: (rows, extra arguments, what the error line must say besides 
 }
 
 
+@pytest.mark.slow  # about 9 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_cli_bad_input_is_one_error_line_with_file_and_line(tiny_model_dir, tmp_path):
     """The five cases run at once (two cores), each a fresh `python -m tether sft`; none leaves a run directory."""
     procs = {}
