@@ -1,9 +1,8 @@
 """Failures of asynchronous RL with real processes (docs/async.md, "Stopping, failures, resume"): a rollout
 worker killed with ``kill -9`` mid-run is restarted and the job it held resubmitted (``train.async.worker_restarts``),
 or, with no restart left, the run stops with one error line after a checkpoint of its last completed step,
-from which ``--resume`` continues; a remote worker killed is replaced by the next ``tether worker`` that
-connects; a resume pushes the checkpoint's step as the first version and continues the data stream where
-the consumed jobs ended.
+from which ``--resume`` continues; a resume pushes the checkpoint's step as the first version and continues the data
+stream where the consumed jobs ended.
 """
 
 import os

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from helpers import DIGITS, tiny_config
+from tether.asynchronous.partial import Segmented
 from tether.errors import ConfigError
 from tether.logprobs import response_stats
 from tether.models import ModelConfig, load_model
 from tether.rollout import HFEngine, SamplingParams
-from tether.asynchronous.partial import Segmented
 from tether.train import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

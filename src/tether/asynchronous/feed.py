@@ -16,12 +16,12 @@ on every rank; the vLLM probe's forward is then local).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from .. import distributed as dist
-from ..tasks import Example
 from ..rollout.base import RolloutBatch, SamplingParams
-from .remote import RemoteWorkers
+from ..tasks import Example
+from .served import ServedPool
 from .workers import Job, Rollout, RolloutWorkers
 
 
@@ -50,21 +50,28 @@ class RolloutFeed:
     """
 
     def __init__(self, cfg, model, take: Callable[[int], list[Example]], position: Callable[[], int],
-                 sampling: Callable[[int], SamplingParams], version: int, log: Callable, tokenizer):
+                 sampling: Callable[[int], SamplingParams], version: int, log: Callable, tokenizer,
+                 served: Optional[tuple] = None):
         a = cfg.train.async_
         self.cfg, self.take, self.where, self.sampling = cfg, take, position, sampling
         self.submitted = self.consumed = 0  # job ids; no drops: job i trains step i + 1
         self.position = position()  # the data position after the last consumed job
         self.dropped = self.restarts = 0
-        self.staleness_counts = [0] * max(a.max_staleness + 1, a.workers)  # index: staleness
+        lookahead = max(a.max_staleness + 1, a.workers)
+        self.staleness_counts = [0] * lookahead  # index: staleness
         self.pool = None  # rank 0's workers
-        pool = RolloutWorkers  # local processes, weights through shared memory
-        if a.transport.kind == "remote":  # `tether worker` processes on other nodes, over TCP
-            pool = RemoteWorkers
+        #: the served engine the jobs drive (rollout.engine.kind=vllm_server): pushes update its servers, on every
+        #: rank (its weight transfer gathers FSDP2 shards collectively); None: local worker processes
+        self.served = served[0] if served is not None else None
+        if self.served is not None:
+            engine, make_agent = served
+            dist.on_main(lambda: setattr(self, "pool", ServedPool(engine, [make_agent() for _ in range(lookahead)],
+                                                                  lookahead=lookahead, log=log)))
+            return
 
-        def start():
-            self.pool = pool(cfg, model, n=a.workers, lookahead=max(a.max_staleness + 1, a.workers),
-                             verify=a.verify_sync, version=version, log=log, tokenizer=tokenizer)
+        def start():  # local processes, weights through shared memory
+            self.pool = RolloutWorkers(cfg, model, n=a.workers, lookahead=lookahead, verify=a.verify_sync,
+                                       version=version, log=log, tokenizer=tokenizer)
 
         with dist.gathered(model):
             dist.on_main(start)
@@ -102,6 +109,9 @@ class RolloutFeed:
 
     def push(self, model, version: int) -> None:
         """Publish the policy's weights as ``version`` (every rank calls it: the full weights are gathered)."""
+        if self.served is not None:  # the servers, updated in flight (every rank takes part in the transfer)
+            self.served.sync_weights(model, version=version)
+            return
         with dist.gathered(model):
             dist.on_main(lambda: self.pool.push(model, version))
 

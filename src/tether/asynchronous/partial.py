@@ -79,7 +79,7 @@ class Segmented:
                 logps[i] += rb.sampler_logp[j][m].tolist()
                 vers[i] += [version] * len(new)
                 ended = rb.finish_reason[j] == "stop" or len(toks[i]) >= params.max_new_tokens
-                if not ended and params.stop and eng._stop_prefix(toks[i], params.stop) is not None:
+                if not ended and params.stop and eng.stop_prefix(toks[i], params.stop) is not None:
                     ended = True  # a stop string split across two segments
                 if not ended:
                     still.append(i)
@@ -90,11 +90,11 @@ class Segmented:
                 version = newer
         results, cut_logps = [], []
         for i in range(len(row_group)):
-            kept, reason, text = eng._finish_row(toks[i], params)
+            kept, reason, text = eng.finish_row(toks[i], params)
             results.append((kept, reason, text))
             cut_logps.append(logps[i][:len(kept)])
             vers[i] = vers[i][:len(kept)]
-        batch = eng._assemble(prompts, row_group, results, cut_logps)
+        batch = eng.assemble(prompts, row_group, results, cut_logps)
         tv = torch.full(batch.response_ids.shape, -1, dtype=torch.long)
         for i, v in enumerate(vers):
             tv[i, :len(v)] = torch.tensor(v, dtype=torch.long)

@@ -24,6 +24,7 @@ import time
 import torch
 
 from ..errors import GenerationError
+from ..rollout.probe import PROBE_TEXT, model_probe_logp, probe_ids  # noqa: F401 (re-exported: the workers' probe)
 
 
 class WeightSyncError(GenerationError):
@@ -147,24 +148,6 @@ def unique_weights(weights: dict[str, torch.Tensor]) -> tuple[list[str], dict[st
 
 
 # ------------------------------------------------------------------ the probe of a vLLM engine
-
-#: the fixed text whose log-probs a vLLM worker's engine reports after each weights load (verified sync)
-PROBE_TEXT = ("The rollout worker samples with the weights the trainer pushed: 12 + 30 = 42, and every "
-              "token of this probe is scored by the engine itself.")
-
-
-def probe_ids(tokenizer) -> list[int]:
-    """The token ids of `PROBE_TEXT` (the same on every side that has the run's tokenizer)."""
-    return [int(i) for i in tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]]
-
-
-@torch.no_grad()
-def model_probe_logp(model, ids: list[int]) -> list[float]:
-    """log pi(ids[i] | ids[:i]) for i >= 1 under ``model`` (temperature 1): the trainer's side of the probe."""
-    x = torch.tensor([ids], device=next(model.parameters()).device)
-    logits = model(input_ids=x).logits[0, :-1].float()
-    return logits.log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0].tolist()
-
 
 def engine_probe_logp(engine, ids: list[int]) -> list[float]:
     """The same log-probs as the vLLM engine computes them with the weights it holds (``prompt_logprobs``):

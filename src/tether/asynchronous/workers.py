@@ -54,11 +54,19 @@ import torch
 from .. import models  # models.load_model: an attribute read at call time (tests patch it)
 from ..agents.build import build_rollout
 from ..errors import GenerationError
-from ..sections import replace
 from ..rollout.base import RolloutBatch, SamplingParams
+from ..sections import replace
 from .partial import Segmented
-from .weights import (SharedWeights, WeightSyncError, checksum, effective_weights, engine_probe_logp,
-                      model_probe_logp, model_weights, probe_ids)
+from .weights import (
+    SharedWeights,
+    WeightSyncError,
+    checksum,
+    effective_weights,
+    engine_probe_logp,
+    model_probe_logp,
+    model_weights,
+    probe_ids,
+)
 
 
 class WorkerError(GenerationError):

@@ -1,59 +1,17 @@
 """``train.async``: asynchronous RL (docs/async.md), one optional section: None (the default) is the
-synchronous loop; ``train.async=K`` is short for ``train.async.max_staleness=K``. Rollouts are generated in
-worker processes (`tether.asynchronous`) while the trainer updates; the workers are local processes or
-remote ``tether worker`` processes reached over TCP, the ``transport`` chosen by its ``kind``."""
+synchronous loop; ``train.async=K`` is short for ``train.async.max_staleness=K``. Rollouts are generated while
+the trainer updates: by local worker processes (`tether.asynchronous.workers`), or, with
+``rollout.engine.kind=vllm_server``, by vLLM servers on this node or others (`tether.asynchronous.served`)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import Field
 
 from ..sections import Section
 
 STALE_BATCHES = ("drop", "keep")
-
-
-class LocalTransport(Section):
-    """``train.async.transport.kind=local``: the rollout workers are processes of this machine (the default)."""
-
-    kind: Literal["local"] = "local"
-    """local"""
-
-
-class RemoteTransport(Section):
-    """``train.async.transport.kind=remote``: the trainer listens at ``address`` for ``train.async.workers``
-    remote ``tether worker HOST:PORT`` processes (other nodes; jobs, weights per version and batches over TCP,
-    authenticated with a shared secret read from an environment variable on both sides)."""
-
-    kind: Literal["remote"] = "remote"
-    """remote"""
-    address: str = ""
-    """HOST:PORT the trainer listens on (e.g. 10.0.0.5:29600, the cluster's private interface, not 0.0.0.0);
-    required"""
-    timeout_s: float = Field(600.0, gt=0)
-    """how long the trainer waits for its remote workers to connect, and how long a connected worker may stay
-    silent (they send a heartbeat every few seconds, also while generating) before the run stops with an error
-    naming it; a closed connection is an error at once"""
-    key_env: str = "TETHER_WORKER_KEY"
-    """the environment variable that holds the shared secret (at least 32 characters; the secret itself is never
-    written into a config or a run directory); each `tether worker` reads the same variable (--key-env)"""
-
-    @field_validator("address")
-    @classmethod
-    def _host_port(cls, v: str) -> str:
-        if not v:
-            return v  # unset: check_train names it (the kind is set before the address)
-        host, _, port = v.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"must be HOST:PORT (e.g. 10.0.0.5:29600, the cluster's private interface, not "
-                             f"0.0.0.0), got {v!r}")
-        return v
-
-
-Transport = Annotated[Union[Annotated[LocalTransport, Tag("local")], Annotated[RemoteTransport, Tag("remote")]],
-                      Discriminator(lambda v: (v.get("kind", "local") if isinstance(v, dict)
-                                               else getattr(v, "kind", "local")))]
 
 
 class AsyncConfig(Section):
@@ -94,17 +52,8 @@ class AsyncConfig(Section):
     (async/token_staleness_mean: the mean over tokens)"""
     worker_restarts: int = Field(2, ge=0)
     """how many times in a run a rollout worker that dies (killed, out of memory, its connection lost) is
-    replaced: a local one restarted, a remote one by the next `tether worker` that connects within the
-    transport's timeout_s; the jobs it held are resubmitted and it loads the newest version. Beyond that (0 =
+    restarted; the jobs it held are resubmitted and it loads the newest version. Beyond that (0 =
     never), or a worker that raises, the run stops with an error after a checkpoint of its last step"""
-    transport: Transport = Field(default_factory=LocalTransport)
-    """how the trainer reaches its workers: local (processes of this machine) | remote (tether worker processes
-    on other nodes, over authenticated TCP); `train.async.transport=local` is short for its kind"""
-
-    @field_validator("transport", mode="before")
-    @classmethod
-    def _transport_shorthand(cls, v: Any) -> Any:
-        return {"kind": v} if isinstance(v, str) else v
 
 
 def async_shorthand(value: Any) -> Any:

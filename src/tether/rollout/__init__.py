@@ -43,11 +43,23 @@ def _vllm(cfg, model, tokenizer, **overrides: Any) -> Engine:
     return VLLMEngine(model, tokenizer, **opts)
 
 
+def _vllm_server(cfg, model, tokenizer, **overrides: Any) -> Engine:
+    """vLLM servers (launched by tether, or the user's), weights through vLLM's weight-transfer protocol (needs the
+    .venv-vllm environment for the trainer too: it drives vLLM's trainer engine)."""
+    from .served import ServedEngine  # deferred: the weight transfer imports vLLM
+
+    opts = dict(seed=overrides.pop("seed", 0), log_dir=overrides.pop("log_dir", None))
+    if overrides:
+        raise TypeError(f"rollout.engine=vllm_server takes no option {sorted(overrides)[0]!r}")
+    return ServedEngine(model, tokenizer, cfg.engine, **opts)
+
+
 #: engine name -> builder(cfg, model, tokenizer, **overrides); metadata ``reports_logp``: whether the
 #: engine fills ``RolloutBatch.sampler_logp`` (rollout correction, ``algo.tis_cap``)
 ENGINES: Registry[Callable[..., Engine]] = Registry("rollout.engine", required=("reports_logp",))
 ENGINES.register("hf", reports_logp=False)(_hf)
 ENGINES.register("vllm", reports_logp=True)(_vllm)
+ENGINES.register("vllm_server", reports_logp=True)(_vllm_server)
 
 
 def engine_reports_logp(name: str) -> bool:

@@ -118,6 +118,10 @@ class RolloutBatch:
     loss_mask: Optional[torch.Tensor] = _optional("response")
     # [B, T] float: log-probs the engine reports for the sampled tokens (vLLM); None = not reported.
     sampler_logp: Optional[torch.Tensor] = _optional("response")
+    # [B, T] long: the weights version that sampled each response token, when the engine reports it (a served
+    # engine whose weights may change while a request is in flight: vLLM's weight_versions); -1 on padding and on
+    # tokens no policy sampled. None = the engine does not report versions.
+    token_version: Optional[torch.Tensor] = _optional("response")
     # per row: the agent's record of the episode (a dict, e.g. the search agent's searches and the ids
     # of the passages it was shown); None = the agent keeps none.
     info: Optional[list] = _optional("list")
@@ -245,7 +249,8 @@ class RolloutBatch:
             elif kind == "row":
                 kw[f.name] = torch.cat(vals)
             else:
-                pad = first.pad_token_id if f.name in _PAD else False if vals[0].dtype == torch.bool else 0
+                pad = (first.pad_token_id if f.name in _PAD else -1 if f.name == "token_version"
+                       else False if vals[0].dtype == torch.bool else 0)
                 kw[f.name] = torch.cat([_pad_to(v, width[kind], pad, left=kind == "prompt") for v in vals])
         if offset_groups:
             groups, offset = [], 0

@@ -75,19 +75,8 @@ from ..errors import GenerationError
 from ..logprobs import cache_kwarg
 from .base import NONFINITE_LOGITS, RolloutBatch, SamplingParams
 from .kvcache import growing_cache, shared_prefill
-from .rows import RowPostprocess
+from .rows import RowPostprocess, eos_and_pad
 from .sessions import SessionStore, StepLogp, layout, prefill, take_rows
-
-
-def as_id_list(x) -> list[int]:
-    """Normalize an int / list of ints / None to a list of ints."""
-    if x is None:
-        return []
-    if isinstance(x, (list, tuple)):
-        return [int(i) for i in x]
-    if isinstance(x, torch.Tensor):
-        return [int(i) for i in x.flatten().tolist()]
-    return [int(x)]
 
 
 def _model_device(model) -> torch.device:
@@ -275,15 +264,7 @@ class HFEngine(RowPostprocess):
         self.reuse_kv = bool(reuse_kv)
         self.record_logp = bool(record_logp)
         self.session_store = SessionStore()  # stored KV by session key (sessions.py)
-        gen_cfg = _generation_config(model)
-        eos = as_id_list(getattr(gen_cfg, "eos_token_id", None)) + as_id_list(tokenizer.eos_token_id)
-        self.eos_token_ids: list[int] = list(dict.fromkeys(eos))  # ordered, unique
-        if not self.eos_token_ids:
-            raise ValueError("Neither the model's generation_config nor the tokenizer defines an EOS token")
-        pad = tokenizer.pad_token_id
-        if pad is None:
-            pad = getattr(gen_cfg, "pad_token_id", None)
-        self.pad_token_id: int = int(pad) if pad is not None else self.eos_token_ids[0]
+        self.eos_token_ids, self.pad_token_id = eos_and_pad(_generation_config(model), tokenizer)
 
     # ------------------------------------------------------------------ interface
 
@@ -369,7 +350,7 @@ class HFEngine(RowPostprocess):
             model.train(was_training)
             bar.close()
 
-        batch = self._assemble(prompts, row_group, results, logps if self.record_logp else None)
+        batch = self.assemble(prompts, row_group, results, logps if self.record_logp else None)
         batch.gen_time_s = time.perf_counter() - t0
         return batch
 
@@ -484,7 +465,7 @@ class HFEngine(RowPostprocess):
             last = made >= total or made_now < step or bool(done.all())
             ended = list(range(len(rows))) if last else done.nonzero().flatten().tolist()
             for i in ended:
-                resp[rows[i]] = self._finish_row(new[i].cpu().tolist(), params)
+                resp[rows[i]] = self.finish_row(new[i].cpu().tolist(), params)
             mask = torch.cat([mask, mask.new_ones(len(rows), made_now)], dim=1)  # seqs' mask
             if kv is not None:  # before the rows are dropped from the cache
                 toks = [chunk_prompts[rows[i]] + resp[rows[i]][0] for i in ended]

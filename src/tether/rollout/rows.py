@@ -6,7 +6,7 @@ a row ends after its first EOS (kept, finish reason ``stop``) or right after the
 completes a stop string (the shortest token prefix whose decoded text, special tokens skipped,
 contains a stop string; the text is cut right after the stop string); a row that reached
 ``max_new_tokens`` otherwise finishes with ``length``. Subclasses set ``tokenizer``,
-``eos_token_ids`` and ``pad_token_id``.
+``eos_token_ids`` and ``pad_token_id``, resolved by `eos_and_pad` for every engine.
 """
 
 from __future__ import annotations
@@ -18,20 +18,43 @@ import torch
 from .base import RolloutBatch, SamplingParams
 
 
+def as_id_list(x) -> list[int]:
+    """Normalize an int / list of ints / None to a list of ints."""
+    if x is None:
+        return []
+    if isinstance(x, (list, tuple)):
+        return [int(i) for i in x]
+    if isinstance(x, torch.Tensor):
+        return [int(i) for i in x.flatten().tolist()]
+    return [int(x)]
+
+
+def eos_and_pad(gen_cfg, tokenizer) -> tuple[list[int], int]:
+    """Every engine's stop and pad ids: the EOS ids of the model's generation_config and the tokenizer (ordered,
+    unique; ValueError when neither has one), and the tokenizer's pad id, else the generation_config's, else the
+    first EOS."""
+    eos = list(dict.fromkeys(as_id_list(getattr(gen_cfg, "eos_token_id", None)) + as_id_list(tokenizer.eos_token_id)))
+    if not eos:
+        raise ValueError("Neither the model's generation_config nor the tokenizer defines an EOS token")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else getattr(gen_cfg, "pad_token_id", None)
+    return eos, int(pad) if pad is not None else eos[0]
+
+
 class RowPostprocess:
-    """Mixin: ``_finish_row``, ``_stop_prefix`` and ``_assemble`` (see the module doc)."""
+    """Mixin: ``finish_row``, ``stop_prefix`` and ``assemble`` (see the module doc); public, as the engines and
+    `tether.asynchronous.partial` use them."""
 
     tokenizer: Any
     eos_token_ids: list[int]
     pad_token_id: int
 
-    def _finish_row(self, tokens: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
+    def finish_row(self, tokens: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
         """Cut one generated row at EOS / stop string; return ``(tokens, finish_reason, text)``."""
         eos = set(self.eos_token_ids)
         cut = next((k + 1 for k, t in enumerate(tokens) if t in eos), None)
         candidate = tokens[:cut] if cut is not None else tokens
         if params.stop:
-            k = self._stop_prefix(candidate, params.stop)
+            k = self.stop_prefix(candidate, params.stop)
             if k is not None and (cut is None or k < cut):
                 kept = candidate[:k]
                 text = self.tokenizer.decode(kept, skip_special_tokens=True)
@@ -46,7 +69,7 @@ class RowPostprocess:
             return candidate, "stop", text
         return candidate, "length", text
 
-    def _stop_prefix(self, tokens: list[int], stops: list[str]) -> int | None:
+    def stop_prefix(self, tokens: list[int], stops: list[str]) -> int | None:
         """Length of the shortest prefix of `tokens` whose decoded text contains a stop string."""
 
         def hit(k: int) -> bool:
@@ -66,10 +89,11 @@ class RowPostprocess:
             hi = next(k for k in range(1, len(tokens) + 1) if hit(k))
         return hi
 
-    def _assemble(self, prompts: list[list[int]], row_group: list[int], results: list[Any],
-                  logps: Optional[list[list[float]]] = None) -> RolloutBatch:
+    def assemble(self, prompts: list[list[int]], row_group: list[int], results: list[Any],
+                 logps: Optional[list[list[float]]] = None,
+                 versions: Optional[list[list[int]]] = None) -> RolloutBatch:
         """Pad per-row results into a `RolloutBatch` (rows in prompt order); ``logps`` (one list
-        per row, as long as its kept tokens) fill ``sampler_logp``."""
+        per row, as long as its kept tokens) fill ``sampler_logp``, ``versions`` (likewise) ``token_version``."""
         num_rows = len(row_group)
         p_width = max((len(prompts[g]) for g in row_group), default=0)
         r_width = max((len(r[0]) for r in results), default=0)
@@ -91,7 +115,14 @@ class RowPostprocess:
             for i, lp in enumerate(logps):
                 if lp:
                     sampler_logp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        token_version = None
+        if versions is not None:
+            token_version = torch.full((num_rows, r_width), -1, dtype=torch.long)
+            for i, v in enumerate(versions):
+                if v:
+                    token_version[i, : len(v)] = torch.tensor(v, dtype=torch.long)
         return RolloutBatch(
+            token_version=token_version,
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
             response_ids=response_ids,

@@ -55,6 +55,7 @@ woken for a sync and everything before the next generation.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -66,7 +67,7 @@ import torch
 
 from ..errors import GenerationError
 from .base import NONFINITE_LOGITS, RolloutBatch, SamplingParams
-from .rows import RowPostprocess
+from .rows import RowPostprocess, eos_and_pad
 
 _DTYPES = {"auto", "float32", "bfloat16", "float16"}
 
@@ -84,6 +85,37 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else t
 
 
+def _entries(model) -> Iterator[tuple[str, tuple, torch.dtype, Any]]:
+    """``(state_dict name, full shape, dtype, make)`` of every weight vLLM receives, in order; ``make()`` gives the
+    full tensor (`named_weights`). Shapes and dtypes are read without gathering a DTensor or merging LoRA."""
+    base = _unwrap(model)
+    seen: set[str] = set()
+    for name, t in base.state_dict(keep_vars=False).items():
+        if ".lora_" in name or ".original_module." in name:
+            continue  # adapters are merged into their base layer below; peft's saved originals
+        out = name.replace(".modules_to_save.default.", ".")
+        make = functools.partial(_full, t)
+        if ".base_layer." in name:
+            mod_name, _, pname = name.partition(".base_layer.")
+            out = f"{mod_name}.{pname}"
+            mod = base.get_submodule(mod_name)
+            if pname == "weight" and not getattr(mod, "disable_adapters", False) and not getattr(mod, "merged", False):
+                def make(t=t, mod=mod):
+                    w = _full(t)
+                    for a in getattr(mod, "active_adapters", []):
+                        if a in getattr(mod, "lora_A", {}):
+                            w = w + _full(mod.get_delta_weight(a)).to(w.dtype)
+                    return w
+        seen.add(out)
+        yield out, tuple(t.shape), t.dtype, make
+    out_emb, in_emb = base.get_output_embeddings(), base.get_input_embeddings()
+    if out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight:
+        head = next(n for n, m in base.named_modules() if m is out_emb) + ".weight"
+        if head not in seen:
+            w = out_emb.weight
+            yield head, tuple(w.shape), w.dtype, functools.partial(_full, w)
+
+
 def named_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights as ``(state_dict name, full tensor)``, ready for vLLM's ``load_weights``.
 
@@ -93,30 +125,14 @@ def named_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     * DTensors (FSDP2) are gathered with ``full_tensor()``; tensors are not made contiguous
       here (`weight_buckets` does that, bucket by bucket).
     """
-    base = _unwrap(model)
-    seen: set[str] = set()
-    for name, t in base.state_dict(keep_vars=False).items():
-        if ".lora_" in name or ".original_module." in name:
-            continue  # adapters are merged into their base layer below; peft's saved originals
-        out = name.replace(".modules_to_save.default.", ".")
-        if ".base_layer." in name:
-            mod_name, _, pname = name.partition(".base_layer.")
-            out = f"{mod_name}.{pname}"
-            mod = base.get_submodule(mod_name)
-            t = _full(t)
-            if pname == "weight" and not getattr(mod, "disable_adapters", False) and not getattr(mod, "merged", False):
-                for a in getattr(mod, "active_adapters", []):
-                    if a in getattr(mod, "lora_A", {}):
-                        t = t + _full(mod.get_delta_weight(a)).to(t.dtype)
-        else:
-            t = _full(t)
-        seen.add(out)
-        yield out, t
-    out_emb, in_emb = base.get_output_embeddings(), base.get_input_embeddings()
-    if out_emb is not None and in_emb is not None and out_emb.weight is in_emb.weight:
-        head = next(n for n, m in base.named_modules() if m is out_emb) + ".weight"
-        if head not in seen:
-            yield head, _full(out_emb.weight)
+    for name, _, _, make in _entries(model):
+        yield name, make()
+
+
+def weight_entries(model) -> list[tuple[str, tuple, torch.dtype]]:
+    """``(name, shape, dtype)`` of what `named_weights` yields, in its order, without materializing anything
+    (the metadata of a weight-transfer round, `tether.rollout.weight_transfer`)."""
+    return [(name, shape, dtype) for name, shape, dtype, _ in _entries(model)]
 
 
 def weight_buckets(weights, bucket_mb: float) -> Iterator[tuple[str, torch.Tensor]]:
@@ -131,6 +147,29 @@ def weight_buckets(weights, bucket_mb: float) -> Iterator[tuple[str, torch.Tenso
             yield from bucket
             bucket, size = [], 0
     yield from bucket
+
+
+def write_snapshot(model, tokenizer, path: Path, weights: Optional[list] = None) -> Path:
+    """Write the policy as a Hugging Face directory vLLM loads (config, generation config, tokenizer, and the
+    weights of `named_weights`, or ``weights`` when given already gathered: LoRA merged, one tensor for tied
+    embeddings) to ``path``; returns ``path``."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    base = _unwrap(model)
+    base.config.save_pretrained(path)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    tied = bool(getattr(base.config, "tie_word_embeddings", False))
+    tensors = {}
+    for name, t in weights if weights is not None else named_weights(model):
+        if tied and name == "lm_head.weight":
+            continue  # one tensor on disk; vLLM ties the head itself
+        tensors[name] = t.to("cpu").contiguous().clone()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
 
 
 class _QuietRotaryReload(logging.Filter):
@@ -192,14 +231,8 @@ class VLLMEngine(RowPostprocess):
         self.model, self.tokenizer, self.sync_bucket_mb, self.sleep = model, tokenizer, sync_bucket_mb, sleep
         base = _unwrap(model)
         gen_cfg = getattr(base, "generation_config", None)
-        from .hf import as_id_list  # deferred: pulls in transformers (the same EOS / pad resolution as HFEngine)
 
-        eos = as_id_list(getattr(gen_cfg, "eos_token_id", None)) + as_id_list(tokenizer.eos_token_id)
-        self.eos_token_ids = list(dict.fromkeys(eos))
-        if not self.eos_token_ids:
-            raise ValueError("Neither the model's generation_config nor the tokenizer defines an EOS token")
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else getattr(gen_cfg, "pad_token_id", None)
-        self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
+        self.eos_token_ids, self.pad_token_id = eos_and_pad(gen_cfg, tokenizer)
         if dtype == "auto":
             dtype = str(next(model.parameters()).dtype).replace("torch.", "")
         self._tmp = tempfile.TemporaryDirectory(prefix="tether-vllm-")
@@ -222,22 +255,7 @@ class VLLMEngine(RowPostprocess):
     # ------------------------------------------------------------------ start
 
     def _snapshot(self, path: Path) -> Path:
-        """Write the policy (config, generation config, tokenizer, merged weights) for vLLM to load."""
-        from safetensors.torch import save_file
-
-        base = _unwrap(self.model)
-        base.config.save_pretrained(path)
-        if getattr(base, "generation_config", None) is not None:
-            base.generation_config.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
-        tied = bool(getattr(base.config, "tie_word_embeddings", False))
-        tensors = {}
-        for name, t in named_weights(self.model):
-            if tied and name == "lm_head.weight":
-                continue  # one tensor on disk; vLLM ties the head itself
-            tensors[name] = t.to("cpu").contiguous().clone()
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-        return path
+        return write_snapshot(self.model, self.tokenizer, path)
 
     # ------------------------------------------------------------------ interface
 
@@ -298,11 +316,11 @@ class VLLMEngine(RowPostprocess):
                 if c.logprobs is None or len(c.logprobs) != len(toks):
                     raise RuntimeError("vLLM returned no log-prob for some sampled token")
                 lp = [float(d[t].logprob) for d, t in zip(c.logprobs, toks)]
-                kept, reason, text = self._finish_row(toks, params)
+                kept, reason, text = self.finish_row(toks, params)
                 row_group.append(g)
                 results.append((kept, reason, text))
                 logps.append(lp[: len(kept)])
-        batch = self._assemble(prompts, row_group, results, logps)
+        batch = self.assemble(prompts, row_group, results, logps)
         if not torch.isfinite(batch.sampler_logp[batch.response_mask]).all():  # NaN logits: vLLM samples on regardless
             raise GenerationError(NONFINITE_LOGITS)
         batch.gen_time_s = time.perf_counter() - t0
