@@ -10,15 +10,14 @@ import sys
 
 import pytest
 
+from helpers import rows, run_module
+from test_search_agent import LogpEngine, ScriptedEngine, segments
 from tether.agents import MultiTurnAgent, env_from_config
 from tether.config import load_config
 from tether.errors import ConfigError, EnvError
 from tether.rollout import SamplingParams
 from tether.tasks.base import DataError, Example
 from tether.tasks.rewards import load_reward
-
-from helpers import rows, run_module
-from test_search_agent import LogpEngine, ScriptedEngine, segments
 
 rg = pytest.importorskip("reasoning_gym", reason="the optional extra tether[reasoning-gym]")
 skyrl_gym = pytest.importorskip("skyrl_gym", reason="the optional extra tether[skyrl-gym]")

@@ -7,12 +7,15 @@ Token-exact episodes, the rubric's reward, error rows masked and counted, `tethe
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import rows, run_module
+from test_search_agent import LogpEngine, ScriptedEngine, segments
 from tether.agents import env_from_config, multi_turn_agent
 from tether.agents.chat_turns import ChatTemplateError
 from tether.agents.tool_calls import parse_tool_calls, template_tool_format, tools_system_text
@@ -22,10 +25,8 @@ from tether.errors import ConfigError, EnvError
 from tether.rollout import SamplingParams
 from tether.tasks.stream import held_out_sets, prompt_stream
 
-from helpers import rows, run_module
-from test_search_agent import LogpEngine, ScriptedEngine, segments
-
-vf = pytest.importorskip("verifiers", reason="the optional extra tether[verifiers]")
+vf = pytest.importorskip("verifiers.legacy", reason="the classic API: verifiers 0.3.x, deprecated (tether[verifiers] "
+                         "is 0.4); CI runs this module with it on PYTHONPATH (.ci/run, docs/ecosystem.md)")
 
 ENVS_DIR = Path(__file__).parent / "vf_envs"
 ADD = {"rollout.agent.kind": "multi_turn", "rollout.agent.env.name": "verifiers:tether_vf_add",
@@ -237,8 +238,8 @@ def test_bad_input_is_one_clear_error(tok, monkeypatch):
         episode()
     monkeypatch.undo()
     monkeypatch.syspath_prepend(str(ENVS_DIR))
-    monkeypatch.setattr(vf, "__version__", "0.4.0")
-    with pytest.raises(ConfigError, match="verifiers 0.4.0 is installed; tether drives the classic API of "
+    monkeypatch.setattr(sys.modules["verifiers"], "__version__", "0.2.9")  # 0.4 runs its task API (verifiers_v1)
+    with pytest.raises(ConfigError, match="verifiers 0.2.9 is installed; tether drives the classic API of "
                                           "verifiers 0.3"):
         env_from_config(load_config(None, ADD).rollout.agent.env)
     monkeypatch.setitem(sys.modules, "verifiers", None)  # the extra not installed
@@ -255,7 +256,7 @@ def test_verifiers_trains_and_evaluates(tiny_model_dir, tmp_path):
             "rollout.n": 2, "run.progress": "false", "run.plot": "false", "run.save_every": 0,
             "run.exact_kl_samples": 0, "eval.limit": 4, "eval.max_new_tokens": 8,
             "rollout.agent.env.max_context": 600}
-    env = {"PYTHONPATH": str(ENVS_DIR)}
+    env = {"PYTHONPATH": os.pathsep.join([str(ENVS_DIR), os.environ.get("PYTHONPATH", "")])}  # (the classic API's)
     r = run_module("train", "--output-dir", run, "--steps", 2, *[f"{k}={v}" for k, v in {**ADD, **over}.items()],
                    env=env)
     assert r.returncode == 0, r.stderr[-2000:]

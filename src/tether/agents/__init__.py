@@ -22,12 +22,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from ..errors import ConfigError
 from ..algo.registry import Registry
 from ..envs import make_env
 from ..envs.search import SearchEnv
-from ..envs.skyrl_gym import PREFIX as SKYRL_PREFIX, SkyRLGymEnv
-from ..envs.verifiers import PREFIX as VERIFIERS_PREFIX, VerifiersEnv
+from ..envs.skyrl_gym import PREFIX as SKYRL_PREFIX
+from ..envs.skyrl_gym import SkyRLGymEnv
+from ..envs.verifiers import PREFIX as VERIFIERS_PREFIX
+from ..envs.verifiers import VerifiersEnv, verifiers_env
+from ..errors import ConfigError
 from ..rollout.base import RolloutBatch, SamplingParams
 from ..search.retrievers import retriever_from_config
 from ..tasks.base import Example
@@ -84,7 +86,7 @@ def env_from_config(e, retriever=None):
         try:
             if skyrl:
                 return SkyRLGymEnv(e.name[len(SKYRL_PREFIX):], role=e.observation_role, **turns, **e.options)
-            return VerifiersEnv(e.name[len(VERIFIERS_PREFIX):], **turns, **e.options)
+            return verifiers_env(e.name[len(VERIFIERS_PREFIX):], **turns, **e.options)
         except TypeError as err:
             raise ConfigError(f"rollout.agent.env.options of {e.name}: {err}") from None
     return make_env(e.name, **turns, **e.options)
@@ -107,6 +109,10 @@ AGENTS.register("single_turn")(SingleTurnAgent)
 def multi_turn_agent(engine, tokenizer, env, **options: Any) -> Agent:
     """The agent of ``rollout.agent.kind=multi_turn``: :class:`MultiTurnAgent` (tether drives the environment's
     turns), or :class:`~tether.agents.verifiers.VerifiersAgent` for a verifiers environment (it drives its own)."""
+    if getattr(env, "version", None) == "0.4":  # verifiers' task API: it drives its episodes in its own programs
+        from .verifiers_v1 import VerifiersV1Agent  # deferred: imports verifiers.v1
+
+        return VerifiersV1Agent(engine, tokenizer, env, **options)
     return (VerifiersAgent if isinstance(env, VerifiersEnv) else MultiTurnAgent)(engine, tokenizer, env, **options)
 
 

@@ -71,7 +71,7 @@ class RolloutPlan:
             engine_options: single engine options the config does not hold (``tether eval``: ``show_progress``).
         """
         rollout = self.cfg.rollout if engine_cfg is None else engine_cfg
-        extra = {"record_logp": True} if record_logp and rollout.engine.kind != "vllm" else {}
+        extra = {"record_logp": True} if record_logp and rollout.engine.kind not in ("vllm", "vllm_server") else {}
         extra.update(engine_options or {})
         engine = make_engine(rollout, model, tokenizer, **extra)
         return RolloutParts(engine=engine, agent=self.agent(wrap(engine) if wrap else engine, tokenizer),

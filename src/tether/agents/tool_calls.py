@@ -12,6 +12,7 @@ import json
 import re
 
 from ..errors import ConfigError
+from ..userio import loads_json
 
 __all__ = ["parse_tool_calls", "template_tool_format", "tools_system_text"]
 
@@ -68,7 +69,7 @@ def parse_tool_calls(text: str, fmt: str, turn: int = 0) -> tuple[str, list[dict
             return text, []
         content = ""
         try:
-            obj = json.loads(body)
+            obj = loads_json(body)
         except ValueError:
             calls.append(("invalid", body))
         else:
@@ -81,7 +82,7 @@ def parse_tool_calls(text: str, fmt: str, turn: int = 0) -> tuple[str, list[dict
 
 def _call(body: str, args_key: str) -> tuple[str, str]:
     try:
-        obj = json.loads(body)
+        obj = loads_json(body)
     except ValueError:
         return "invalid", body
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):

@@ -8,7 +8,9 @@ client is in-process and backed by tether's engine::
     await env.rubric.score_group(the example's n states)  # the episode's reward (info["env_reward"])
 
 Every rollout's turn requests wait in one queue; when every unfinished rollout waits on the model, the queue goes to
-``engine.generate`` as one batch (the environments' own code, e.g. tool calls, runs in between).
+``engine.generate`` as one batch (the environments' own code, e.g. tool calls, runs in between). When some rollouts
+wait on something else (a slow tool), the waiting turns go after `BATCH_WAIT_S` at the latest. The state of one
+``rollout`` call (its episodes' tokens, the queue) lives in a `_Call`, created per call: the agent keeps none of it.
 
 Token bookkeeping, as `tether.agents.multi_turn` keeps it in the chat format. Turn 1's ids are the chat template's
 rendering of the environment's prompt messages, with the tool definitions (``tools=``; a template that renders none,
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,23 +51,15 @@ from ..errors import ConfigError, EnvError
 from ..rollout.base import RolloutBatch, SamplingParams
 from ..tasks.base import Example
 from ..tasks.prompts import agent_prompt_encoder
+from ..userio import json_copy
 from .chat_turns import ChatTemplateError, ChatTurns
 from .multi_turn import turn_of
 from .tool_calls import parse_tool_calls, template_tool_format, tools_system_text
+from .verifiers_client import MODEL_NAME, Native, client_class, dump_messages, tool_dict
 
 __all__ = ["VerifiersAgent"]
 
-_ROW: contextvars.ContextVar[int] = contextvars.ContextVar("tether_verifiers_row")
-MODEL_NAME = "tether-policy"  # what the environment is told the model is called
-
-
-def _dump(messages) -> list[dict]:
-    """verifiers messages (pydantic models or dicts) as plain dicts without empty fields."""
-    out = []
-    for m in messages:
-        d = m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m)
-        out.append({k: v for k, v in d.items() if v is not None})
-    return out
+BATCH_WAIT_S = 0.2  # the longest a waiting turn waits for the episodes that wait on something else than the model
 
 
 @dataclass
@@ -93,12 +86,24 @@ class _Trace:
         self.logp += logp if logp is not None else [0.0] * len(ids)
 
 
-class _Native:
-    """What the engine answered one turn (the client's native response)."""
+@dataclass
+class _Call:
+    """The state of one `VerifiersAgent.rollout` call: its episodes (row ``r`` plays ``examples[r]``), their traces,
+    and the turns that wait on the model."""
 
-    def __init__(self, prompt_ids, ids, logp, text, reason, content, calls):
-        self.prompt_ids, self.ids, self.logp, self.text, self.reason = prompt_ids, ids, logp, text, reason
-        self.content, self.calls = content, calls
+    key: int  # the call's session namespace in the engine
+    params: SamplingParams
+    examples: list[Example]
+    traces: dict[int, _Trace] = field(default_factory=dict)
+    pending: list = field(default_factory=list)  # (context ids, max new tokens, future, row) of each waiting turn
+    calls: int = 0  # engine.generate calls so far (each one's seed differs)
+    gen_time: float = 0.0
+    fatal: Optional[BaseException] = None  # the first error that ends the call
+    changed: Optional[asyncio.Event] = None  # set when a turn starts waiting or an episode ends (made in the loop)
+
+
+#: the episode the running task plays: its call and row (each episode's task sets it; the client reads it)
+_EPISODE: contextvars.ContextVar[tuple[_Call, int]] = contextvars.ContextVar("tether_verifiers_episode")
 
 
 class _Prompts:
@@ -114,60 +119,6 @@ class _Prompts:
 
     def check(self, examples: Sequence[Example], max_new_tokens: int) -> None:
         self.encode(examples, max_new_tokens)
-
-
-def _tool_dict(tool) -> dict:
-    """A ``vf.Tool`` as a chat template's (and an OpenAI client's) tool definition."""
-    return {"type": "function", "function": {"name": tool.name, "description": tool.description,
-                                             "parameters": tool.parameters}}
-
-
-_CLIENTS: dict[int, type] = {}
-
-
-def _client_class(vf) -> type:
-    """The ``vf.Client`` subclass whose turns the agent answers with its engine (built once per library)."""
-    if id(vf) in _CLIENTS:
-        return _CLIENTS[id(vf)]
-    T = vf.types
-
-    class EngineClient(vf.Client):
-        """An in-process verifiers client: ``get_response`` asks the agent (and so tether's engine)."""
-
-        def setup_client(self, config):
-            raise ConfigError("the tether engine client is built around an agent, not a ClientConfig")
-
-        async def to_native_tool(self, tool):
-            return _tool_dict(tool)
-
-        async def to_native_prompt(self, messages):
-            return _dump(messages), {}
-
-        async def get_native_response(self, prompt, model, sampling_args, tools=None, **kwargs):
-            return await self.client._turn(prompt, tools)
-
-        async def raise_from_native_response(self, response):
-            return None  # the engine's answer is always a response (its failures raised in get_native_response)
-
-        async def from_native_response(self, r: _Native):
-            truncated = r.reason == "length"
-            finish = "tool_calls" if r.calls else ("length" if truncated else "stop")
-            calls = [T.ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"]) for c in r.calls] or None
-            tokens = T.ResponseTokens(prompt_ids=list(r.prompt_ids), prompt_mask=[0] * len(r.prompt_ids),
-                                      completion_ids=list(r.ids), completion_mask=[1] * len(r.ids),
-                                      completion_logprobs=list(r.logp))
-            msg = T.ResponseMessage(content=r.content, tool_calls=calls, finish_reason=finish, is_truncated=truncated,
-                                    tokens=tokens)
-            usage = T.Usage(prompt_tokens=len(r.prompt_ids), reasoning_tokens=0, completion_tokens=len(r.ids),
-                            total_tokens=len(r.prompt_ids) + len(r.ids))
-            return T.Response(id=f"tether-{time.monotonic_ns()}", created=int(time.time()), model=MODEL_NAME,
-                              usage=usage, message=msg)
-
-        async def close(self):
-            return None
-
-    _CLIENTS[id(vf)] = EngineClient
-    return EngineClient
 
 
 class VerifiersAgent:
@@ -204,9 +155,9 @@ class VerifiersAgent:
         self.chat = ChatTurns(tokenizer, "tool", getattr(engine, "eos_token_ids", None))
         self.tool_format, self.renders_tools = template_tool_format(tokenizer, env.tool_format)
         self.prompts = _Prompts(self)
-        self.client = _client_class(self.vf)(self)
+        self.client = client_class(self.vf)(self)
         self.sessions = bool(reuse_kv and getattr(engine, "supports_sessions", False))
-        self._key = 0  # one session namespace per rollout call
+        self._key = 0  # the last rollout call's session namespace (one per call)
         sa = getattr(env.env, "sampling_args", None) or {}
         stop = sa.get("stop")
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
@@ -218,41 +169,41 @@ class VerifiersAgent:
     def rollout(self, examples: Sequence[Example], params: SamplingParams) -> RolloutBatch:
         """``params.n`` episodes per example (rows of example ``i`` contiguous, ``group == i``)."""
         rows = [(i, ex) for i, ex in enumerate(examples) for _ in range(params.n)]
-        self._traces: dict[int, _Trace] = {}
-        self._row_examples = [ex for _, ex in rows]
-        self._params, self._pending, self._calls, self._fatal = params, [], 0, None
-        self._gen_time = 0.0
-        t0 = time.perf_counter()
         self._key += 1
+        call = _Call(key=self._key, params=params, examples=[ex for _, ex in rows])
+        t0 = time.perf_counter()
         try:
-            states = _run(self._episodes(rows, params.n))
+            states = _run(self._episodes(call, rows, params.n))
         finally:
             if self.sessions:
-                self.engine.release([(("verifiers", self._key), r) for r in range(len(rows))])
-        if self._fatal is not None:
-            raise self._fatal
-        rb = self._batch(rows, states, params.n)
-        self._count(states, time.perf_counter() - t0 - self._gen_time)
+                self.engine.release([(("verifiers", call.key), r) for r in range(len(rows))])
+        if call.fatal is not None:
+            raise call.fatal
+        rb = self._batch(call, rows, states, params.n)
+        self._count(call, states, time.perf_counter() - t0 - call.gen_time)
         return rb
 
-    async def _episodes(self, rows: list[tuple[int, Example]], n: int) -> list:
+    async def _episodes(self, call: _Call, rows: list[tuple[int, Example]], n: int) -> list:
         env = self.env.env
         sampling = dict(getattr(env, "sampling_args", None) or {})
+        call.changed = asyncio.Event()
 
         async def one(r: int, ex: Example):
-            _ROW.set(r)
+            _EPISODE.set((call, r))
             try:
                 return await env.rollout(self._input(ex), self.client, MODEL_NAME, sampling)
             except Exception as e:  # the environment's own code (a vf.Error it did not catch, or any other)
-                if self._fatal is None:
-                    self._fatal = EnvError(f"verifiers environment {self.env.env_id!r}: rollout on example "
-                                           f"{ex.id!r} raised {type(e).__name__}: {e}")
+                if call.fatal is None:
+                    call.fatal = EnvError(f"verifiers environment {self.env.env_id!r}: rollout on example "
+                                          f"{ex.id!r} raised {type(e).__name__}: {e}")
                 raise
 
         tasks = [asyncio.ensure_future(one(r, ex)) for r, (_, ex) in enumerate(rows)]
-        await self._drive(tasks)
+        for t in tasks:
+            t.add_done_callback(lambda _: call.changed.set())
+        await self._drive(call, tasks)
         states = await asyncio.gather(*tasks, return_exceptions=True)
-        if self._fatal is not None:
+        if call.fatal is not None:
             return states
         for g in range(0, len(states), n):  # the rubric scores each example's group together
             group = states[g:g + n]
@@ -261,42 +212,51 @@ class VerifiersAgent:
                 for s in group:
                     await env.rubric.cleanup(s)
             except Exception as e:  # noqa: BLE001
-                self._fatal = EnvError(f"verifiers environment {self.env.env_id!r}: its rubric raised "
+                call.fatal = EnvError(f"verifiers environment {self.env.env_id!r}: its rubric raised "
                                        f"{type(e).__name__}: {e} scoring example {rows[g][1].id!r}")
                 return states
         return states
 
-    async def _drive(self, tasks: list) -> None:
-        """Send the waiting turns to the engine as one batch whenever every unfinished episode waits on the model
-        (or, when some wait on something else, after a short while)."""
-        while not all(t.done() for t in tasks):
-            for spin in range(400):
-                live = sum(not t.done() for t in tasks)
-                if len(self._pending) >= live:
-                    break
-                await asyncio.sleep(0 if spin < 200 else 0.001)
-            if self._pending:
-                self._flush()
-            else:
-                await asyncio.sleep(0)
+    async def _drive(self, call: _Call, tasks: list) -> None:
+        """Send the waiting turns to the engine as one batch whenever every unfinished episode waits on the model,
+        or, when some wait on something else, `BATCH_WAIT_S` after the first turn of the batch began to wait.
 
-    def _flush(self) -> None:
-        batch, self._pending = self._pending, []
-        p = self._params
+        ``call.changed`` is set whenever a turn starts waiting (`_turn`) or an episode ends (its task's done
+        callback); this loop clears it and sleeps on it in between, so it runs only when something changed."""
+        loop = asyncio.get_running_loop()
+        while not all(t.done() for t in tasks):
+            deadline = None
+            while len(call.pending) < sum(not t.done() for t in tasks):
+                if call.pending and deadline is None:
+                    deadline = loop.time() + BATCH_WAIT_S
+                timeout = None if deadline is None else deadline - loop.time()
+                if timeout is not None and timeout <= 0:
+                    break
+                call.changed.clear()
+                try:
+                    await asyncio.wait_for(call.changed.wait(), timeout)
+                except asyncio.TimeoutError:
+                    break
+            if call.pending:
+                self._flush(call)
+
+    def _flush(self, call: _Call) -> None:
+        batch, call.pending = call.pending, []
+        p = call.params
         sp = SamplingParams(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, greedy=p.greedy,
                             max_new_tokens=max(m for _, m, _, _ in batch), stop=list(self.stop),
-                            seed=None if p.seed is None else (p.seed + 7919 * self._calls) % (2**31))
-        self._calls += 1
+                            seed=None if p.seed is None else (p.seed + 7919 * call.calls) % (2**31))
+        call.calls += 1
         t0 = time.perf_counter()
         try:
-            kw = {"sessions": [(("verifiers", self._key), row) for _, _, _, row in batch]} if self.sessions else {}
+            kw = {"sessions": [(("verifiers", call.key), row) for _, _, _, row in batch]} if self.sessions else {}
             rb = self.engine.generate([ids for ids, _, _, _ in batch], sp, **kw)
         except Exception as e:  # noqa: BLE001  (the engine's failure ends the rollout, as it does elsewhere)
-            self._fatal = self._fatal or e
+            call.fatal = call.fatal or e
             for _, _, fut, _ in batch:
                 fut.set_exception(e)
             return
-        self._gen_time += time.perf_counter() - t0
+        call.gen_time += time.perf_counter() - t0
         for j, (_, cap, fut, _) in enumerate(batch):
             ids, logp, text, reason = turn_of(rb, j, cap, self.tokenizer)
             fut.set_result((ids, [0.0] * len(ids) if logp is None else logp, text, reason))
@@ -307,10 +267,10 @@ class VerifiersAgent:
         row = ex.meta.get("vf_input") if isinstance(ex.meta, dict) else None
         if row is None:  # a row of another task: its prompt as one user message
             row = {"prompt": [{"role": "user", "content": ex.prompt}], "answer": ex.answer, "example_id": 0}
-        return json.loads(json.dumps(row, default=str))  # a copy the environment may keep
+        return json_copy(row, default=str)  # a copy the environment may keep
 
     def _template_tools(self, tools) -> list[dict]:
-        return [t if isinstance(t, dict) else _tool_dict(t) for t in (tools or [])]
+        return [t if isinstance(t, dict) else tool_dict(t) for t in (tools or [])]
 
     def _prepare(self, messages: list[dict], tools: list[dict]) -> list[dict]:
         """The opening messages as rendered: with the tools described in the system message when the template
@@ -328,23 +288,23 @@ class VerifiersAgent:
         return tools if tools and self.renders_tools else None
 
     def _open(self, messages, tools, ex: Example, max_new_tokens: int) -> tuple[list[int], list[dict]]:
-        rendered = self._prepare(_dump(messages), tools)
+        rendered = self._prepare(dump_messages(messages), tools)
         text = self.chat.render(rendered, generation_prompt=True, tools=self._render_tools(tools))
         return self.encoder.fit(self._ids(text), ex, max_new_tokens), rendered
 
-    async def _turn(self, messages: list[dict], tools: Optional[list[dict]]) -> _Native:
-        row = _ROW.get()
+    async def _turn(self, messages: list[dict], tools: Optional[list[dict]]) -> Native:
+        call, row = _EPISODE.get()
         tools = list(tools or [])
-        tr = self._traces.get(row)
+        tr = call.traces.get(row)
         try:
             if tr is None:
-                ex = self._row_examples[row]
-                tr = self._traces[row] = _Trace(example=ex)
-                tr.prompt, tr.rendered = self._open(messages, tools, ex, self._params.max_new_tokens)
+                ex = call.examples[row]
+                tr = call.traces[row] = _Trace(example=ex)
+                tr.prompt, tr.rendered = self._open(messages, tools, ex, call.params.max_new_tokens)
             else:
                 self._extend(tr, messages, tools)
         except (ChatTemplateError, ConfigError, EnvError) as e:
-            self._fatal = self._fatal or _named(e, self.env.env_id)
+            call.fatal = call.fatal or _named(e, self.env.env_id)
             raise
         tr.seen = list(messages)
         room = self.max_context - len(tr.prompt) - len(tr.ids)
@@ -353,7 +313,8 @@ class VerifiersAgent:
             raise self.vf.OverlongPromptError("the episode filled its context (rollout.agent.env.max_context)")
         fut = asyncio.get_running_loop().create_future()
         context = tr.prompt + tr.ids
-        self._pending.append((context, max(1, min(self._params.max_new_tokens, room)), fut, row))
+        call.pending.append((context, max(1, min(call.params.max_new_tokens, room)), fut, row))
+        call.changed.set()
         ids, logp, text, reason = await fut
         tr.add(ids, True, logp)
         tr.turn_text, tr.turn_ids, tr.turns, tr.finish = text, ids, tr.turns + 1, reason
@@ -361,7 +322,7 @@ class VerifiersAgent:
             tr.finish = "length"
         content, calls = parse_tool_calls(text, self.tool_format, tr.turns) if tools else (text, [])
         tr.tool_calls += len(calls)
-        return _Native(context, ids, logp, text, reason, content, calls)
+        return Native(context, ids, logp, text, reason, content, calls)
 
     def _extend(self, tr: _Trace, messages: list[dict], tools: list[dict]) -> None:
         """Append the ids of the messages after the policy's last turn (masked), checking the conversation only
@@ -389,15 +350,15 @@ class VerifiersAgent:
 
     # ------------------------------------------------------------ batch and metrics
 
-    def _batch(self, rows: list[tuple[int, Example]], states: list, n: int) -> RolloutBatch:
+    def _batch(self, call: _Call, rows: list[tuple[int, Example]], states: list, n: int) -> RolloutBatch:
         pad = getattr(self.engine, "pad_token_id", 0)
         traces = []
         for r, (_, ex) in enumerate(rows):
-            tr = self._traces.get(r)
+            tr = call.traces.get(r)
             if tr is None:  # the environment ended the episode before the model's first turn
                 tr = _Trace(example=ex)
                 tr.prompt = self._open(self._input(ex)["prompt"], self._template_tools(self.env.env.tool_defs), ex,
-                                       self._params.max_new_tokens)[0]
+                                       call.params.max_new_tokens)[0]
             traces.append(tr)
         B, P = len(traces), max(max(len(t.prompt) for t in traces), 1)
         T = max(max(len(t.ids) for t in traces), 1)
@@ -432,14 +393,14 @@ class VerifiersAgent:
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=ids, response_mask=resp_mask,
             finish_reason=[t.finish for t in traces], group=torch.arange(B) // n,
             texts=[self.tokenizer.decode(t.ids, skip_special_tokens=True) for t in traces],
-            gen_time_s=self._gen_time, gen_tokens=int(sum(sum(t.policy) for t in traces)), pad_token_id=pad,
+            gen_time_s=call.gen_time, gen_tokens=int(sum(sum(t.policy) for t in traces)), pad_token_id=pad,
             loss_mask=loss_mask, sampler_logp=logp, info=info)
 
-    def _count(self, states: list, env_s: float) -> None:
+    def _count(self, call: _Call, states: list, env_s: float) -> None:
         c = self._counters
         c["episodes"] = c.get("episodes", 0) + len(states)
         c["env_s"] = c.get("env_s", 0.0) + max(env_s, 0.0)
-        for tr in self._traces.values():
+        for tr in call.traces.values():
             c["turns"] = c.get("turns", 0) + tr.turns
             c["tool_calls"] = c.get("tool_calls", 0) + tr.tool_calls
             c["obs_tokens"] = c.get("obs_tokens", 0) + tr.obs_tokens

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..errors import ConfigError
 from ..algo.registry import Registry
+from ..errors import ConfigError
 from .base import Env, Episode, FinalTurn, Prompt, Start, StepResult, TextEnv
 from .calculator import CalculatorEnv
 from .organism_calc import OrganismCalcEnv

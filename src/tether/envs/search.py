@@ -25,8 +25,14 @@ from __future__ import annotations
 import time
 from typing import Optional, Sequence
 
-from ..search.protocol import (INVALID_ACTION_MESSAGE, OBSERVATION_FORMATS, STOP_STRINGS, parse_action,
-                               render_observation, render_search_error)
+from ..search.protocol import (
+    INVALID_ACTION_MESSAGE,
+    OBSERVATION_FORMATS,
+    STOP_STRINGS,
+    parse_action,
+    render_observation,
+    render_search_error,
+)
 from ..search.retrievers import RetrievalError
 from ..search.reward import golden_answers, score_response
 from ..tasks.base import Example

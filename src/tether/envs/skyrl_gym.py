@@ -21,7 +21,7 @@ import math
 from typing import Optional, Sequence
 
 from ..algo.registry import unknown_choice
-from ..errors import ConfigError
+from ..errors import ConfigError, optional_import
 from ..tasks.base import Example
 from .base import Episode, FinalTurn, Start, StepResult, TextEnv
 
@@ -29,15 +29,6 @@ __all__ = ["PREFIX", "SkyRLGymEnv"]
 
 #: ``rollout.agent.env.name`` prefix of a skyrl-gym environment
 PREFIX = "skyrl_gym:"
-
-
-def _library():
-    try:
-        import skyrl_gym  # deferred: an optional extra, imported only by the environments that use it
-    except ImportError as e:
-        raise ConfigError(f"skyrl-gym environments need the optional extra: pip install 'tether[skyrl-gym]' ({e})") \
-            from None
-    return skyrl_gym
 
 
 class SkyRLGymEnv(TextEnv):
@@ -61,12 +52,17 @@ class SkyRLGymEnv(TextEnv):
     def __init__(self, env_id: str, *, env_config: Optional[dict] = None, extras: Optional[dict] = None,
                  stop: Sequence[str] = (), max_turns: Optional[int] = None, role: str = "user",
                  reward: Optional[str] = "none"):
-        gym = _library()
+        gym = optional_import("skyrl_gym", "skyrl-gym environments", "skyrl-gym")  # an optional extra
         known = list(gym.registry)
         if env_id not in known:
             raise ConfigError(unknown_choice("skyrl-gym environment", env_id, known))
-        if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
-            raise ConfigError(f"skyrl_gym:{env_id}: stop must be a list of non-empty strings, got {stop!r}")
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ConfigError(f"skyrl_gym:{env_id}: rollout.agent.env.options.stop must be a list of non-empty "
+                              f"strings, got {stop!r}")
+        for key, value in (("env_config", env_config), ("extras", extras)):
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"skyrl_gym:{env_id}: rollout.agent.env.options.{key} must be a mapping, got "
+                                  f"{value!r}")
         super().__init__(max_turns=max_turns, reward=reward)
         self.env_id, self.env_config, self.extras, self.role = env_id, dict(env_config or {}), dict(extras or {}), role
         self.stop = tuple(stop)

@@ -1,5 +1,7 @@
-"""Prime Intellect's verifiers environments (the classic API of ``verifiers`` 0.3.x, the optional extra
-``tether[verifiers]``) as a tether environment: ``rollout.agent.env.name=verifiers:<env_id>`` (docs/ecosystem.md).
+"""Prime Intellect's verifiers environments of the classic API (``verifiers`` 0.3.x; deprecated by verifiers, and
+gone from its 0.4) as a tether environment: ``rollout.agent.env.name=verifiers:<env_id>`` when verifiers 0.3 is the
+installed release (docs/ecosystem.md). With verifiers 0.4 installed (the optional extra ``tether[verifiers]``), the
+same name runs its task API instead: `tether.envs.verifiers_v1` (`verifiers_env` picks by the installed release).
 
 A verifiers environment drives its own episode: ``env.rollout(input, client, model, sampling_args)`` asks a
 ``vf.Client`` for each assistant turn and answers it (a ``ToolEnv`` calls the tools the turn named), then its
@@ -21,13 +23,13 @@ import json
 from importlib.util import find_spec
 from typing import Any, Optional
 
-from ..errors import ConfigError
+from ..errors import ConfigError, optional_import
 from ..tasks.base import DataError, Example
-from ..tasks.benchmarks import BENCHMARK_PREFIXES, Benchmark, slug
+from ..tasks.benchmarks import Benchmark, slug
 from ..tasks.registry import TASKS
 from ..tasks.rewards import load_reward
 
-__all__ = ["PREFIX", "OPTIONS", "TOOL_FORMATS", "VerifiersEnv", "message_text", "verifiers_library"]
+__all__ = ["PREFIX", "OPTIONS", "TOOL_FORMATS", "VerifiersEnv", "eval_benchmark", "message_text", "verifiers_library"]
 
 #: ``rollout.agent.env.name`` prefix of a verifiers environment
 PREFIX = "verifiers:"
@@ -42,18 +44,40 @@ _LOADED: dict[tuple[str, str], Any] = {}  # (env_id, its args as JSON) -> the lo
 _LAST: dict[str, Any] = {}  # env_id -> the environment loaded last for it (its args: the run's)
 
 
+def installed_version() -> Optional[str]:
+    """The release line of the ``verifiers`` that imports here (``verifiers.__version__``): ``"0.4"`` (the task API,
+    `tether.envs.verifiers_v1`), ``"0.3"`` (the classic API, this module), another, or None when there is none."""
+    try:
+        import verifiers  # deferred: an optional extra
+    except ImportError:
+        return None
+    return ".".join(str(getattr(verifiers, "__version__", "0")).split(".")[:2])
+
+
+def is_task_api() -> bool:
+    """Whether ``verifiers:<id>`` runs verifiers 0.4's task API (it is installed) rather than the classic API."""
+    v = installed_version()
+    return v is not None and v != SUPPORTED and tuple(int(x) for x in v.split(".") if x.isdigit()) >= (0, 4)
+
+
+def verifiers_env(env_id: str, **kwargs):
+    """The environment of ``verifiers:<env_id>`` for the installed release: `tether.envs.verifiers_v1.VerifiersV1Env`
+    for verifiers 0.4 (the task API), :class:`VerifiersEnv` for 0.3 (the classic API, deprecated)."""
+    if is_task_api():
+        from .verifiers_v1 import VerifiersV1Env  # deferred: imports verifiers.v1
+
+        return VerifiersV1Env(env_id, **kwargs)
+    return VerifiersEnv(env_id, **kwargs)
+
+
 def verifiers_library():
     """``verifiers.legacy`` (the classic API), or a ConfigError naming the extra to install or the release to pin."""
-    try:
-        import verifiers  # deferred: an optional extra, imported only when a verifiers environment is used
-    except ImportError as e:
-        raise ConfigError(f"verifiers environments need the optional extra: pip install 'tether[verifiers]' ({e})") \
-            from None
+    verifiers = optional_import("verifiers", "verifiers environments", "verifiers")  # used only by these environments
     version = getattr(verifiers, "__version__", "0")
     if not version.startswith(SUPPORTED + "."):
         raise ConfigError(f"verifiers {version} is installed; tether drives the classic API of verifiers "
-                          f"{SUPPORTED}.x (pip install 'tether[verifiers]' pins it; 0.4 runs each rollout as a "
-                          f"separate program, docs/ecosystem.md)")
+                          f"{SUPPORTED}.x and the task API of 0.4 (pip install 'tether[verifiers]' installs 0.4; "
+                          f"docs/ecosystem.md)")
     import verifiers.legacy as vf  # noqa: PLC0415  (the same optional extra)
 
     return vf
@@ -183,8 +207,16 @@ def _env_section(cfg):
     return e.name[len(PREFIX):], dict(e.options.get("args") or {})
 
 
+def _v1(cfg):
+    e = cfg.rollout.agent.env
+    return verifiers_env(e.name[len(PREFIX):], max_turns=e.max_turns or None, **e.options)
+
+
 def _test_set(cfg, limit: int):
-    """The environment's eval dataset (its train dataset when it has none), scored by its rubric."""
+    """The environment's eval dataset (its train dataset when it has none), scored by its rubric (verifiers 0.4:
+    its eval taskset, scored by its rewards)."""
+    if is_task_api():
+        return _v1(cfg).examples("eval", limit), load_reward("none")
     env_id, args = _env_section(cfg)
     return dataset_examples(env_id, load_env(env_id, args), "eval", limit), load_reward("none")
 
@@ -194,21 +226,27 @@ def _test_set(cfg, limit: int):
                 about="rollout.agent.env.name=verifiers:<env_id> (its rows are the environment's dataset)",
                 held_out=lambda cfg: cfg.rollout.agent.env.name, test_set=_test_set)
 def verifiers_task(cfg) -> list:
-    """The training rows of the verifiers environment ``rollout.agent.env.name`` (its ``get_dataset()``;
-    ``data.limit`` keeps the first rows)."""
+    """The training rows of the verifiers environment ``rollout.agent.env.name`` (its ``get_dataset()``; verifiers
+    0.4: its taskset's tasks; ``data.limit`` keeps the first rows)."""
+    if is_task_api():
+        return _v1(cfg).examples("train", cfg.data.limit or None)
     env_id, args = _env_section(cfg)
     return dataset_examples(env_id, load_env(env_id, args), "train", cfg.data.limit or None)
 
 
-def _benchmark(source: str, limit: Optional[int], reward: Optional[str]) -> Benchmark:
-    """``tether eval --benchmarks verifiers:<env_id>``: its eval dataset, from the environment this process loaded
-    for the run (with the run's load_environment arguments), else loaded with its defaults."""
+def eval_benchmark(source: str, limit: Optional[int], reward: Optional[str]) -> Benchmark:
+    """``tether eval --benchmarks verifiers:<env_id>`` (its entry in `tether.tasks.benchmarks.BENCHMARK_PREFIXES`):
+    its eval dataset, from the environment this process loaded for the run (with the run's load_environment
+    arguments), else loaded with its defaults."""
     env_id = source[len(PREFIX):]
+    spec = reward or "none"
+    if is_task_api():  # its eval taskset, from the environment this process built for the run (with its options)
+        from .verifiers_v1 import LAST, VerifiersV1Env  # deferred: imports verifiers.v1
+
+        env = LAST.get(env_id) or VerifiersV1Env(env_id)
+        return Benchmark(name=slug(source), source=source, split="eval", examples=env.examples("eval", limit),
+                         reward=spec, reward_fn=load_reward(spec))
     env = _LAST.get(env_id) or load_env(env_id)
     examples = dataset_examples(env_id, env, "eval", limit)
-    spec = reward or "none"
     return Benchmark(name=slug(source), source=source, split="eval", examples=examples, reward=spec,
                      reward_fn=load_reward(spec))
-
-
-BENCHMARK_PREFIXES[PREFIX] = _benchmark
