@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import DIGITS, run_module, subprocess_env, tiny_settings
 
-from tether.errors import ConfigError
+from helpers import DIGITS, run_module, subprocess_env, tiny_settings
 from tether.cli import main
 from tether.config import parse_overrides
+from tether.errors import ConfigError
 from tether.sweep import layout
 from tether.sweep.report import compute, write_report
 from tether.sweep.results import collect
@@ -209,6 +209,28 @@ def test_sweep_end_to_end_and_report(swept, tmp_path, capsys):
     res = json.loads(md.with_suffix(".json").read_text())["results"]
     assert res[0]["metric"] == METRIC and res[0]["bands"]["grpo"]["steps"] == [0.0, 1.0, 2.0]
     assert set(res[1]["arms"]["grpo"]["per_seed"]) == {"0", "1"}
+    assert not (tmp_path / "rep" / "report-forest.png").exists()  # no baseline: every pair, no forest
+    # against a baseline: the forest plot of the paired differences (rliable's interval estimates) beside it
+    b = tmp_path / "rep" / "b.md"
+    assert main(["sweep", "report", str(d / "S"), "--out", str(b), "--baseline", "grpo",
+                 "--set", "first=0", "--set", "second=1"]) == 0
+    forest = tmp_path / "rep" / "b-forest.png"
+    assert forest.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and b"written by tether sweep report" in forest.read_bytes()
+    assert "![paired differences](b-forest.png)" in b.read_text()
+
+
+def test_at_most_six_curves_on_one_axis(monkeypatch, tmp_path):
+    """Eight arms: the curves go to two panels of one row (six and two), each line its own colour there."""
+    from tether.sweep import report
+
+    figs = []
+    monkeypatch.setattr(report, "_save", lambda fig, png: figs.append(fig))
+    band = {"steps": [0.0, 1.0], "mean": [0.1, 0.2], "low": [0.0, 0.1], "high": [0.2, 0.3], "n": [2, 2]}
+    report.plot([("m", {f"arm{i}": band for i in range(8)})], tmp_path / "x.png", "t")
+    axes = [ax for ax in figs[0].axes if ax.lines]
+    assert [len(ax.lines) for ax in axes] == [6, 2]
+    colours = [ln.get_color() for ln in axes[0].lines]
+    assert len(set(colours)) == 6
 
 
 @pytest.mark.slow  # about 15 s: out of the default suite's 15 minutes, run by CI's slow step
@@ -370,3 +392,65 @@ def test_report_statistics_by_hand(tmp_path):
     assert "| A | 3 | 0.6 | 0.05774 | 0.1 |" in md and "s0: 0.6, s1: 0.5, s2: 0.7" in md
     assert "**failed**: A seed 3" in md and "RuntimeError: boom" in md and "incomplete (not counted): B seed 3" in md
     assert "Evaluation noise (policy held fixed)" in md and "not a significance measure" in md
+
+
+def test_a_replication_runs_other_seeds_of_some_arms_and_the_report_pools_the_sets(tmp_path, capsys):
+    """tether sweep --seeds / --arms (a second, disjoint seed set of only the arms a comparison needs) and tether sweep
+    report --set (each pair within each set and pooled, with the verdict)."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(yaml.safe_dump({"base": {"overrides": {"train.steps": 1}}, "axes": {"recipe": ["grpo", "ema_pg"]},
+                                    "seeds": 10}))
+    assert main(["sweep", str(spec), "--dry-run", "--seeds", "10-12", "--arms", "grpo"]) == 0
+    out = capsys.readouterr().out
+    assert "1 arm(s) x 3 seed(s)" in out and "train.seed=12" in out and "ema_pg" not in out
+    for bad, needle in ((["--seeds", "3-1"], "expected a count"), (["--arms", "grpp"], "did you mean 'grpo'")):
+        assert main(["sweep", str(spec), "--dry-run", *bad]) == 2
+        assert needle in capsys.readouterr().err
+    # two seed sets of the synthetic sweep: A - B = 0.2, 0.25, 0.0 on seeds 0, 1, 2
+    d = tmp_path / "S"
+    d.mkdir()
+    _synthetic(d)
+    md = tmp_path / "r.md"
+    assert main(["sweep", "report", str(d), "--out", str(md), "--reps", "50", "--set", "first=0-1",
+                 "--set", "second=2"]) == 0
+    text = md.read_text()
+    assert "### Replication of `eval/x/avg@1` over seed sets" in text
+    assert "not shown (a set has < 2 paired seeds)" in text
+    res = json.loads(md.with_suffix(".json").read_text())["results"][0]["pairs"][0]
+    assert res["sets"]["first"]["mean"] == pytest.approx(0.225) and res["sets"]["second"]["n"] == 1
+    assert main(["sweep", "report", str(d), "--out", str(md), "--set", "a=0-1", "--set", "b=1-2"]) == 2
+    assert "share seeds [1]" in capsys.readouterr().err
+
+
+def test_replication_verdicts():
+    from tether.sweep.report import replication
+
+    same = {"x": {"n": 10, "mean": 0.1}, "y": {"n": 10, "mean": 0.05}}
+    assert replication(same, {"ci": (0.01, 0.14)}) == "replicates"
+    assert replication(same, {"ci": (-0.01, 0.14)}).startswith("not shown")
+    assert replication({"x": {"n": 10, "mean": 0.1}, "y": {"n": 10, "mean": -0.02}}, {"ci": (0.01, 0.1)}) == \
+        "sets disagree"
+
+
+def test_an_archived_sweep_and_a_replication_of_it_report_together(tmp_path):
+    """An archived sweep recorded a synchronous arm as ``train.async: None`` (migrated from train.max_staleness: 0)
+    and today's spec writes ``train.async: none``: the same arm, so a replication on other seeds merges with the
+    archive in one report, and resumes into its directory; another value is still another arm."""
+    old = {"spec": "s.yaml", "name": "n", "metric": METRIC, "seeds": [0],
+           "base": {"config": None, "recipe": "ema_pg", "task": None, "overrides": {"train.steps": 2}},
+           "arms": {"sync": {"train.max_staleness": 0, "train.lr": 3e-5}}}
+    (tmp_path / "sweep.json").write_text(json.dumps(old))
+    assert layout.same_overrides(layout.migrated(old)["arms"]["sync"], {"train.async": "none", "train.lr": 3e-5})
+    assert not layout.same_overrides({"train.async": "none"}, {"train.async": 1})
+    assert not layout.same_overrides({"train.async": "none", "train.lr": 3e-5}, {"train.async": "none"})
+    new = parse_spec({"base": {"recipe": "ema_pg", "overrides": {"train.steps": 2}}, "seeds": [1],
+                      "arms": {"sync": {"train.async": "none", "train.lr": 3e-5}}})
+    layout.write_sweep(tmp_path, new)  # resumes into the archive's directory: not refused
+    other = tmp_path / "rep"
+    other.mkdir()
+    (other / "sweep.json").write_text(json.dumps({**old, "arms": {"sync": {"train.async": "none",
+                                                                          "train.lr": 3e-5}}}))
+    collect([tmp_path, other])  # one arm in both: no "not the same arm"
+    (other / "sweep.json").write_text(json.dumps({**old, "arms": {"sync": {"train.async": 1, "train.lr": 3e-5}}}))
+    with pytest.raises(ConfigError, match="not the same arm"):
+        collect([tmp_path, other])

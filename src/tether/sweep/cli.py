@@ -33,6 +33,17 @@ def positive_int(text: str) -> int:
     return n
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (else argparse's own one-line error naming the option, exit 2)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not x >= 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return x
+
+
 def run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether sweep", description=RUN_DESCRIPTION, epilog=RUN_EPILOG)
     p.add_argument("spec", metavar="SPEC.yaml", help="the sweep's spec (docs/sweeps.md; configs/sweeps/example.yaml)")
@@ -47,6 +58,10 @@ def run_parser() -> argparse.ArgumentParser:
                    "checkpoint when they have one)")
     p.add_argument("--dry-run", action="store_true", help="check the spec, list the runs (and, with --out, what "
                    "each needs) and start nothing")
+    p.add_argument("--seeds", metavar="SEEDS", help="replace the spec's seeds: a count (10: seeds 0-9), a range "
+                   "(10-19) or a list (0,3,7-9); e.g. a second, disjoint set of seeds to replicate a result")
+    p.add_argument("--arms", metavar="A,B", help="run only these arms of the spec (comma list of their names; "
+                   "--dry-run lists them): e.g. only the arms a comparison needs")
     return p
 
 
@@ -65,11 +80,20 @@ def report_parser() -> argparse.ArgumentParser:
                    help="one more metric to tabulate, e.g. reward_mean (repeatable)")
     p.add_argument("--last-n", type=positive_int, default=10, help="a training metric's final value: its mean over the "
                    "last N logged steps (default 10); an evaluation metric's is its last evaluation")
-    p.add_argument("--baseline", metavar="ARM", help="compare every arm with ARM only (default: every pair)")
+    p.add_argument("--baseline", metavar="ARM", help="compare every arm with ARM only (default: every pair), and "
+                   "draw the paired differences against it as a forest plot, REPORT-forest.png (rliable's interval "
+                   "estimates, one row per arm; with --set, one panel per seed set and the pooled one)")
+    p.add_argument("--arms", metavar="A,B,...", help="report these arms only (comma-separated; default: every arm of "
+                   "the DIRs), e.g. the arms a replication re-ran, merged with the sweep it replicates")
     p.add_argument("--reps", type=positive_int, default=2000, help="bootstrap resamples (default 2000)")
     p.add_argument("--seed", type=int, default=0, help="the bootstrap's random seed (default 0)")
-    p.add_argument("--collapse-drop", type=float, default=0.0, help="a run collapsed if its final value is below "
-                   "its first point by more than this (default 0: any drop), or it failed or went non-finite")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="NAME=SEEDS",
+                   help="a named set of seeds (e.g. first=0-9, second=10-19; repeatable): each pair of arms is also "
+                   "compared within every set and pooled, with a verdict: replicates (the pooled interval excludes 0 "
+                   "and every set points the same way), sets disagree, or not shown")
+    p.add_argument("--collapse-drop", type=non_negative_float, default=0.0, help="a run collapsed if its final "
+                   "value is below its first point by more than this (>= 0; default 0: any drop), or it failed or went "
+                   "non-finite")
     return p
 
 
@@ -88,10 +112,24 @@ def sweep_main(args) -> int:
 
 
 def _report(a) -> int:
+    from ..errors import ConfigError  # deferred: loads json (tether.cli stays light)
     from .report import write_report  # deferred: pulls in numpy (tether.cli stays light)
+    from .spec import parse_seed_list  # deferred: pulls in yaml
 
+    sets = {}
+    for item in a.sets:
+        name, eq, seeds = item.partition("=")
+        if not eq or not name.strip():
+            raise ConfigError(f"--set {item!r}: expected NAME=SEEDS, e.g. --set second=10-19")
+        sets[name.strip()] = set(parse_seed_list(seeds, flag=f"--set {name.strip()}=", count=False))
+    names = list(sets)
+    for i, x in enumerate(names):
+        for y in names[i + 1:]:
+            if sets[x] & sets[y]:
+                raise ConfigError(f"--set {x} and --set {y} share seeds {sorted(sets[x] & sets[y])}: sets are disjoint")
     md = write_report(a.dirs, a.out, metric=a.metric, extra_metrics=tuple(a.also), last_n=a.last_n, reps=a.reps,
-                      seed=a.seed, collapse_drop=a.collapse_drop, baseline=a.baseline)
+                      seed=a.seed, collapse_drop=a.collapse_drop, baseline=a.baseline, sets=sets or None,
+                      arms=[x.strip() for x in a.arms.split(",") if x.strip()] if a.arms is not None else None)
     print(md)
     return 0
 
@@ -101,10 +139,10 @@ def _run(a) -> int:
 
     from ..errors import ConfigError  # deferred: loads json (tether.cli stays light)
     from .runner import action, run_sweep, train_command  # deferred: loads subprocess (tether.cli stays light)
-    from .spec import check_arms, load_spec, parse_shard, shard  # deferred: pulls in yaml (tether.cli stays light)
+    from .spec import check_arms, load_spec, parse_shard, select, shard  # deferred: yaml (tether.cli stays light)
 
     i, n = parse_shard(a.shard)
-    spec = load_spec(a.spec)
+    spec = select(load_spec(a.spec), seeds=a.seeds, arms=a.arms)
     configs = check_arms(spec)
     runs = shard(spec.runs(), i, n)
     if a.dry_run:

@@ -20,14 +20,16 @@ one evaluation over its problems) is shown apart, labelled "evaluation noise (po
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import replace
 from itertools import combinations
 from pathlib import Path
 from typing import Optional
 
-from ..errors import ConfigError
+from ..errors import ConfigError, OutputError
+from ..userio import MARK_KEY, claim_output_file, image_metadata, loads_json, mark_line, write_output_text
 from . import layout, stats
 from .results import INCOMPLETE, Collected, collect, curve, default_metric, eval_noise, final_value, is_eval, nonfinite
-
 
 TRAIN_REWARD = "reward_mean"  # the training reward of each step (tether.report.rollout_metrics)
 
@@ -61,27 +63,52 @@ def arm_stats(col: Collected, arm: str, metric: str, *, last_n: int, reps: int, 
             "eval_noise": sum(noise) / len(noise) if noise else None}
 
 
-def pair_stats(per_arm: dict, arms: list[str], *, reps: int, seed: int, baseline: Optional[str]) -> list[dict]:
+def pair_stats(per_arm: dict, arms: list[str], *, reps: int, seed: int, baseline: Optional[str],
+               sets: Optional[dict] = None) -> list[dict]:
     """Probability of improvement and paired differences of every pair of arms (each against ``baseline``
-    when given): P(A > B), d = A - B."""
+    when given): P(A > B), d = A - B; with ``sets`` (name -> seeds), the paired difference within each seed set and
+    the replication verdict (`replication`)."""
     pairs = [(a, baseline) for a in arms if a != baseline] if baseline else list(combinations(arms, 2))
     out = []
     for a, b in pairs:
         x, y = per_arm[a]["per_seed"], per_arm[b]["per_seed"]
         xs, ys = [x[s] for s in sorted(x)], [y[s] for s in sorted(y)]
-        out.append({"a": a, "b": b, "poi": stats.probability_of_improvement(xs, ys, reps, seed),
-                    "paired": stats.paired_difference(x, y)})
+        pair = {"a": a, "b": b, "poi": stats.probability_of_improvement(xs, ys, reps, seed),
+                "paired": stats.paired_difference(x, y)}
+        if sets:
+            pair["sets"] = {name: stats.paired_difference({s: v for s, v in x.items() if s in seeds},
+                                                          {s: v for s, v in y.items() if s in seeds})
+                            for name, seeds in sets.items()}
+            pair["replication"] = replication(pair["sets"], pair["paired"])
+        out.append(pair)
     return out
 
 
+def replication(per_set: dict, pooled: dict) -> str:
+    """The verdict on a paired difference measured on several disjoint seed sets (docs/evidence.md's rule): it
+    **replicates** when the pooled 95 % interval excludes 0 and every set's mean points the same way; the sets
+    **disagree** when their means point opposite ways; otherwise it is **not shown** (the pooled interval holds 0,
+    or a set has fewer than two pairs)."""
+    means = [d["mean"] for d in per_set.values() if d["n"] >= 2]
+    if len(means) < len(per_set):
+        return "not shown (a set has < 2 paired seeds)"
+    if any(m > 0 for m in means) and any(m < 0 for m in means):
+        return "sets disagree"
+    ci = pooled.get("ci")
+    if ci is not None and (ci[0] > 0 or ci[1] < 0):
+        return "replicates"
+    return "not shown (pooled interval holds 0)"
+
+
 def compute(col: Collected, metric: str, *, last_n: int = 10, reps: int = 2000, seed: int = 0,
-            collapse_drop: float = 0.0, baseline: Optional[str] = None) -> dict:
+            collapse_drop: float = 0.0, baseline: Optional[str] = None, sets: Optional[dict] = None) -> dict:
     """Every number of the report for ``metric``: per arm, per pair, and the curve bands."""
     per_arm = {a: arm_stats(col, a, metric, last_n=last_n, reps=reps, seed=seed, collapse_drop=collapse_drop)
                for a in col.arms}
     bands = {a: stats.band([curve(r, metric) for r in col.of(a)]) for a in col.arms}
     return {"metric": metric, "last_n": None if is_eval(metric) else last_n, "arms": per_arm,
-            "pairs": pair_stats(per_arm, col.arms, reps=reps, seed=seed, baseline=baseline), "bands": bands}
+            "pairs": pair_stats(per_arm, col.arms, reps=reps, seed=seed, baseline=baseline, sets=sets), "bands": bands,
+            "sets": {k: sorted(v) for k, v in (sets or {}).items()}}
 
 
 def _f(x, digits: int = 4) -> str:
@@ -147,6 +174,30 @@ def _problems(col: Collected, res: dict) -> list[str]:
     return (["### Failed, collapsed and incomplete runs", "", *L, ""]) if L else []
 
 
+def sets_table(res: dict) -> list[str]:
+    """The paired differences within each seed set and pooled, with the replication verdict (`replication`)."""
+    pairs = [p for p in res["pairs"] if "sets" in p]
+    if not pairs:
+        return []
+    names = list(res["sets"])
+    head = " | ".join(f"{n} (seeds {_seed_text(res['sets'][n])}): mean [95 % CI]" for n in names)
+    L = [f"### Replication of `{res['metric']}` over seed sets", "",
+         "The paired difference A − B within each disjoint set of seeds and over all of them (pooled). A difference "
+         "**replicates** when the pooled t-interval excludes 0 and every set points the same way; the sets "
+         "**disagree** when their means have opposite signs.", "",
+         f"| A | B | {head} | pooled: n, mean [95 % CI] | verdict |", "|---|---|" + "---|" * len(names) + "---|---|"]
+    for p in pairs:
+        cells = [f"{_f(d['mean'])} {_ci(d['ci'])} (n={d['n']})" for d in (p["sets"][n] for n in names)]
+        d = p["paired"]
+        L.append(f"| {p['a']} | {p['b']} | {' | '.join(cells)} | {d['n']}, {_f(d['mean'])} {_ci(d['ci'])} | "
+                 f"{p['replication']} |")
+    return L + [""]
+
+
+def _seed_text(seeds: list[int]) -> str:
+    return f"{seeds[0]}-{seeds[-1]}" if seeds == list(range(seeds[0], seeds[-1] + 1)) else ",".join(map(str, seeds))
+
+
 def _noise(res: dict) -> list[str]:
     rows = [(arm, a["eval_noise"]) for arm, a in res["arms"].items() if a["eval_noise"] is not None]
     if not rows:
@@ -159,7 +210,8 @@ def _noise(res: dict) -> list[str]:
             *[f"| {arm} | {_f(v)} |" for arm, v in rows], ""]
 
 
-def markdown(col: Collected, results: list[dict], png: Optional[Path], settings: dict) -> str:
+def markdown(col: Collected, results: list[dict], png: Optional[Path], settings: dict,
+             forest_png: Optional[Path] = None) -> str:
     n = {st: sum(r.state == st for r in col.runs.values()) for st in (layout.DONE, layout.FAILED, INCOMPLETE)}
     L = [f"# Sweep report{': ' + col.name if col.name else ''}", "",
          "Written by `tether sweep report` from " + ", ".join(f"`{s}`" for s in col.sources) + f": {len(col.arms)} "
@@ -175,56 +227,179 @@ def markdown(col: Collected, results: list[dict], png: Optional[Path], settings:
               + (f", and the training reward `{TRAIN_REWARD}` at each step" if results[0]["metric"] != TRAIN_REWARD
                  else "") + ": the mean across seeds per arm; band: mean ± 1.96 s.e. across seeds (none where fewer "
               "than two seeds have the step).", ""]
+    if forest_png is not None:
+        L += ["## Against the baseline", "", f"![paired differences]({forest_png.name})", "",
+              f"Each arm minus the baseline on the same seed (`{results[0]['metric']}`): the mean and its 95 % "
+              "t-interval (rliable's interval-estimate plot), pooled over every seed"
+              + (" and within each seed set" if results[0].get("sets") else "") + "; the dashed line is no difference.",
+              ""]
     L += ["## Results", ""]
     for res in results:
-        L += arm_table(res) + pair_table(res)
+        L += arm_table(res) + pair_table(res) + sets_table(res)
     L += _noise(results[0]) + _problems(col, results[0])
     return "\n".join(L) + "\n"
 
 
-LINESTYLES = ("-", "--", ":", "-.")
+#: at most this many curves on one axis: more arms are split over several panels of the same metric
+CURVES_PER_AXIS = 6
+
+
+def _save(fig, png: Path) -> None:
+    """``fig`` to ``png`` (tether's mark in its metadata) through a temporary file; OutputError where it cannot."""
+    import matplotlib.pyplot as plt
+
+    tmp = png.with_name(f".{png.name}.tmp-{os.getpid()}")
+    try:
+        fig.savefig(tmp, dpi=120, format="png", metadata=image_metadata("png", REPORT_KIND), bbox_inches="tight")
+        os.replace(tmp, png)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"cannot write {png}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
 
 
 def plot(panels: list[tuple[str, dict]], png: Path, title: str) -> None:
-    """One panel per (metric, bands): a line per arm (its mean across seeds) and its 95 % band."""
+    """One row per (metric, bands), a line per arm (its mean across seeds) and its 95 % band, at most
+    `CURVES_PER_AXIS` arms on one axis (more go to the next panel of the row, same y scale)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.2), squeeze=False)
-    for ax, (metric, bands) in zip(axes[0], panels):
-        for i, (arm, b) in enumerate(bands.items()):
-            if not b["steps"]:
+    def chunks(bands: dict) -> list[list[str]]:
+        arms = [a for a, b in bands.items() if b["steps"]] or list(bands)
+        return [arms[i:i + CURVES_PER_AXIS] for i in range(0, len(arms), CURVES_PER_AXIS)] or [[]]
+
+    cols = max(len(chunks(b)) for _, b in panels)
+    fig, axes = plt.subplots(len(panels), cols, figsize=(6.5 * cols, 4.2 * len(panels)), squeeze=False)
+    for row, (metric, bands) in zip(axes, panels):
+        groups = chunks(bands)
+        for j, ax in enumerate(row):
+            if j >= len(groups):
+                ax.axis("off")
                 continue
-            # ten colours, then the same ten dashed, dotted, ...: no two of up to 40 arms drawn alike
-            (line,) = ax.plot(b["steps"], b["mean"], marker="o" if len(b["steps"]) < 30 else None, ms=3,
-                              color=f"C{i % 10}", linestyle=LINESTYLES[(i // 10) % len(LINESTYLES)],
-                              label=f"{arm} (n={max(b['n'])})")
-            ax.fill_between(b["steps"], b["low"], b["high"], color=line.get_color(), alpha=0.2, lw=0)
-        ax.set_xlabel("trainer step")
-        ax.set_ylabel(metric)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8 if len(bands) <= 10 else 6)
+            for i, arm in enumerate(groups[j]):
+                b = bands[arm]
+                if not b["steps"]:
+                    continue
+                (line,) = ax.plot(b["steps"], b["mean"], marker="o" if len(b["steps"]) < 30 else None, ms=3,
+                                  color=f"C{i}", label=f"{arm} (n={max(b['n'])})")
+                ax.fill_between(b["steps"], b["low"], b["high"], color=line.get_color(), alpha=0.2, lw=0)
+            ax.set_xlabel("trainer step")
+            ax.set_ylabel(metric)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+            if j:
+                ax.sharey(row[0])
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    _save(fig, png)
+
+
+def forest(res: dict, png: Path, title: str) -> bool:
+    """The paired differences against the baseline (``res`` from `compute` with a baseline), one row per arm, as
+    rliable's interval-estimate plot: the pooled mean and its 95 % t-interval, and with seed sets one panel per set
+    beside it (an empty row where the arm has fewer than two paired seeds in a set). False (nothing written) when
+    no pair has an interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import numpy as np
+    from rliable import plot_utils
+
+    pairs = [p for p in res["pairs"] if p["paired"].get("ci") is not None]
+    if not pairs:
+        return False
+    nan = {"mean": float("nan"), "ci": (float("nan"), float("nan")), "n": 0}
+    names = ["pooled" if res.get("sets") else "all seeds", *(res.get("sets") or {})]
+
+    def cell(p: dict, i: int) -> dict:
+        d = p["paired"] if i == 0 else (p.get("sets") or {}).get(names[i]) or nan
+        return d if d.get("ci") is not None else nan  # a set where the arm has < 2 paired seeds: an empty row
+
+    rows = {p["a"]: [cell(p, i) for i in range(len(names))] for p in pairs}
+    points = {k: np.array([d["mean"] for d in v]) for k, v in rows.items()}
+    intervals = {k: np.array([[d["ci"][0] for d in v], [d["ci"][1] for d in v]]) for k, v in rows.items()}
+
+    def label(i: int) -> str:
+        ns = sorted({r[i]["n"] for r in rows.values() if r[i]["n"]})
+        return f"{names[i]} (n={ns[0]})" if len(ns) == 1 else f"{names[i]} (n={ns[0]}-{ns[-1]})" if ns else names[i]
+
+    labels = [label(i) for i in range(len(names))]
+    fig, axes = plot_utils.plot_interval_estimates(points, intervals, labels, algorithms=list(rows),
+                                                   subfigure_width=4.5, row_height=max(0.6, 3.2 / len(rows)),
+                                                   xlabel_y_coordinate=-0.25 if len(rows) <= 5 else -0.1,
+                                                   xlabel=f"arm − {pairs[0]['b']}: paired difference in "
+                                                   f"{res['metric']} (95 % CI)")
+    ends = np.concatenate([v.ravel() for v in intervals.values()] + [np.zeros(1)])
+    lo, hi = np.nanmin(ends), np.nanmax(ends)
+    pad = 0.05 * (hi - lo or 1.0)
+    for ax in np.atleast_1d(axes):  # one x scale for every panel, so the sets compare at a glance
+        ax.set_xlim(lo - pad, hi + pad)
+        ax.axvline(0.0, color="k", lw=0.8, ls="--")
+    fig.suptitle(title, fontsize=12, y=1.12)
+    _save(fig, png)
+    return True
+
+
+#: the mark of a report's files (`tether.userio`): `tether sweep report` replaces only files that carry it
+REPORT_KIND = "sweep report"
+
+
+def _legacy(p: Path) -> bool:
+    """A file of a report written before reports carried tether's mark (2026-12-05): replaced as tether's."""
+    try:
+        if p.suffix == ".md":
+            head = p.read_text(encoding="utf-8", errors="replace").splitlines()[:4]
+            return bool(head) and head[0].startswith("# Sweep report") and any(
+                ln.startswith("Written by `tether sweep report`") for ln in head)
+        if p.suffix == ".json":
+            obj = loads_json(p.read_text(encoding="utf-8"))
+            return isinstance(obj, dict) and set(obj) == {"sources", "settings", "results"}
+        if p.suffix == ".png":
+            md = p.with_suffix(".md")
+            return p.read_bytes()[:4] == b"\x89PNG" and md.is_file() and _legacy(md)
+    except (OSError, ValueError):
+        return False
+    return False
+
+
+def forest_path(md: Path) -> Path:
+    """The forest plot's path beside the report: ``<stem>-forest.png``."""
+    return md.with_name(f"{md.stem}-forest.png")
+
+
+def claim_report_paths(md: Path, with_forest: bool = False) -> tuple[Path, ...]:
+    """The report's markdown, PNG and JSON paths (and with a baseline the forest plot's), each checked before
+    anything is computed (`tether.userio.claim_output_file`): absent, or a file an earlier report wrote; the
+    directory writable."""
+    paths = (md, md.with_suffix(".png"), md.with_suffix(".json")) + ((forest_path(md),) if with_forest else ())
+    return tuple(claim_output_file(p, REPORT_KIND, flag="--out", legacy=_legacy) for p in paths)
 
 
 def write_report(dirs: list, out: Optional[str] = None, *, metric: Optional[str] = None,
                  extra_metrics: tuple = (), last_n: int = 10, reps: int = 2000, seed: int = 0,
-                 collapse_drop: float = 0.0, baseline: Optional[str] = None) -> Path:
+                 collapse_drop: float = 0.0, baseline: Optional[str] = None, sets: Optional[dict] = None,
+                 arms: Optional[list] = None) -> Path:
     """Write the report of sweep directories ``dirs`` to ``out`` (default DIR/report.md of the first) with
-    ``<stem>.png`` and ``<stem>.json`` beside it; returns the markdown's path."""
-    col = collect(dirs)
+    ``<stem>.png`` and ``<stem>.json`` beside it (only ``arms`` when given); returns the markdown's path."""
+    if collapse_drop < 0:
+        raise ConfigError(f"--collapse-drop must be >= 0 (a drop below the run's first point), got {collapse_drop}")
+    col = collect(dirs)  # first: DIR must be a sweep directory before its report.md is claimed
+    if arms is not None:
+        unknown = [a for a in arms if a not in col.arms]
+        if unknown or not arms:
+            raise ConfigError(f"--arms: no such arm {', '.join(unknown) or '(none given)'} "
+                              f"(arms: {', '.join(col.arms)})")
+        keep = [a for a in col.arms if a in arms]
+        col = replace(col, arms=keep, runs={k: r for k, r in col.runs.items() if r.arm in keep})
     if baseline is not None and baseline not in col.arms:
         raise ConfigError(f"--baseline {baseline}: no such arm (arms: {', '.join(col.arms)})")
-    md = Path(out) if out else col.sources[0] / "report.md"
-    md.parent.mkdir(parents=True, exist_ok=True)
-    png, js = md.with_suffix(".png"), md.with_suffix(".json")
+    md, png, js, *fp = claim_report_paths(Path(out) if out else col.sources[0] / "report.md",
+                                          with_forest=baseline is not None)
     main = metric or col.metric or default_metric(col)
-    kw = dict(last_n=last_n, reps=reps, seed=seed, collapse_drop=collapse_drop, baseline=baseline)
+    kw = dict(last_n=last_n, reps=reps, seed=seed, collapse_drop=collapse_drop, baseline=baseline, sets=sets)
     results = [compute(col, m, **kw) for m in dict.fromkeys([main, *extra_metrics])]
     has_done = any(r.state == layout.DONE for r in col.runs.values())
     if has_done and not any(b["steps"] for b in results[0]["bands"].values()):
@@ -235,10 +410,15 @@ def write_report(dirs: list, out: Optional[str] = None, *, metric: Optional[str]
         reward = {a: stats.band([curve(r, TRAIN_REWARD) for r in col.of(a)]) for a in col.arms}
         if any(b["steps"] for b in reward.values()):
             panels.append((TRAIN_REWARD, reward))
+    title = col.name or ", ".join(str(s) for s in col.sources)
+    forest_png = None
     if has_done:
-        plot(panels, png, col.name or ", ".join(str(s) for s in col.sources))
+        plot(panels, png, title)
+        if fp and forest(results[0], fp[0], f"{title}: against {baseline}"):
+            forest_png = fp[0]
     settings = {"reps": reps, "seed": seed, "json": js.name}
-    md.write_text(markdown(col, results, png if has_done else None, settings))
-    js.write_text(json.dumps({"sources": [str(s) for s in col.sources], "settings": settings,
-                              "results": results}, indent=1, default=str) + "\n")
+    write_output_text(md, mark_line(REPORT_KIND) + "\n" + markdown(col, results, png if has_done else None, settings,
+                                                                   forest_png))
+    write_output_text(js, json.dumps({MARK_KEY: REPORT_KIND, "sources": [str(s) for s in col.sources],
+                                      "settings": settings, "results": results}, indent=1, default=str) + "\n")
     return md

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..errors import ConfigError
-from ..errors import OutputError
+from ..errors import ConfigError, OutputError
 from . import layout
 
 INCOMPLETE = "incomplete"
@@ -89,10 +88,10 @@ def collect(dirs: list) -> Collected:
     runs: dict = {}
     metric = name = None
     for out in sources:
-        sweep = layout.read_sweep(out)
+        sweep = layout.migrated(layout.read_sweep(out))  # a sweep run with the earlier flat keys: the nested ones
         metric, name = metric or sweep.get("metric"), name or sweep.get("name")
         for arm, over in sweep["arms"].items():
-            if arm in arms and arms[arm][0] != over:
+            if arm in arms and not layout.same_overrides(arms[arm][0], over):
                 raise ConfigError(f"arm {arm!r} has overrides {arms[arm][0]} in {arms[arm][1]} and {over} in {out}: "
                                   f"not the same arm; report them separately")
             arms.setdefault(arm, (over, out))

@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional
 import tether
 
 from ..errors import OutputError, RunError
+from ..procs import die_with_parent
+from ..userio import claim_output_dir
 from . import layout
 
 STOPPED_CODES = (130, 143)  # tether train stopped on SIGINT / SIGTERM, checkpoint written: resume later
@@ -80,17 +82,6 @@ def final_row(run: Path, cfg) -> Optional[dict]:
     return row
 
 
-def _die_with_parent(parent: int) -> None:  # pragma: no cover (runs in the child between fork and exec)
-    """In the child: a session of its own, and SIGKILL when the sweep process dies (Linux)."""
-    os.setsid()
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the sweep died before prctl
-            os._exit(1)
-
-
 def child_env(threads: int) -> dict:
     """The environment of a run's process: ``threads`` threads for OpenMP / MKL / OpenBLAS (torch's intra-op
     count follows OMP_NUM_THREADS), no tokenizer threads, this tether importable."""
@@ -122,9 +113,8 @@ def _start(job: Job, out: Path, env: dict) -> None:
     job.err_offset = fe.tell()
     job.files = [fo, fe]
     job.started = time.time()
-    parent = os.getpid()
     job.proc = subprocess.Popen([sys.executable, "-m", "tether", *job.argv], stdout=fo, stderr=fe,
-                                stdin=subprocess.DEVNULL, env=env, preexec_fn=lambda: _die_with_parent(parent))
+                                stdin=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent(new_session=True))
 
 
 def _tail(path: Path, offset: int, n: int = TAIL_LINES) -> str:
@@ -181,33 +171,55 @@ class _Signals:
             signal.signal(s, h)
 
 
-def share_lock(out: Path, shard: tuple[int, int]):
+def lock_path(out: Path, shard: tuple[int, int]) -> Path:
+    return Path(out) / f".sweep-{shard[0]}-of-{shard[1]}.lock"
+
+
+def share_lock(out: Path, shard: tuple[int, int]) -> tuple[int, bool]:
     """An exclusive flock on ``DIR/.sweep-I-of-N.lock`` held while this share runs: the same share started
     twice into one DIR is refused at once (OutputError), instead of two trainers racing for each run. The
-    kernel drops the lock when the sweep dies, however it dies."""
+    kernel drops the lock when the sweep dies, however it dies. Returns (fd, whether this call created the
+    file). ``DIR`` must exist (`claim_sweep_dir`)."""
     import fcntl
 
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f".sweep-{shard[0]}-of-{shard[1]}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    path = lock_path(out, shard)
+    try:
+        fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+    except FileExistsError:
+        fd, created = os.open(path, os.O_RDWR), False
+    except OSError as e:
+        raise OutputError(f"cannot write --out {out}: {e.strerror or e} ({path})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
         raise OutputError(f"{out}: share {shard[0]}/{shard[1]} of this sweep is already running there (the lock "
                           f"{path.name} is held); wait for it or stop it") from None
-    return fd
+    return fd, created
+
+
+def claim_sweep_dir(out: Path) -> Path:
+    """``--out DIR`` checked before anything runs (`tether.userio.claim_output_dir`): a directory (made if
+    absent) that takes new files; an existing directory with a ``runs/`` of its own and no ``sweep.json`` (not a
+    sweep's) is refused."""
+    return claim_output_dir(out, "--out", owns=lambda p: (p / "sweep.json").is_file() or not (p / "runs").exists())
 
 
 def run_sweep(spec, configs: dict, out: Path, runs: list[tuple[str, int]], *, lanes: int, threads: int = 1,
               retry_failed: bool = False, shard: tuple[int, int] = (1, 1), echo: Callable[[str], None] = print) -> int:
     """Run ``runs`` (this share's (arm, seed) list) of ``spec`` into sweep directory ``out``; ``configs``:
     arm -> its resolved Config (`tether.sweep.spec.check_arms`). Returns the exit status: 0 when every run
-    of the share is done, 1 when one failed, 130 / 143 when stopped by SIGINT / SIGTERM."""
-    out = Path(out)
-    fd = share_lock(out, shard)
+    of the share is done, 1 when one failed, 130 / 143 when stopped by SIGINT / SIGTERM. A DIR refused before
+    its sweep.json is written keeps nothing of this call (not even the lock file)."""
+    out = claim_sweep_dir(Path(out))
+    fd, created = share_lock(out, shard)
     try:
-        layout.write_sweep(out, spec)
+        try:
+            layout.write_sweep(out, spec)
+        except BaseException:
+            if created:
+                lock_path(out, shard).unlink(missing_ok=True)
+            raise
         return _run_share(spec, configs, out, runs, lanes, threads, retry_failed, echo)
     finally:
         os.close(fd)

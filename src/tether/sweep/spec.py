@@ -46,6 +46,7 @@ from typing import Any, Optional
 import yaml
 
 from ..errors import ConfigError
+from ..userio import loads_yaml
 
 #: the spec's top-level keys and ``base``'s keys: each is described in this module's docstring (docs/sweeps.md)
 TOP_KEYS = ("base", "axes", "arms", "seeds", "metric", "name")
@@ -111,7 +112,7 @@ def override_text(value: Any) -> str:
     `tether.config.parse_overrides` reads back to the same value (checked)."""
     text = yaml.safe_dump(value, default_flow_style=True, width=10**9, allow_unicode=True)
     text = text[: -len("\n...\n")] if text.endswith("\n...\n") else text.rstrip("\n")
-    if yaml.safe_load(text) != value:  # pragma: no cover (safe_dump round-trips what safe_load gave)
+    if loads_yaml(text, "value") != value:  # pragma: no cover (safe_dump round-trips what safe_load gave)
         raise ConfigError(f"cannot pass {value!r} on a command line")
     return text
 
@@ -192,8 +193,11 @@ def _product(axes: dict) -> list[Arm]:
 
 
 def _seeds(value) -> list[int]:
-    if isinstance(value, bool) or value is None:
+    if value is None:
         raise ConfigError("seeds: required: a count (seeds: 3 runs seeds 0, 1, 2) or a list (seeds: [0, 7])")
+    if isinstance(value, bool):
+        raise ConfigError(f"seeds: expected a count >= 1 or a non-empty list of integers >= 0, got "
+                          f"{str(value).lower()} (a boolean)")
     if isinstance(value, int):
         if value < 1:
             raise ConfigError(f"seeds: a count must be >= 1, got {value}")
@@ -277,3 +281,39 @@ def parse_shard(text: Optional[str]) -> tuple[int, int]:
 def shard(runs: list, i: int, n: int) -> list:
     """The ``i``-th (1-based) of ``n`` round-robin shares of ``runs``: runs[i-1], runs[i-1+n], ..."""
     return runs[i - 1::n]
+
+
+def parse_seed_list(text: str, flag: str = "--seeds", count: bool = True) -> list[int]:
+    """``"10-19"``, ``"0,3,7"``, a mix of ranges and values, or (``count``) ``"5"`` for seeds 0..4 -> distinct seeds
+    >= 0 (without ``count``, ``"5"`` is seed 5)."""
+    text = str(text).strip()
+    if count and re.fullmatch(r"\d+", text):
+        return _seeds(int(text))
+    out: list[int] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise ConfigError(f"{flag} {text}: expected a count (10), a range (10-19) or a list (0,3,7-9) of seeds "
+                              f">= 0")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        out.extend(range(lo, hi + 1))
+    if len(set(out)) != len(out):
+        raise ConfigError(f"{flag} {text}: lists a seed twice")
+    return out
+
+
+def select(spec: Spec, seeds: Optional[str] = None, arms: Optional[str] = None) -> Spec:
+    """``spec`` with its seeds replaced (``--seeds``: a second, disjoint set for a replication) and its arms cut to
+    ``arms`` (``--arms``: a comma list of arm names; an unknown name is a ConfigError listing the arms)."""
+    if seeds is not None:
+        spec.seeds = parse_seed_list(seeds)
+    if arms is not None:
+        names = [a.strip() for a in str(arms).split(",") if a.strip()]
+        known = [a.name for a in spec.arms]
+        bad = [n for n in names if n not in known]
+        if bad or not names:
+            close = difflib.get_close_matches(bad[0], known, n=1) if bad else []
+            raise ConfigError(f"--arms: {'no arm named ' + repr(bad[0]) if bad else 'no arm given'}"
+                              + (f" (did you mean {close[0]!r}?)" if close else "") + f"; the arms: {', '.join(known)}")
+        spec.arms = [a for a in spec.arms if a.name in names]
+    return spec
