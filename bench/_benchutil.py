@@ -47,7 +47,7 @@ def peak_rss() -> dict:
     parent's memory never counts); ``ru_maxrss_mb`` is getrusage's figure, which on Linux also
     carries the peak of the address space a (v)forked child started from.
     """
-    from tether.memory import peak_rss_bytes
+    from _memory import peak_rss_bytes
 
     hwm = peak_rss_bytes()
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -55,13 +55,13 @@ def peak_rss() -> dict:
 
 
 def memory_breakdown(trainer, baseline_rss: int | None) -> dict:
-    """One more trainer step with its memory recorded (`tether.memory.StepMemory`), as a JSON-able dict.
+    """One more trainer step with its memory recorded (`_memory.StepMemory`, bench/_memory.py), as a JSON-able dict.
 
     ``timed_peak_rss_mb`` is this process's VmHWM read before the step (the step resets VmHWM per
     phase), ``process_peak_rss_mb`` the highest resident memory seen, this step included; ``rows``
-    are `tether.memory.breakdown_rows`; ``phases`` the per-phase records in MiB.
+    are `_memory.breakdown_rows`; ``phases`` the per-phase records in MiB.
     """
-    from tether.memory import MB, StepMemory, breakdown_rows
+    from _memory import MB, StepMemory, breakdown_rows
 
     timed = peak_rss()["peak_rss_mb"]
     m, mem = StepMemory(trainer, baseline_rss=baseline_rss).step()
@@ -92,7 +92,7 @@ def memory_table(mem: dict) -> list[str]:
     lines += ["", f"- the breakdown's step is an extra one after the timed steps (not in the table above): "
               f"{fmt(st.get('time_step_s'))} s, {fmt(st.get('gen_tokens'), 0)} generated and "
               f"{fmt(st.get('train_tokens'), 0)} trained tokens; its hooks (saved-tensor tracking) slow it a little.",
-              "- sizes are read from the tensors (`tether.memory`); activations are the peak of the bytes autograd "
+              "- sizes are read from the tensors (`bench/_memory.py`); activations are the peak of the bytes autograd "
               "saves for backward (parameters excluded); the rest is the peak phase's RSS minus the runtime before "
               "the model load minus the tensors live at that peak: the allocator's kept pages, transient buffers "
               "(log-prob chunks, backward temporaries) and everything that is not a tensor."]

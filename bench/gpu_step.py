@@ -3,7 +3,7 @@ scripts/gpu_check.sh, once per rollout engine, then once with ``--table`` to pri
 
 A run reads its settings from the environment that gpu_check.sh sets (GPU_CHECK_OUT, GPU_CHECK_MODEL,
 GPU_CHECK_DATA, GPU_CHECK_STEPS, GPU_CHECK_ENGINE), trains in this process with ``model.dtype=bfloat16
-model.device=cuda`` and the engine, records the memory breakdown of one more step (`tether.memory`), and
+model.device=cuda`` and the engine, records the memory breakdown of one more step (bench/_memory.py), and
 writes ``<engine>.json`` into GPU_CHECK_OUT. ``--table DIR`` prints those results in the format of the
 benchmark table of docs/benchmarks.md, with the GPU's columns (peak CUDA memory, generated tokens/s).
 """
@@ -28,8 +28,8 @@ def run() -> int:
     import torch
 
     import vs_trl
+    from _memory import rss_bytes
     from tether.config import load_config
-    from tether.memory import rss_bytes
     from tether.train import Trainer
 
     baseline = rss_bytes()

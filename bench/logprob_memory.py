@@ -99,7 +99,7 @@ def run_child(args: argparse.Namespace) -> None:
     import torch
 
     import tether.logprobs  # noqa: F401  (import cost outside the measurement)
-    from tether.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from _memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
     hidden, weight, targets, c_logp, c_ent, c_topk = _make_inputs(
         args.T, args.V, args.hidden, args.topk, args.seed, args.logit_std

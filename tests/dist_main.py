@@ -22,8 +22,8 @@ def check(model_dir: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tether import distributed as dist
-    from tether.config.recipes import AnchorConfig
     from tether.anchor import Anchor
+    from tether.config.recipes import AnchorConfig
     from tether.logprobs import response_stats
     from tether.rollout import SamplingParams
     from tether.rollout.hf import HFEngine

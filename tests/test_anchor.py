@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from tether.config.recipes import AnchorConfig
 from tether.anchor import Anchor, make_anchor
+from tether.config.recipes import AnchorConfig
 
 
 def net(dtype=torch.float32, seed=0):

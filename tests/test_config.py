@@ -16,8 +16,17 @@ import pytest
 
 import tether.config
 from helpers import DIGITS, tiny_config
-from tether.config import (Config, ConfigError, coerce_value, flatten, load_config, parse_overrides, reference,
-                           save_config, to_dict)
+from tether.config import (
+    Config,
+    ConfigError,
+    coerce_value,
+    flatten,
+    load_config,
+    parse_overrides,
+    reference,
+    save_config,
+    to_dict,
+)
 from tether.sections import Section
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,9 +59,15 @@ def leaf_keys(obj=None, prefix: str = "") -> list[str]:
 
 def every_key() -> set[str]:
     """Every key any config can have: the default's, each engine and agent kind's, the search environment's
-    retriever, train.async's and each transport's."""
-    from tether.config import (AsyncConfig, EnvConfig, MultiTurnAgentConfig, RemoteTransport, RetrieverConfig,
-                               VLLMEngineConfig)
+    retriever, train.async's."""
+    from tether.config import (
+        AsyncConfig,
+        EnvConfig,
+        MultiTurnAgentConfig,
+        RetrieverConfig,
+        VLLMEngineConfig,
+        VLLMServerEngineConfig,
+    )
 
     keys = set(leaf_keys())
     keys |= {"rollout.engine", "rollout.agent", "train.async"}  # a chosen and an optional section are keys too
@@ -60,8 +75,7 @@ def every_key() -> set[str]:
     keys |= {"rollout.agent.env.retriever"}
     keys |= set(leaf_keys(VLLMEngineConfig(), "rollout.engine."))
     keys |= set(leaf_keys(AsyncConfig(), "train.async."))
-    keys |= set(leaf_keys(RemoteTransport(address="h:1"), "train.async.transport."))
-    keys |= {"train.async.transport"}
+    keys |= set(leaf_keys(VLLMServerEngineConfig(launch=1), "rollout.engine."))
     return keys
 
 
@@ -73,7 +87,7 @@ def test_every_config_field_at_any_depth_is_in_docs_config_md():
     documented = set(re.findall(r"^\| `([\w.]+)` \|", tables, flags=re.MULTILINE))
     keys = every_key()
     assert len(keys) > 100 and "algo.anchor.every" in keys and "recipe" in keys  # the walk went deep
-    assert {"rollout.engine.dtype", "train.async.workers", "train.async.transport.address"} <= keys
+    assert {"rollout.engine.dtype", "train.async.workers", "rollout.engine.urls"} <= keys
     missing = [k for k in keys if k not in documented]
     assert not missing, f"keys missing from docs/config.md (tether config --reference > docs/config.md): {missing}"
     stale = sorted(documented - set(keys))
@@ -125,8 +139,7 @@ CONFIGS = [
      None),
     ({"recipe": "rpg_fkl", "model.lora_r": 8, "model.lora_target_modules": ["q_proj", "v_proj"]}, None),
     ({}, "search"),
-    ({"train.async": {"max_staleness": 2, "workers": 3, "transport": {"kind": "remote", "address": "10.0.0.5:29600"}},
-      "rollout.engine.prune_every": 0}, None),
+    ({"train.async": {"max_staleness": 2, "workers": 3}, "rollout.engine.prune_every": 0}, None),
 ]
 
 

@@ -9,9 +9,20 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tether.config import (AsyncConfig, Config, ConfigError, EnvConfig, HFEngineConfig, MultiTurnAgentConfig,
-                           RemoteTransport, RetrieverConfig, SingleTurnAgentConfig, VLLMEngineConfig, load_config,
-                           save_config, to_dict)
+from tether.config import (
+    AsyncConfig,
+    Config,
+    ConfigError,
+    EnvConfig,
+    HFEngineConfig,
+    MultiTurnAgentConfig,
+    RetrieverConfig,
+    SingleTurnAgentConfig,
+    VLLMEngineConfig,
+    load_config,
+    save_config,
+    to_dict,
+)
 from tether.config.migration import MOVED, migrate_saved, moved_key
 from tether.sections import Section, default, doc, keys_of, replace
 
@@ -30,8 +41,8 @@ def test_engine_shorthand_and_kind_choose_the_section():
 
 
 def test_engine_keys_belong_to_their_kind():
-    with pytest.raises(ConfigError, match="rollout.engine.dtype is a key of rollout.engine.kind=vllm, and "
-                                          "rollout.engine.kind is 'hf': set rollout.engine.kind=vllm first"):
+    with pytest.raises(ConfigError, match="rollout.engine.dtype is a key of rollout.engine.kind=vllm or vllm_server, "
+                                          "and rollout.engine.kind is 'hf': set rollout.engine.kind=vllm first"):
         load_config(None, {"rollout.engine.dtype": "bfloat16"})
     with pytest.raises(ConfigError, match="rollout.engine.share_prompt is a key of rollout.engine.kind=hf"):
         load_config(None, {"rollout.engine.kind": "vllm", "rollout.engine.share_prompt": False})
@@ -67,26 +78,40 @@ def test_async_shorthand_and_off():
     cfg = load_config(None, {"train.async.workers": 3})
     assert (cfg.train.max_staleness, cfg.train.async_.workers) == (1, 3)
     # the YAML form
-    cfg = load_config(None, {"train.async": {"max_staleness": 4, "transport": {"kind": "remote",
-                                                                              "address": "10.0.0.5:29600"}}})
-    assert cfg.train.async_.transport == RemoteTransport(address="10.0.0.5:29600")
+    cfg = load_config(None, {"train.async": {"max_staleness": 4, "workers": 2}})
+    assert (cfg.train.async_.max_staleness, cfg.train.async_.workers) == (4, 2)
 
 
-def test_remote_transport_rules():
-    """Each rule of the transport: the address's form (a field validator), the address required with kind remote
-    (check_train), the remote keys only with kind remote."""
-    with pytest.raises(ConfigError, match="train.async.transport.address: Value error, must be HOST:PORT"):
-        load_config(None, {"train.async.transport": {"kind": "remote", "address": "nohost"}})
-    with pytest.raises(ConfigError, match="train.async.transport.kind=remote needs train.async.transport.address"):
-        load_config(None, {"train.async.transport.kind": "remote"})
-    with pytest.raises(ConfigError, match="train.async.transport.address is a key of train.async.transport.kind="
-                                          "remote"):
-        load_config(None, {"train.async.transport.address": "10.0.0.5:29600"})
-    with pytest.raises(ConfigError, match="train.async.transport.timeout_s: Input should be greater than 0"):
-        load_config(None, {"train.async.transport": "remote", "train.async.transport.timeout_s": 0})
-    ok = load_config(None, {"train.async.transport": "remote", "train.async.transport.address": "h:1",
-                            "train.async.transport.key_env": "MY_KEY"})
-    assert (ok.train.async_.transport.address, ok.train.async_.transport.key_env) == ("h:1", "MY_KEY")
+def test_the_retired_remote_transport_is_one_line_naming_what_replaced_it():
+    """train.async.transport (the pickled TCP channel of `tether worker`) was retired for served rollouts: each of its
+    keys, new or flat, in an override or a saved run, is one error naming rollout.engine.kind=vllm_server; a saved run
+    that used local workers (transport kind local) still loads."""
+    for over in ({"train.async.transport.kind": "remote"}, {"train.async.transport": "local"},
+                 {"train.worker_address": "10.0.0.5:29600"}):
+        with pytest.raises(ConfigError, match="the remote transport .* was retired: .*rollout.engine.kind=vllm_server"):
+            load_config(None, {"train.async": 1, **over})
+    assert migrate_saved({"train.async.max_staleness": 1, "train.async.transport.kind": "local",
+                          "train.async.transport.key_env": "TETHER_WORKER_KEY"}) == {"train.async.max_staleness": 1}
+    with pytest.raises(ConfigError, match="this run used the remote transport"):
+        migrate_saved({"train.async.transport.kind": "remote", "train.async.transport.address": "h:1"})
+
+
+def test_the_served_engine_section_rules():
+    """rollout.engine.kind=vllm_server: exactly one of launch and urls; URLs of the http form; the launch-only keys
+    refused with urls; its own keys of the wrong engine refused."""
+    from tether.config.engine import VLLMServerEngineConfig
+
+    assert VLLMServerEngineConfig(launch=2).problems() == []
+    assert "exactly one of rollout.engine.launch" in VLLMServerEngineConfig().problems()[0]
+    assert "exactly one" in VLLMServerEngineConfig(launch=1, urls=["http://h:1"]).problems()[0]
+    assert "each is a base URL" in VLLMServerEngineConfig(urls=["h:1"]).problems()[0]
+    assert "rollout.engine.dtype configures servers tether launches" in VLLMServerEngineConfig(
+        urls=["http://h:1"], dtype="float32").problems()[0]
+    with pytest.raises(ConfigError, match="rollout.engine.launch is a key of rollout.engine.kind=vllm_server"):
+        load_config(None, {"rollout.engine.launch": 1})
+    with pytest.raises(ConfigError, match="train.async.verify_sync applies to local rollout workers"):
+        load_config(None, {"rollout.engine": {"kind": "vllm_server", "launch": 1}, "train.async": 1,
+                           "train.async.verify_sync": True})
 
 
 def test_async_cross_field_rules():
@@ -109,7 +134,7 @@ def test_async_cross_field_rules():
 def test_every_old_key_is_one_error_naming_its_new_place(tmp_path):
     """A config file written for the flat layout: one line per old key, each naming where it went."""
     old = {"rollout": {"engine": "vllm", "vllm_dtype": "bfloat16", "share_prompt": False},
-           "train": {"max_staleness": 1, "rollout_workers": 2, "worker_address": "10.0.0.5:29600"}}
+           "train": {"max_staleness": 1, "rollout_workers": 2, "stale_batches": "keep"}}
     path = tmp_path / "old.yaml"
     path.write_text(yaml.safe_dump(old))
     with pytest.raises(ConfigError) as e:
@@ -117,7 +142,7 @@ def test_every_old_key_is_one_error_naming_its_new_place(tmp_path):
     text = str(e.value)
     assert f"{path}: 5 keys of the earlier flat layout" in text
     for key in ("rollout.vllm_dtype", "rollout.share_prompt", "train.max_staleness", "train.rollout_workers",
-                "train.worker_address"):
+                "train.stale_batches"):
         assert f"config key {key!r} moved to {MOVED[key]!r}" in text
     assert moved_key("train.steps") is None
 
@@ -127,7 +152,7 @@ def test_every_moved_key_has_a_place_in_the_new_layout():
     for old, new in MOVED.items():
         section, _, leaf = new.rpartition(".")
         cls = {"rollout.engine": VLLMEngineConfig if old.startswith("rollout.vllm_") else HFEngineConfig,
-               "train.async": AsyncConfig, "train.async.transport": RemoteTransport, "rollout.agent.env": EnvConfig,
+               "train.async": AsyncConfig, "rollout.agent.env": EnvConfig,
                "rollout.agent.env.retriever": RetrieverConfig}[section]
         assert leaf in keys_of(cls), (old, new)
 
@@ -143,13 +168,11 @@ def test_a_run_saved_in_the_flat_layout_is_read_in_the_new_one(tmp_path):
     cfg = load_config(None, new)
     assert cfg.rollout.engine.prune_every == 32 and cfg.train.async_ is None
     old_async = {"rollout.engine": "vllm", "rollout.share_prompt": True, "rollout.vllm_dtype": "bfloat16",
-                 "train.max_staleness": 2, "train.rollout_workers": 3, "train.worker_address": "10.0.0.5:29600",
+                 "train.max_staleness": 2, "train.rollout_workers": 3, "train.worker_address": "",
                  "train.worker_timeout_s": 60.0, "train.async_correction": False}
     assert migrate_saved(old_async) == {
         "rollout.engine.kind": "vllm", "rollout.engine.dtype": "bfloat16", "train.async.max_staleness": 2,
-        "train.async.workers": 3, "train.async.transport.address": "10.0.0.5:29600",
-        "train.async.transport.timeout_s": 60.0, "train.async.correction": False,
-        "train.async.transport.kind": "remote"}
+        "train.async.workers": 3, "train.async.correction": False}
     cur = {"train.async": None, "rollout.engine.kind": "hf"}
     assert migrate_saved(cur) == cur
 

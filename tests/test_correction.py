@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tether.algo import LossInputs, RegionConfig, compute_loss, loss_needs
-from tether.config.recipes import RECIPES, AlgoConfig, recipe, validate
 from tether.algo.correction import correction_weights
+from tether.config.recipes import RECIPES, AlgoConfig, recipe, validate
 from tether.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("float64")

@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 
-from tether.algo import LossInputs, RegionConfig, compute_loss
-from tether.config.recipes import describe, recipe, validate
-from tether.algo.correction import Masks, correction_weights
-from tether.errors import ConfigError
 from test_correction import V, grads, make, token_logp  # the enumeration helpers (one copy)
+from tether.algo import LossInputs, RegionConfig, compute_loss
+from tether.algo.correction import Masks, correction_weights
+from tether.config.recipes import describe, recipe, validate
+from tether.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("float64")
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DIGITS, rows, subprocess_env, tiny_config, worker_pid
 
+from helpers import DIGITS, rows, subprocess_env, tiny_config, worker_pid
 from tether.logprobs import response_stats
 from tether.models import ModelConfig, load_model
 from tether.testing import make_tiny_model_dir
@@ -113,19 +113,19 @@ def test_bf16_training_steps_on_cuda_with_the_transformers_engine(workdir, gpu_m
 
 
 @CUDA
-def test_memory_breakdown_on_cuda(workdir, gpu_model_dir, tmp_path):
-    """tether.memory on the GPU: the per-phase CUDA peaks are recorded and the breakdown names the overhead."""
-    from tether.memory import StepMemory, breakdown_rows
+def test_memory_breakdown_on_cuda(workdir, gpu_model_dir, tmp_path, bench_script):
+    """bench/_memory.py on the GPU: the per-phase CUDA peaks are recorded and the breakdown names the overhead."""
     from tether.train import Trainer
 
+    bm = bench_script("_memory")
     cfg = tiny_config(workdir, gpu_model_dir, "grpo", 2, **{"model.dtype": "bfloat16", "model.device": "cuda"})
     t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
     t.train_step()
-    _, mem = StepMemory(t).step()
+    _, mem = bm.StepMemory(t).step()
     assert all(r["cuda_peak_allocated"] > 0 for r in mem["phases"].values())
     n = sum(p.numel() for p in t.model.parameters())
     assert mem["sizes"]["gradients"] == 2 * n  # bf16 gradients
-    assert dict((k, v) for k, v, _ in breakdown_rows(mem))["allocator overhead"] >= 0
+    assert dict((k, v) for k, v, _ in bm.breakdown_rows(mem))["allocator overhead"] >= 0
 
 
 @CUDA
@@ -192,10 +192,10 @@ def test_async_workers_sample_on_cuda_with_the_trainers_weights(kind, workdir, g
     which the trainer's own forward (W x + scale B (A x)) does not round the same way: the first GPU run measured
     that gap at 0.13 per token at most, 0.041 on average, within bf16's tolerance against fp32 (the rollout
     correction's mu against pi_old sees it)."""
-    from tether.logprobs import response_stats
-    from tether.rollout import SamplingParams
     from tether.asynchronous.weights import effective_weights
     from tether.asynchronous.workers import Job
+    from tether.logprobs import response_stats
+    from tether.rollout import SamplingParams
     from tether.train import Trainer
 
     over = {"model.dtype": "bfloat16", "model.device": "cuda", "train.async.max_staleness": 1,

@@ -7,12 +7,12 @@ import json
 import random
 
 import pytest
-from search_helpers import SEARCH_DIR, needs_data, write_jsonl
 
+from search_helpers import SEARCH_DIR, needs_data, write_jsonl
 from tether.envs import CalculatorEnv, SearchEnv
 from tether.envs.calculator import evaluate
-from tether.sft.demos import DemoStats, arithmetic_expression, calculator_demos, gsm8k_turns, search_demos
 from tether.search.protocol import render_observation
+from tether.sft.demos import DemoStats, arithmetic_expression, calculator_demos, gsm8k_turns, search_demos
 from tether.tasks import Example
 from tether.tasks.arithmetic import ArithmeticTask, apply_ops
 

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tether.errors import ConfigError
 from tether.envs import ENVS, Env, FinalTurn, Start, StepResult, TextEnv, make_env
-from tether.errors import EnvError
+from tether.errors import ConfigError, EnvError
 from tether.tasks import Example
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "environments.md"

@@ -10,8 +10,17 @@ from pathlib import Path
 import pytest
 
 from tether.envs import ENVS, calculator, make_env
-from tether.envs.calculator import (FINAL_TURN, MAX_CHARS, NO_ACTION, CalcError, CalculatorEnv, calculate, evaluate,
-                                    format_value, parse_action)
+from tether.envs.calculator import (
+    FINAL_TURN,
+    MAX_CHARS,
+    NO_ACTION,
+    CalcError,
+    CalculatorEnv,
+    calculate,
+    evaluate,
+    format_value,
+    parse_action,
+)
 from tether.tasks import ArithmeticTask
 from tether.tasks.base import Example
 

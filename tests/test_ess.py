@@ -16,8 +16,8 @@ import torch
 
 from helpers import DIGITS, rows, strip, tiny_config
 from tether.algo import LossInputs, RegionConfig, compute_loss
-from tether.config.recipes import recipe, validate
 from tether.algo.correction import ess_frac, ess_moments, lr_scale, mismatch_metrics
+from tether.config.recipes import recipe, validate
 from tether.errors import ConfigError
 from tether.metrics import UpdateStats
 from tether.train import Trainer

@@ -494,6 +494,20 @@ def test_held_out_evaluation_runs_through_the_trainers_agent_and_engine(tiny_mod
     assert rows[-1]["eval/arithmetic/n_problems"] == rows[-1]["eval_anchor/arithmetic/n_problems"] == 3
 
 
+def test_benchmark_prefixes_name_their_loaders_by_module_and_function():
+    """The table of environment-held benchmarks is its module's own ("module:function", imported on use): no module
+    adds to it on import, and each entry names an importable loader (``verifiers:``, tether.envs.verifiers)."""
+    import importlib
+
+    from tether.envs import verifiers
+    from tether.tasks.benchmarks import BENCHMARK_PREFIXES
+
+    assert BENCHMARK_PREFIXES == {verifiers.PREFIX: "tether.envs.verifiers:eval_benchmark"}
+    for target in BENCHMARK_PREFIXES.values():
+        module, _, function = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), function))
+
+
 def test_arithmetic_benchmark_is_the_runs_held_out_split(tiny_model_dir, tmp_path):
     """``arithmetic-dN`` is the synthetic task's test split at difficulty N (seed 0): the very problems a
     ``train.seed=0`` run at ``data.difficulty=N`` evaluates on, so a model is comparable across the two."""

@@ -16,8 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (DIGITS, FAULTS, assert_clean_error, cli_args, copy_run, rows, run_module, subprocess_env,
-                     tiny_config)
+from helpers import (
+    DIGITS,
+    FAULTS,
+    assert_clean_error,
+    cli_args,
+    copy_run,
+    rows,
+    run_module,
+    subprocess_env,
+    tiny_config,
+)
 from tether.testing import make_tiny_model_dir
 from tether.train import train
 

@@ -17,12 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import DIGITS, FAULTS, cli_args, copy_run, rows, strip, subprocess_env, tiny_config
-from tether.errors import ConfigError
-from tether.rundir.checkpoint import latest_checkpoint
 from tether.cli import main
 from tether.config import load_config
-from tether.errors import RunError
+from tether.errors import ConfigError, RunError
 from tether.metrics import JsonlWriter, read_metrics
+from tether.rundir.checkpoint import latest_checkpoint
 from tether.testing import make_tiny_model_dir
 from tether.train import resume, train
 
@@ -504,8 +503,8 @@ def test_disk_full_stops_cleanly_and_resume_matches(where, work, tiny_model_dir,
     """The disk fills while step 2 is written (a checkpoint file, the `latest` pointer, a metrics row): the
     CLI exits 2 with one line naming the path, no partial checkpoint is loadable, the log holds no torn
     row that blocks resume, and once space is freed --resume ends as the uninterrupted run."""
-    import tether.rundir.checkpoint as ck
     import tether.metrics as mt
+    import tether.rundir.checkpoint as ck
 
     run = tmp_path / "run"
     real_save, real_text, real_write = ck.save_file, ck._write_text_atomic, mt.JsonlWriter.write

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tether.algo.kl import KL_DIRECTION, KL_ESTIMATORS, KLInputs, KLOptions, TOPK_ESTIMATORS
+from tether.algo.kl import KL_DIRECTION, KL_ESTIMATORS, TOPK_ESTIMATORS, KLInputs, KLOptions
 
 pytestmark = [pytest.mark.usefixtures("float64"),
               pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")]

@@ -1,7 +1,8 @@
-"""tether.memory: each line of a step's memory breakdown against bytes computed by hand on the tiny model,
-and the changes that trim a step's memory: nothing of the rollout kept after it (KV cache, generation
-buffers), a bf16 fixed anchor for an fp32 policy (the KL and its gradient within the stated tolerance),
-malloc_trim after the rollout and the update, gradients freed after every optimizer step."""
+"""A step's memory: each line of the breakdown of bench/_memory.py (the benchmarks' instrumentation) against
+bytes computed by hand on the tiny model, and the changes that trim a step's memory: nothing of the rollout
+kept after it (KV cache, generation buffers), a bf16 fixed anchor for an fp32 policy (the KL and its gradient
+within the stated tolerance), tether.memory.malloc_trim after the rollout and the update, gradients freed after
+every optimizer step."""
 
 from __future__ import annotations
 
@@ -9,17 +10,22 @@ import gc
 
 import pytest
 import torch
-from helpers import DIGITS, tiny_config
 
+from helpers import DIGITS, tiny_config
+from tether.anchor import Anchor
 from tether.config.recipes import AlgoConfig, AnchorConfig, validate
 from tether.errors import ConfigError
-from tether.anchor import Anchor
 from tether.logprobs import response_stats
-from tether.memory import (LiveBytes, SavedActivations, StepMemory, breakdown_rows, grad_bytes, malloc_trim,
-                           module_bytes, optimizer_state_bytes, rss_bytes, storage_bytes, track_kv_cache)
+from tether.memory import malloc_trim
 from tether.train import Trainer
 
 F32 = 4  # bytes per float32
+
+
+@pytest.fixture(scope="module")
+def bm(bench_script):
+    """bench/_memory.py: the step instrumentation (sizes of tensors, live bytes, per-phase peaks)."""
+    return bench_script("_memory")
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +40,15 @@ def _n_params(model) -> int:
 # ------------------------------------------------------------------ sizes and live bytes
 
 
-def test_storage_bytes_counts_each_storage_once():
+def test_storage_bytes_counts_each_storage_once(bm):
     a = torch.zeros(10, 4)
-    assert storage_bytes([a, a[2:], a.t(), None]) == 40 * F32  # views share a's storage
+    assert bm.storage_bytes([a, a[2:], a.t(), None]) == 40 * F32  # views share a's storage
     seen: set = set()
-    assert storage_bytes([a], seen) == 160 and storage_bytes([a, torch.zeros(3)], seen) == 3 * F32
+    assert bm.storage_bytes([a], seen) == 160 and bm.storage_bytes([a, torch.zeros(3)], seen) == 3 * F32
 
 
-def test_live_bytes_follow_the_tensors_lifetime():
-    live = LiveBytes()
+def test_live_bytes_follow_the_tensors_lifetime(bm):
+    live = bm.LiveBytes()
     a, b = torch.zeros(100), torch.zeros(50)
     live.add(a)
     view = a[10:]
@@ -58,10 +64,10 @@ def test_live_bytes_follow_the_tensors_lifetime():
     assert (live.live, live.peak) == (400, 600)
 
 
-def test_saved_activations_are_what_autograd_keeps_without_the_parameters():
+def test_saved_activations_are_what_autograd_keeps_without_the_parameters(bm):
     w = torch.nn.Parameter(torch.randn(1000))
     x = torch.randn(1000, requires_grad=True)
-    acts = SavedActivations(exclude=[w])
+    acts = bm.SavedActivations(exclude=[w])
     with acts.tracking():
         y = torch.tanh(x)  # saves its output y
         z = (y * w).sum()  # saves y (the same storage) and w (a parameter: excluded)
@@ -83,14 +89,14 @@ def _memory_trainer(workdir, tiny_model_dir, tmp_path, **over):
     return Trainer(cfg, tmp_path / "run", log=lambda *a: None)
 
 
-def test_step_breakdown_matches_hand_computed_bytes(workdir, tiny_model_dir, tmp_path, one_thread):
+def test_step_breakdown_matches_hand_computed_bytes(bm, workdir, tiny_model_dir, tmp_path, one_thread):
     t = _memory_trainer(workdir, tiny_model_dir, tmp_path)
     t.train_step()  # the optimizer's state exists from the first step on
-    m, mem = StepMemory(t, baseline_rss=rss_bytes()).step()
+    m, mem = bm.StepMemory(t, baseline_rss=bm.rss_bytes()).step()
     s, model, n = mem["sizes"], t.model, _n_params(t.model)
     c = model.config
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())  # the rotary inv_freq
-    assert s["weights"] == n * F32 + buffers == module_bytes(model)
+    assert s["weights"] == n * F32 + buffers == bm.module_bytes(model)
     assert s["anchor"] == n * F32  # the fixed anchor: one fp32 copy, no forward copy
     assert s["optimizer"] == 2 * n * F32 + F32 * len(t.params)  # AdamW: exp_avg, exp_avg_sq, a float32 step each
     assert s["gradients"] == n * F32  # one fp32 gradient per parameter at the optimizer step
@@ -103,7 +109,7 @@ def test_step_breakdown_matches_hand_computed_bytes(workdir, tiny_model_dir, tmp
     assert list(mem["phases"]) == ["rollout", "sampler pass", "anchor pass", "update"]
     for r in mem["phases"].values():
         assert r["peak_rss"] >= r["rss_end"] > 0
-    rows_ = {name: mb for name, mb, _ in breakdown_rows(mem)}
+    rows_ = {name: mb for name, mb, _ in bm.breakdown_rows(mem)}
     assert rows_["optimizer state"] == pytest.approx(s["optimizer"] / 2**20)
     assert rows_["allocator overhead and untracked"] is not None and rows_["peak RSS"] > 0
     assert m["train_tokens"] > 0 and "kl" in m
@@ -111,7 +117,7 @@ def test_step_breakdown_matches_hand_computed_bytes(workdir, tiny_model_dir, tmp
     assert "_rollout" not in t.__dict__ and "sampler" not in t.passes.__dict__
 
 
-def test_gradients_are_freed_after_every_optimizer_step(workdir, tiny_model_dir, tmp_path, one_thread):
+def test_gradients_are_freed_after_every_optimizer_step(bm, workdir, tiny_model_dir, tmp_path, one_thread):
     """train.mini_batches=2: each optimizer step sees one mini-batch's gradient (not two accumulated into a
     second buffer) and none survives the step (zero_grad(set_to_none=True)): no gradient is resident during
     the next rollout."""
@@ -119,9 +125,9 @@ def test_gradients_are_freed_after_every_optimizer_step(workdir, tiny_model_dir,
     seen, step = [], t._optimizer_step
 
     def record(*a, **k):
-        seen.append(grad_bytes(t.params))
+        seen.append(bm.grad_bytes(t.params))
         step(*a, **k)
-        seen.append(grad_bytes(t.params))
+        seen.append(bm.grad_bytes(t.params))
 
     t._optimizer_step = record
     t.train_step()
@@ -133,13 +139,13 @@ def test_gradients_are_freed_after_every_optimizer_step(workdir, tiny_model_dir,
 # ------------------------------------------------------------------ (a) the rollout keeps nothing
 
 
-def _tensor_bytes_outside(model, keep=()) -> int:
+def _tensor_bytes_outside(bm, model, keep=()) -> int:
     gc.collect()
     skip = {id(p) for p in [*model.parameters(), *model.buffers(), *keep]}
-    return storage_bytes(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and id(o) not in skip)
+    return bm.storage_bytes(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and id(o) not in skip)
 
 
-def test_rollout_frees_its_kv_cache_and_generation_buffers(tiny_model_dir, one_thread):
+def test_rollout_frees_its_kv_cache_and_generation_buffers(bm, tiny_model_dir, one_thread):
     """HFEngine.generate keeps nothing once it returns: its KV buffers are freed (tracked live bytes back to
     0) and no other tensor outlives the call but the batch it returns. The trainer's rollout therefore holds
     no KV cache into the update; multi-turn session caches are released by the agent at each episode's end
@@ -153,13 +159,13 @@ def test_rollout_frees_its_kv_cache_and_generation_buffers(tiny_model_dir, one_t
     prompts = [tok.encode("What is 2 + 2?"), tok.encode("Hello world! Hello there.")]
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, min_new_tokens=12, seed=0)
     eng.generate(prompts, params)  # first-call allocations (rotary caches and the like) out of the way
-    before = _tensor_bytes_outside(model)
-    with track_kv_cache() as kv:
+    before = _tensor_bytes_outside(bm, model)
+    with bm.track_kv_cache() as kv:
         rb = eng.generate(prompts, params)
         gc.collect()
         assert kv.peak > 0 and kv.live == 0
     held = [v for v in vars(rb).values() if isinstance(v, torch.Tensor)]
-    assert _tensor_bytes_outside(model, keep=held) - storage_bytes(held) <= before
+    assert _tensor_bytes_outside(bm, model, keep=held) - bm.storage_bytes(held) <= before
     assert len(eng.session_store) == 0
 
 
@@ -173,17 +179,17 @@ def _tiny_policy(tiny_model_dir):
     return model
 
 
-def test_bf16_anchor_halves_its_bytes_and_keeps_no_fp32_copy(tiny_model_dir):
+def test_bf16_anchor_halves_its_bytes_and_keeps_no_fp32_copy(bm, tiny_model_dir):
     model = _tiny_policy(tiny_model_dir)
     n = _n_params(model)
     a32, a16 = Anchor(AnchorConfig("fixed"), model), Anchor(AnchorConfig("fixed", dtype="bfloat16"), model)
-    assert storage_bytes(a32.master) == n * F32 and storage_bytes(a16.master) == n * 2 and not a16._compute
+    assert bm.storage_bytes(a32.master) == n * F32 and bm.storage_bytes(a16.master) == n * 2 and not a16._compute
     before = [p.detach().clone() for p in model.parameters()]
     with a16.applied(model):
         assert all(p.dtype == torch.float32 for p in model.parameters())  # upcast for the block only
         assert all(torch.equal(p, m.float()) for p, m in zip(model.parameters(), a16.master))
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and not a16._compute
-    assert module_bytes(model) == n * F32 + sum(b.numel() * b.element_size() for b in model.buffers())
+    assert bm.module_bytes(model) == n * F32 + sum(b.numel() * b.element_size() for b in model.buffers())
 
 
 def test_bf16_anchor_kl_and_gradient_within_the_stated_tolerance(tiny_model_dir, one_thread):
@@ -241,11 +247,11 @@ def _k3():
     return {"kl": KLConfig("k3", beta=0.04)}
 
 
-def test_bf16_anchor_trains_and_checkpoints(workdir, tiny_model_dir, tmp_path, one_thread):
+def test_bf16_anchor_trains_and_checkpoints(bm, workdir, tiny_model_dir, tmp_path, one_thread):
     t = _memory_trainer(workdir, tiny_model_dir, tmp_path, **{"algo.anchor.dtype": "bfloat16"})
     m = t.train_step()
     assert m["kl"] >= 0 and t.anchor.master[0].dtype == torch.bfloat16
-    assert storage_bytes(t.anchor.master) == 2 * _n_params(t.model)
+    assert bm.storage_bytes(t.anchor.master) == 2 * _n_params(t.model)
     path = t.save()
     t2 = _memory_trainer(workdir, tiny_model_dir, tmp_path / "b", **{"algo.anchor.dtype": "bfloat16"})
     t2.restore(path)
@@ -255,7 +261,7 @@ def test_bf16_anchor_trains_and_checkpoints(workdir, tiny_model_dir, tmp_path, o
 # ------------------------------------------------------------------ (c) malloc_trim
 
 
-def test_malloc_trim_returns_free_heap_pages(one_thread):
+def test_malloc_trim_returns_free_heap_pages(bm, one_thread):
     if not malloc_trim():
         pytest.skip("no glibc malloc_trim here")
     keep = []
@@ -263,9 +269,9 @@ def test_malloc_trim_returns_free_heap_pages(one_thread):
     keep.append(torch.ones(8192))  # the heap's top stays in use: only trimming frees the pages below it
     del small
     gc.collect()
-    before = rss_bytes()
+    before = bm.rss_bytes()
     assert malloc_trim()
-    assert rss_bytes() < before - 64 * 2**20
+    assert bm.rss_bytes() < before - 64 * 2**20
 
 
 def test_train_malloc_trim_trims_after_the_rollout_and_the_update(workdir, tiny_model_dir, tmp_path, monkeypatch,
@@ -281,13 +287,13 @@ def test_train_malloc_trim_trims_after_the_rollout_and_the_update(workdir, tiny_
     assert calls == []
 
 
-def test_optimizer_state_bytes_of_adamw_by_hand():
+def test_optimizer_state_bytes_of_adamw_by_hand(bm):
     p = [torch.nn.Parameter(torch.randn(10, 3)), torch.nn.Parameter(torch.randn(7))]
     opt = torch.optim.AdamW(p, lr=1e-3)
-    assert optimizer_state_bytes(opt) == 0  # created lazily at the first step
+    assert bm.optimizer_state_bytes(opt) == 0  # created lazily at the first step
     sum(x.sum() for x in p).backward()
     opt.step()
-    assert optimizer_state_bytes(opt) == 2 * 37 * F32 + 2 * F32
+    assert bm.optimizer_state_bytes(opt) == 2 * 37 * F32 + 2 * F32
 
 
 def test_config_error_is_raised_for_a_bad_anchor_dtype(workdir, tiny_model_dir):

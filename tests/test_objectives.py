@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from tether.algo import LossInputs, RegionConfig, compute_loss, loss_needs
-from tether.config.recipes import AlgoConfig, KLConfig, recipe
 from tether.algo.aggregation import aggregate
 from tether.algo.kl import KL_ESTIMATORS, KLInputs, KLOptions, rpg_score_coef
-from tether.config.recipes import AnchorConfig
+from tether.config.recipes import AlgoConfig, AnchorConfig, KLConfig, recipe
 
 pytestmark = pytest.mark.usefixtures("float64")
 V, L = 3, 2

@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers import subprocess_env
 
+from helpers import subprocess_env
 from tether.organism import build as organism_build
 from tether.organism.build import OrganismSpec, build_organism, char_tokenizer, organism_path, sft_rows
 from tether.organism.problems import CALC, MAX_VALUE, QUESTION, content_split, draw, solution_text, solve

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers import subprocess_env
 
 pytestmark = pytest.mark.slow

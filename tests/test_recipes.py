@@ -3,9 +3,8 @@
 import pytest
 
 from tether.algo import RegionConfig
-from tether.config.recipes import RECIPES, AlgoConfig, KLConfig, recipe, validate
+from tether.config.recipes import RECIPES, AlgoConfig, AnchorConfig, KLConfig, recipe, validate
 from tether.errors import ConfigError
-from tether.config.recipes import AnchorConfig
 
 SPEC = {  # ALGORITHMS.md section 6
     "grpo": ("grpo", "ratio", "k3", "fixed"),
@@ -117,8 +116,8 @@ def test_algo_layer_imports_only_torch():
 def test_anchor_kinds_of_the_config_are_the_registered_ones():
     """The anchor kinds are one registry, tether.algo.anchors.ANCHOR_KINDS (with their rules); the config's
     choices ("none" plus the kinds) and tether.anchor read it."""
-    from tether.config.recipes import ANCHORS
     from tether.anchor import ANCHOR_KINDS
+    from tether.config.recipes import ANCHORS
 
     assert ANCHORS == ("none", *ANCHOR_KINDS)
     import tether.algo.anchors

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from helpers import DIGITS, rows, tiny_config
+from tether.config import TrainConfig
 from tether.errors import ConfigError
 from tether.rundir.checkpoint import latest_checkpoint
-from tether.config import TrainConfig
 from tether.schedule import LRSchedule
 from tether.train import Trainer
 

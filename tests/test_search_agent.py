@@ -323,8 +323,8 @@ def test_each_turn_is_capped_by_max_new_tokens(tok):
 
 
 def test_search_options_that_cannot_act_are_errors():
-    from tether.errors import ConfigError
     from tether.config import load_config
+    from tether.errors import ConfigError
 
     for over, msg in (({"rollout.agent.env.retriever.dense_model": "m"}, "dense_model only applies"),
                       ({"rollout.agent.env.retriever.timeout": 5.0}, "timeout only applies"),

@@ -7,13 +7,12 @@ import os
 
 import pytest
 
+from helpers import SEARCH_ENV
+from search_helpers import SEARCH_DIR, needs_data
+from search_helpers import write_jsonl as _write
 from tether.search.corpus import CorpusError, load_corpus
 from tether.search.data import SEARCH_DATASETS, load_search_examples, search_data_dir
 from tether.tasks.base import DataError
-
-from search_helpers import SEARCH_DIR, needs_data, write_jsonl as _write
-from helpers import SEARCH_ENV
-
 
 GOOD = json.dumps({"id": "0", "contents": '"Title A"\ntext a'})
 

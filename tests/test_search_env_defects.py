@@ -11,13 +11,12 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
+from search_helpers import SEARCH_DIR, needs_data, synthetic_corpus
 from tether.eval.search import gold_recall, search_metrics
 from tether.search.corpus import load_corpus
 from tether.search.protocol import render_observation
 from tether.search.retrievers import BM25Retriever, HTTPRetriever
 from tether.tasks import Example
-
-from search_helpers import SEARCH_DIR, needs_data, synthetic_corpus
 
 # ---------------------------------------------------------------- BM25: only matching passages
 

@@ -7,12 +7,11 @@ import json
 
 import pytest
 
+from search_helpers import shared_search_dir, synthetic_corpus
+from test_search_server import server  # noqa: F401  (the fixture: a real server subprocess)
 from tether.cli import main
 from tether.eval.search import search_metrics
 from tether.tasks import Example
-
-from search_helpers import shared_search_dir, synthetic_corpus
-from test_search_server import server  # noqa: F401  (the fixture: a real server subprocess)
 
 
 def _qa(path, n=4):

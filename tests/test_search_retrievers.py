@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from search_helpers import SEARCH_DIR, needs_data, synthetic_corpus, write_jsonl
 from tether.search import retrievers as R
 from tether.search.corpus import load_corpus
 from tether.search.data import load_search_examples
 from tether.search.retrievers import BM25Retriever, RetrievalError, Retriever, make_retriever
-
-from search_helpers import SEARCH_DIR, needs_data, synthetic_corpus, write_jsonl
 
 # Measured on the shared pool (12,184 paragraphs) with the raw question as query:
 # 501 of the 564 multihop_dev questions (0.888) have a gold paragraph in the BM25 top 3

@@ -17,12 +17,11 @@ from pathlib import Path
 import pytest
 
 import tether
+from search_helpers import synthetic_corpus, write_jsonl
 from tether.cli import main
 from tether.search.protocol import render_observation
 from tether.search.retrievers import BM25Retriever, HTTPRetriever, RetrievalError
 from tether.search.server import RetrievalServer
-
-from search_helpers import synthetic_corpus, write_jsonl
 
 START_TIMEOUT_S = 120  # generous: the subprocess imports numpy/bm25s and builds the index on a shared CPU
 

@@ -14,11 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import DIGITS, assert_clean_error, cli_args, rows, run_module, strip
-from tether.errors import ConfigError
-from tether.rundir.checkpoint import latest_checkpoint
 from tether.config.sft import load_sft_config, sft_reference
-from tether.errors import RunError
+from tether.errors import ConfigError, RunError
 from tether.models import ModelConfig, load_model
+from tether.rundir.checkpoint import latest_checkpoint
 from tether.rundir.owned import read_marker, write_marker
 from tether.sft import SFTTrainer, resume_sft, resume_sft_config, sft
 

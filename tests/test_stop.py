@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from helpers import DIGITS, rows, strip, subprocess_env, tiny_config
+from tether.config import save_config
 from tether.rundir import stop
 from tether.rundir.checkpoint import latest_checkpoint
-from tether.config import save_config
 from tether.train import Trainer, train
 
 REWARD = DIGITS + '''

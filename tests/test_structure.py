@@ -228,7 +228,7 @@ LAYERS = [
     ("the mathematics", ["tether.algo"]),
     ("shared modules", ["tether", "tether.errors", "tether.memory", "tether.logprobs_chunked", "tether.distributed",
                         "tether.gguf", "tether.logprobs", "tether.metrics", "tether.schedule",
-                        "tether.anchor", "tether.optim", "tether.plot", "tether.sections", "tether.yamlfile"]),
+                        "tether.anchor", "tether.optim", "tether.plot", "tether.sections", "tether.userio"]),
     ("the model organism", ["tether.organism"]),
     ("engines", ["tether.rollout"]),
     ("run directories: guard, reader, checkpoints, ownership, graceful stop", ["tether.rundir"]),

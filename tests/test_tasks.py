@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import SEARCH_ENV
 from tether.tasks import (
     LEVELS,
     NAMED_DATASETS,
@@ -27,7 +28,6 @@ from tether.tasks import (
     load_reward,
 )
 from tether.tasks.arithmetic import content_split
-from helpers import SEARCH_ENV
 
 # --------------------------------------------------------------------------------------
 # shared data dir

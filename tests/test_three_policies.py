@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from test_objectives import divergence  # the exact divergences (one copy)
-
 from tether.algo import LossInputs, RegionConfig, compute_loss
 from tether.config.recipes import recipe, validate
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from helpers import DIGITS, rows, strip, tiny_config
+from tether.config import load_config
 from tether.config.recipes import RECIPES
 from tether.errors import ConfigError
 from tether.rundir.checkpoint import latest_checkpoint, load_checkpoint
-from tether.config import load_config
 from tether.tasks.base import DataError
 from tether.train import Trainer, resume, train
 

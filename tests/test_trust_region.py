@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tether.algo.objectives import policy_term
-from tether.algo.trust_region import (REGIONS, RegionConfig, binary_kl, kl3_bounds, kl3_delta_for, lambert_w)
+from tether.algo.trust_region import REGIONS, RegionConfig, binary_kl, kl3_bounds, kl3_delta_for, lambert_w
 
 pytestmark = pytest.mark.usefixtures("float64")
 

@@ -15,10 +15,9 @@ def tune(bench_script):
 
 
 def test_tune_regime_validates_on_the_train_split(tune, tiny_model_dir, tmp_path, monkeypatch):
+    import tether.train
     from tether.eval import runner
     from tether.tasks.arithmetic import ArithmeticTask
-
-    import tether.train
 
     seen, trainers = [], []
     real = runner.evaluate_during_training

@@ -84,8 +84,8 @@ def token_kl_entropy(policy, initial, rb, *, micro: int = 2, chunk_size: int = 1
     """
     import torch
 
-    from tether.config.recipes import AnchorConfig
     from tether.anchor import Anchor
+    from tether.config.recipes import AnchorConfig
     from tether.logprobs import response_stats
     from tether.passes import exact_kl_sample
 

@@ -68,8 +68,8 @@ def fresh_run_dir(path: Path) -> None:
 
 def one_run(a, task: str, recipe: str, seed: int, base_model, tok, evals: dict) -> dict:
     """Train one (task, recipe, seed), evaluate its final policy, measure KL and entropy."""
-    from tether.config.recipes import describe
     from tether.config import RECIPE_TRAINER_DEFAULTS, load_config, save_config
+    from tether.config.recipes import describe
     from tether.metrics import read_metrics
     from tether.train import Trainer
 

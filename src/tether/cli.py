@@ -1,9 +1,8 @@
-"""The ``tether`` command: train, sft, demos, worker, eval, export, plot, config, recipes, retrieve, sweep."""
+"""The ``tether`` command: train, sft, demos, eval, export, plot, config, recipes, retrieve, sweep."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -58,8 +57,8 @@ def _overrides(args, flags) -> dict:
     """The command line's key=value overrides, plus the options (``flags``: (attribute, key) pairs) it
     gave and ``--overwrite`` (``run.overwrite``). An option and an override of the same key with different
     values is a ConfigError (which one was meant?)."""
-    from .errors import ConfigError  # deferred: loads json (tether.cli stays light)
     from .config import parse_overrides  # deferred: pulls in torch
+    from .errors import ConfigError  # deferred: loads json (tether.cli stays light)
 
     overrides = parse_overrides(args.overrides)
     for flag, key in flags:
@@ -94,19 +93,6 @@ def _interrupted(e: KeyboardInterrupt) -> int:
         return stop.exit_code(e.signal_name)
     print("tether: interrupted (SIGINT)", file=sys.stderr)
     return stop.exit_code("SIGINT")
-
-
-def _worker(args) -> int:
-    """A remote rollout worker (tether.asynchronous.remote.serve): 0 once the trainer ended the run. Under torchrun
-    each process is one worker, on GPU LOCAL_RANK when the run samples on CUDA (no process group is joined)."""
-    import torch
-
-    from .asynchronous.remote import serve  # deferred: pulls in torch
-
-    if "LOCAL_RANK" in os.environ and torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-
-    return serve(args.address, wait_s=args.wait, key_env=args.key_env)
 
 
 def _plot(args) -> int:
@@ -180,7 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_sft_parser(sub)
 
-    _add_worker_parser(sub)
 
     pl = sub.add_parser("plot", help="plot the curves of one or more runs, overlaid")
     pl.add_argument("runs", nargs="+", help="run directories")
@@ -212,26 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_demos_parser(sub)
     add_sweep_parser(sub)
     return p
-
-
-def _add_worker_parser(sub) -> None:
-    w = sub.add_parser("worker", help="a remote rollout worker for a trainer with train.async.transport.kind=remote "
-                       "(docs/async.md)",
-                       description="Connect to a trainer started with train.async.transport: {kind: remote, "
-                       "address: HOST:PORT}, and generate its rollouts: the run's config (model, engine, "
-                       "agent) comes from the trainer, weights after each update, jobs as they are due. The secret "
-                       "in $TETHER_WORKER_KEY (or --key-env) must equal the trainer's. model.name and any agent / "
-                       "environment files must exist on this node under the same names.",
-                       epilog="One worker per GPU on a node: torchrun --nproc_per_node 8 -m tether worker HOST:PORT "
-                       "(each process one worker on GPU LOCAL_RANK). Exit 0: the trainer ended the run; 2: no trainer "
-                       "answered within --wait, a wrong key, the trainer lost, or an error in this worker (also "
-                       "reported to the trainer).")
-    w.add_argument("address", help="the trainer's train.async.transport.address as reachable from here, HOST:PORT")
-    w.add_argument("--key-env", default="TETHER_WORKER_KEY", metavar="NAME", help="the environment variable holding "
-                   "the shared secret (default TETHER_WORKER_KEY; the trainer's train.async.transport.key_env)")
-    w.add_argument("--wait", type=float, default=600.0, help="seconds to keep retrying while no trainer listens "
-                   "yet (default 600)")
-    w.set_defaults(fn=_worker)
 
 
 def _add_sft_parser(sub) -> None:
@@ -284,6 +249,11 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt as e:
         return _interrupted(e)
+    except BrokenPipeError:  # stdout closed by its reader (`tether sweep SPEC --dry-run | head`): nothing to say
+        import os  # deferred: only on this path
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes it
+        return 0
 
 
 def error_text(e: BaseException) -> str:

@@ -7,11 +7,15 @@ option, a file, a row, a path), not tether's bugs.
 `EvalError` is raised by ``tether.tasks.benchmarks`` (a benchmark whose reward cannot be
 loaded) and by ``tether.eval`` (bad evaluation settings, a run without checkpoint or
 anchor), so it lives below both.
+
+`optional_import` imports an optional extra's module, or raises the user error that says how to
+install it (the one wording for every extra).
 """
 
 from __future__ import annotations
 
-import json
+import importlib
+from types import ModuleType
 
 
 class ConfigError(ValueError):
@@ -52,42 +56,17 @@ class GenerationError(RuntimeError):
     """Generation cannot go on: non-finite logits, or a prompt longer than the model's context."""
 
 
-def read_utf8(path, label: str, error: type[Exception]) -> str:
-    """The text of file ``path``; an unreadable or non-UTF-8 file raises ``error`` naming ``label``,
-    the line and the byte (shared by config files and data files)."""
+def optional_import(module: str, needed_by: str, extra: str, error: type[Exception] = ConfigError) -> ModuleType:
+    """``module`` (of the optional extra ``tether[<extra>]``) imported; where it does not import, ``error`` (a user
+    error: the caller's layer picks it) reading "<needed_by> need the optional extra: pip install 'tether[<extra>]'
+    (<the ImportError>)"."""
     try:
-        raw = open(path, "rb").read()
-    except OSError as e:
-        raise error(f"{label}: cannot read it: {e.strerror or e}") from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise error(f"{label} line {line}: not valid UTF-8 (byte {e.start}: {e.reason})") from None
-
-
-class JSONTooDeep(json.JSONDecodeError):
-    """JSON nested more deeply than the parser can recurse (``"[" * 100000``): a `JSONDecodeError`,
-    so every reader that refuses invalid JSON refuses it too, instead of a `RecursionError` traceback."""
-
-
-def loads_json(text):
-    """``json.loads(text)``, except that JSON nested too deeply for the parser raises `JSONTooDeep`
-    (a ``ValueError``) rather than ``RecursionError``: every reader of a file a user may hand tether
-    (data rows, a corpus, a marker, a checkpoint's manifest) parses through it."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise JSONTooDeep("nested too deeply for the parser", text if isinstance(text, str) else "", 0) from None
-
-
-def json_error(e: json.JSONDecodeError) -> str:
-    """What is wrong with invalid JSON, for an error line: the parser's message and column (none when it
-    is nested too deeply: the parser gives up at no one column)."""
-    return e.msg if isinstance(e, JSONTooDeep) else f"{e.msg} at column {e.colno}"
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise error(f"{needed_by} need the optional extra: pip install 'tether[{extra}]' ({e})") from None
 
 
 USER_ERRORS = (EvalError, RunError, OutputError, ModelLoadError, RewardError, GenerationError, EnvError)
 
-__all__ = ["EnvError", "EvalError", "GenerationError", "JSONTooDeep", "ModelLoadError", "OutputError", "RewardError",
-           "RunError", "USER_ERRORS", "json_error", "loads_json", "read_utf8"]
+__all__ = ["ConfigError", "EnvError", "EvalError", "GenerationError", "ModelLoadError", "OutputError", "RewardError",
+           "RunError", "USER_ERRORS", "optional_import"]

@@ -42,14 +42,15 @@ from typing import Optional
 
 import torch
 
-from .rundir.checkpoint import pid_alive
 from .errors import OutputError
+from .eval.run import RunCheckpoint, check_anchor, checkpoint_at, load_run_model
 from .export_card import render_card
 from .models import EMBEDDED_MODEL_NAME
-from .rundir.owned import check_replaceable, write_marker
+from .rundir.checkpoint import pid_alive
 from .rundir.guard import WRITE_ERRNOS
-from .eval.run import RunCheckpoint, check_anchor, checkpoint_at, load_run_model
+from .rundir.owned import check_replaceable, write_marker
 from .rundir.reader import RunDir
+from .userio import loads_json
 
 #: ``--dtype`` names -> torch dtypes (long forms accepted too).
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
@@ -355,7 +356,7 @@ def _add_legacy_config_keys(config_json: Path) -> None:
     ``rope_theta`` silently means the class default, e.g. 10000 for Llama where SmolLM2 uses 100000).
     transformers 5 reads ``rope_parameters`` first, so the extra keys change nothing for it.
     """
-    cfg = json.loads(config_json.read_text())
+    cfg = loads_json(config_json.read_text())
     changed = False
     if "dtype" in cfg and "torch_dtype" not in cfg:
         cfg["torch_dtype"] = cfg["dtype"]

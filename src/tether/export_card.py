@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from . import __version__
 from .sections import as_dict
+from .userio import loads_json
 
 if TYPE_CHECKING:
     from .eval.run import RunCheckpoint
@@ -44,7 +45,7 @@ def _metrics_rows(run_dir: Path) -> list[dict]:
     if path.is_file():
         for line in path.read_bytes().splitlines():
             try:
-                rows.append(json.loads(line))
+                rows.append(loads_json(line))
             except (json.JSONDecodeError, UnicodeDecodeError):
                 continue  # a line cut by a crash, or damaged
     return rows

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from .errors import ModelLoadError, loads_json
+from .errors import ModelLoadError
+from .userio import loads_json
 
 logger = logging.getLogger(__name__)
 
@@ -166,8 +167,7 @@ def _strip_quantization_config_file(model_dir: Path) -> bool:
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         return False
-    with open(cfg_path) as f:
-        cfg = json.load(f)
+    cfg = loads_json(cfg_path.read_text(encoding="utf-8"))
     if "quantization_config" not in cfg:
         return False
     del cfg["quantization_config"]

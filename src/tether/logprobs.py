@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ConfigError
-from .logprobs_chunked import TokenStats, compute_dtype, token_stats_capped, token_stats
+from .logprobs_chunked import TokenStats, compute_dtype, token_stats, token_stats_capped
 
 __all__ = ["TokenStats", "token_stats", "response_stats", "sequence_logp"]
 

@@ -21,6 +21,7 @@ import torch
 
 from .algo.correction import ess_frac
 from .errors import RunError
+from .userio import loads_json
 
 
 def warn(msg: str) -> None:
@@ -73,7 +74,7 @@ def read_jsonl(path: Path, warn: Callable[[str], None] = warn) -> tuple[list[dic
     rows, dirty = [], bool(lines[-1].strip())  # text after the last newline
     for k, (i, ln) in enumerate(numbered):
         try:
-            row = json.loads(ln)
+            row = loads_json(ln)
         except ValueError as e:
             if k < len(numbered) - 1:
                 raise RunError(f"{path}: line {i} is not a JSON row ({e}); fix or delete that line") from None

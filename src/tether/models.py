@@ -20,19 +20,31 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from .sections import Section
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from . import distributed
-from .rundir.checkpoint import checkpoints, latest_checkpoint, load_policy_weights, verify_checkpoint
-from .errors import ModelLoadError, RunError  # ModelLoadError: the CLI reports it as one line (exit 2); re-exported
-from .gguf import (EMBEDDED_GGUF_NAME, strip_quantization_markers, convert_gguf,  # noqa: F401  (re-exported)
-                   default_cache_dir, embedded_model_path, gguf_cache_path, is_quantized)
+from .errors import (  # ModelLoadError: the CLI reports it as one line (exit 2); re-exported
+    ConfigError,
+    ModelLoadError,
+    RunError,
+)
+from .gguf import (  # noqa: F401  (re-exported)
+    EMBEDDED_GGUF_NAME,
+    convert_gguf,
+    default_cache_dir,
+    embedded_model_path,
+    gguf_cache_path,
+    is_quantized,
+    strip_quantization_markers,
+)
 from .organism import ORGANISM_MODEL_NAME, build_organism
+from .rundir.checkpoint import checkpoints, latest_checkpoint, load_policy_weights, verify_checkpoint
 from .rundir.owned import is_checkpoint_dir, is_run_dir
+from .sections import Section
+from .userio import read_yaml_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -393,13 +405,11 @@ def run_source(name: str) -> tuple[Path, Path] | None:
 
 def _run_model_config(run_dir: Path) -> ModelConfig:
     """The ``model`` section of ``RUN/config.yaml`` (its known keys): the run's base model."""
-    import yaml
-
     path = Path(run_dir) / "config.yaml"
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:  # RecursionError: nested too deeply
-        raise ModelLoadError(f"cannot read the base model of run {run_dir} from {path}: {e}") from None
+        raw = read_yaml_mapping(path)
+    except ConfigError as e:  # unreadable, not YAML, nested too deeply, a duplicate key: named with the line
+        raise ModelLoadError(f"cannot read the base model of run {run_dir}: {e}") from None
     section = raw.get("model") if isinstance(raw, dict) else None
     if not isinstance(section, dict) or not section.get("name"):
         raise ModelLoadError(f"{path} names no base model (model.name)")

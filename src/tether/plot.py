@@ -9,6 +9,7 @@ from typing import Sequence, Union
 
 from .errors import OutputError, RunError
 from .metrics import read_metrics
+from .userio import claim_output_file, image_metadata
 
 PANELS = [  # (title, metric keys tried in order)
     ("reward", ["reward_mean"]),
@@ -54,18 +55,27 @@ def plot_path(out: Union[str, Path], formats) -> Path:
     return p.with_name(p.name + ".png")
 
 
+PLOT_KIND = "plot"  # the mark of an image `tether plot` wrote (`tether.userio.image_metadata`)
+
+
+def _legacy(p: Path) -> bool:
+    """An image written before plots carried tether's mark (2026-12-05): a run directory's own curves.png."""
+    return p.name == "curves.png" and (p.parent / "config.yaml").is_file() and (p.parent / "metrics.jsonl").is_file()
+
+
+def claim_plot_path(path: Path) -> Path:
+    """``path`` checked before anything is drawn (`tether.userio.claim_output_file`): absent, or an image tether
+    plotted there; its directory writable."""
+    return claim_output_file(path, PLOT_KIND, legacy=_legacy)
+
+
 def _save(fig, path: Path) -> None:
-    """Write the figure to ``path`` through a temporary file and a rename (never half an image);
-    an OSError (a parent that is a file, a read-only or full filesystem) is an `OutputError` naming ``path``."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")  # as tether.metrics.write_text_atomic names it
+    """Write the figure to ``path`` through a temporary file and a rename (never half an image), marked as
+    tether's; an OSError (a full or read-only filesystem) is an `OutputError` naming ``path``."""
+    fmt = path.suffix[1:].lower()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        for parent in reversed(path.parents):
-            if parent.exists() and not parent.is_dir():
-                raise NotADirectoryError(f"{parent} is a file, not a directory")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.is_dir():
-            raise IsADirectoryError(f"{path} is a directory")
-        fig.savefig(tmp, dpi=100, format=path.suffix[1:].lower())
+        fig.savefig(tmp, dpi=100, format=fmt, metadata=image_metadata(fmt, PLOT_KIND) or None)
         os.replace(tmp, path)
     except OSError as e:
         try:
@@ -73,8 +83,7 @@ def _save(fig, path: Path) -> None:
         except OSError:
             pass
         why = (e.strerror or str(e)) if e.errno else str(e)
-        where = f" ({e.filename})" if e.filename and os.fspath(e.filename) not in (str(path), str(tmp)) else ""
-        raise OutputError(f"cannot write the plot to {path}: {why}{where}") from None
+        raise OutputError(f"cannot write the plot to {path}: {why}") from None
 
 
 def plot_runs(run_dirs: Sequence[Path], out: Union[str, Path], smooth: int = 1) -> Path:
@@ -92,7 +101,11 @@ def plot_runs(run_dirs: Sequence[Path], out: Union[str, Path], smooth: int = 1) 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     out = plot_path(out, FigureCanvasAgg.get_supported_filetypes())
-    runs = [(Path(d), _metrics(Path(d))) for d in run_dirs]
+    runs = [(Path(d), _metrics(Path(d))) for d in run_dirs]  # first: a missing run is named, not created
+    try:
+        claim_plot_path(out)
+    except OutputError as e:
+        raise OutputError(f"cannot write the plot to {out}: {e}") from None
     rl = any("reward_mean" in r for _, rows in runs for r in rows)  # else all are SFT runs (or have no rows)
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (title, keys) in zip(axes.flat, PANELS if rl else SFT_PANELS):

@@ -145,13 +145,21 @@ def validation_problems(e: ValidationError, key: str, name: str) -> list[str]:
         if loc and loc[0] == name:
             loc = loc[1:]
         where = ".".join([key, *loc])
-        got = f" (got {err['input']!r})" if not isinstance(err.get("input"), (dict, type(None))) else ""
+        ctx = err.get("ctx") or {}
+        if err["type"] in ("union_tag_invalid", "union_tag_not_found"):  # pydantic names its discriminator callable
+            tag = ctx.get("tag")
+            out.append(f"{where}: " + (f"unknown kind {tag!r}; " if tag is not None else "no kind given; ")
+                       + f"expected one of: {ctx.get('expected_tags')}")
+            continue
+        shown = repr(err.get("input"))
+        got = (f" (got {shown})" if not isinstance(err.get("input"), (dict, type(None))) and shown not in err["msg"]
+               else "")
         out.append(f"{where}: {err['msg']}{got}")
     return out
 
 
 # the tags pydantic adds to an error's location inside a chosen section (rollout.engine.vllm.dtype)
-_TAGS = {"hf", "vllm", "other", "local", "remote", "function-after", "function-before", "function-plain"}
+_TAGS = {"hf", "vllm", "vllm_server", "other", "local", "remote", "function-after", "function-before", "function-plain"}
 
 __all__ = ["Section", "ValidationError", "annotation", "as_dict", "default", "doc", "field_for_key", "is_section",
            "key_name", "keys_of", "kind_of", "optional", "replace", "validation_problems", "variants"]

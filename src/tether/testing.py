@@ -180,7 +180,7 @@ class ScriptedEngine:
                     toks[-1] = eos
                 row_group.append(g)
                 results.append((toks, reason, self.tokenizer.decode(toks, skip_special_tokens=True)))
-        return self._hf._assemble([list(map(int, p)) for p in prompts], row_group, results)
+        return self._hf.assemble([list(map(int, p)) for p in prompts], row_group, results)
 
 
 def register_scripted_engine(name: str = "scripted") -> None:

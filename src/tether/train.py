@@ -35,34 +35,34 @@ from typing import Optional
 import torch
 
 from . import distributed as dist
+from . import models  # models.load_model: an attribute read at call time (tests patch it)
 from .agents import env_correct, reward_parts
 from .agents.build import RolloutPlan
 from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, overlong_penalty, zero_variance_groups
 from .algo.correction import lr_scale
 from .anchor import make_anchor
-from .rundir.checkpoint import checkpoints, load_checkpoint, save_checkpoint
-from .config import Config, apply_async_correction, evaluating
-from .sections import replace
-from .config.recipes import describe
-from .errors import ConfigError, GenerationError
-from .logprobs import response_stats
-from .memory import malloc_trim
-from .metrics import UpdateStats, peak_memory_mb
-from . import models  # models.load_model: an attribute read at call time (tests patch it)
-from .optim import make_adamw, optimizer_step, skipped_update_line
-from .passes import Passes, StepBatch, exact_kl_sample, forwarded_positions, head_inputs, idle_backward, micro_batches
-from .rollout import RolloutBatch, SamplingParams
-from .asynchronous.channel import worker_key
 from .asynchronous.feed import RolloutFeed, rank_groups
 from .asynchronous.partial import token_metrics
 from .asynchronous.weights import WeightSyncError
 from .asynchronous.workers import WorkerError
-from .report import HeldOut, RewardErrorLog, rollout_metrics, sample_rows
-from .loop import run_guarded, run_steps
+from .config import Config, apply_async_correction, evaluating
+from .config.recipes import describe
 from .config.saved import resume_config
+from .errors import ConfigError, GenerationError
+from .logprobs import response_stats
+from .loop import run_guarded, run_steps
+from .memory import malloc_trim
+from .metrics import UpdateStats, peak_memory_mb
+from .optim import make_adamw, optimizer_step, skipped_update_line
+from .passes import Passes, StepBatch, exact_kl_sample, forwarded_positions, head_inputs, idle_backward, micro_batches
+from .report import HeldOut, RewardErrorLog, rollout_metrics, sample_rows
+from .rollout import RolloutBatch, SamplingParams
+from .rollout.servers import ServerError
+from .rundir.checkpoint import checkpoints, load_checkpoint, save_checkpoint
 from .rundir.guard import RunDirectory
-from .schedule import LRSchedule
 from .rundir.stop import resume_hint
+from .schedule import LRSchedule
+from .sections import replace
 from .tasks import Example
 from .tasks.stream import prompt_stream, training_reward
 
@@ -70,8 +70,8 @@ from .tasks.stream import prompt_stream, training_reward
 class StepProbes:
     """The trainer's public hook for observing a step: ``Trainer.probes``. ``phase(name)`` is a context manager
     around each phase of `Trainer.train_step` (rollout, sampler pass, anchor pass, update), ``optimizer_step()`` one
-    around each optimizer step. This one observes nothing; `tether.memory.StepMemory` puts its own on the trainer for
-    one step (the memory of each phase, the gradients before the step and the optimizer state after it)."""
+    around each optimizer step. This one observes nothing; `StepMemory` (bench/_memory.py) puts its own on the trainer
+    for one step (the memory of each phase, the gradients before the step and the optimizer state after it)."""
 
     def phase(self, name: str):
         return contextlib.nullcontext()
@@ -102,8 +102,6 @@ class Trainer:
         random.seed(t.seed)
         torch.manual_seed(t.seed)
         # the cheap checks, before the (slow) model load and before a run directory is made
-        if t.async_ is not None and t.async_.transport.kind == "remote":  # a missing or weak key
-            worker_key(t.async_.transport.key_env)
         plan = RolloutPlan(cfg)  # the agent and its tools, e.g. the search environment's retriever: corpus checked
         self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row
         self.score_rewards = training_reward(cfg, self.data, plan.env_reward)  # a bad reward spec fails here, too
@@ -118,7 +116,10 @@ class Trainer:
         model = dist.shard_model(model)  # FSDP2 under torchrun (before the engine, the optimizer and the anchor see it)
         self.model, self.tokenizer = model, tokenizer
         self.device = next(model.parameters()).device
-        parts = plan.assemble(model, tokenizer, engine_cfg=self._engine_config())  # the engine, and the agent on it
+        engine_cfg = self._engine_config()
+        served = engine_cfg.engine.kind == "vllm_server"  # the servers' logs in RUN/servers/, their seed the run's
+        parts = plan.assemble(model, tokenizer, engine_cfg=engine_cfg,  # the engine, and the agent on it
+                              engine_options=dict(log_dir=self.run_dir / "servers", seed=t.seed) if served else None)
         self.engine, self.agent = parts.engine, parts.agent
         prompts = getattr(self.agent, "prompts", None)  # the agent's PromptEncoder (tether.tasks.prompts)
         if prompts is not None and self.data.examples is not None:  # an overlong row fails now, not at its step
@@ -144,19 +145,22 @@ class Trainer:
         self._share_grad = t.share_prompt and not dist.enabled()
         self._fwd = dict(temperature=cfg.rollout.temperature, chunk_size=t.logprob_chunk)  # as every pass runs
         self._trim = malloc_trim if t.malloc_trim else (lambda: False)  # after the rollout and the update
-        self.probes = StepProbes()  # observers of each step's phases (tether.memory.StepMemory)
+        self.probes = StepProbes()  # observers of each step's phases (bench/_memory.py's StepMemory)
         self.feed: Optional[RolloutFeed] = None  # train.async: jobs to the rollout workers, batches back
+        self._sync_error: Optional[ServerError] = None  # the servers failed to take the weights (raised next step)
         if t.max_staleness > 0:  # last in __init__: nothing after the workers start can fail
             self.feed = RolloutFeed(cfg, model, self.data.take, lambda: self.data.position,
-                                    lambda job: self._sampling(0, step=job), self.step, self.log, tokenizer)
+                                    lambda job: self._sampling(0, step=job), self.step, self.log, tokenizer,
+                                    served=(self.engine, lambda: plan.agent(self.engine, tokenizer)) if served
+                                    else None)
 
     def _engine_config(self):
         """rollout.* for the trainer's own engine. With K >= 1 the workers sample; the trainer's engine only serves
         the held-out evaluation (and its agent encodes prompts), so a run that does not evaluate gives the trainer
         the hf engine on its own model, not a second vLLM copy of the weights reloaded every step."""
         r = self.cfg.rollout
-        if self.cfg.train.max_staleness > 0 and r.engine.kind != "hf" and not evaluating(self.cfg):
-            return replace(r, engine="hf")
+        if self.cfg.train.max_staleness > 0 and r.engine.kind not in ("hf", "vllm_server") and not evaluating(self.cfg):
+            return replace(r, engine="hf")  # (a served engine is the one the jobs drive: the trainer holds it)
         return r
 
     # ------------------------------------------------------------ rollout and rewards
@@ -323,6 +327,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One trainer step; returns its metrics row."""
+        self._raise_sync_error()  # the servers failed to take the last step's weights
         t0, probe = time.perf_counter(), self.probes.phase
         try:
             with probe("rollout"):
@@ -347,9 +352,7 @@ class Trainer:
         if self.anchor is not None:
             moved = self.anchor.update(self.model, self.step, token_kl=upd.get("kl"))
         t5 = time.perf_counter()
-        self.engine.sync_weights(self.model)  # a copy's engine (vLLM) reloads its weights here
-        if self.feed is not None:
-            self.feed.push(self.model, self.step)  # the rollout workers' next jobs sample with this version
+        self._sync_weights()
         m.update(upd, time_sync_s=time.perf_counter() - t5)
         if exact is not None:
             m["exact_kl_sample"] = exact
@@ -360,6 +363,22 @@ class Trainer:
                  **peak_memory_mb())
         self._last_batch = b
         return m
+
+    def _sync_weights(self) -> None:
+        """The new weights to the engine's copy (vLLM, vLLM servers) and the rollout workers. A served engine that
+        fails here is raised at the next step (`_raise_sync_error`): this step's update is done, so its row and
+        checkpoint are written first and ``--resume`` continues after it."""
+        try:
+            if self.feed is None or self.feed.served is None:
+                self.engine.sync_weights(self.model)  # a copy's engine gets the new weights here
+            if self.feed is not None:
+                self.feed.push(self.model, self.step)  # the next jobs sample with this version (served: in flight)
+        except ServerError as e:
+            self._sync_error = e
+
+    def _raise_sync_error(self) -> None:
+        if self._sync_error is not None:
+            raise self._sync_error
 
     def _exact_kl(self, b: StepBatch) -> Optional[float]:
         """The exact-KL diagnostic on the first ``run.exact_kl_samples`` responses (None when off)."""
@@ -386,15 +405,20 @@ class Trainer:
         self.reward_errors.count = st["reward_errors"]
         if "schedule" in st:  # absent in checkpoints written before it was saved: those keep the config's schedule
             self.schedule.continue_from(st["schedule"], self.step, self.run_dir)
-        self.engine.sync_weights(self.model)
+        if self.feed is None or self.feed.served is None:
+            self.engine.sync_weights(self.model)
         if self.feed is not None:  # restored before the first job: nothing is in flight
             self.feed.restore(st.get("async_", {}), self.step, self.data.position)
             self.feed.push(self.model, self.step)
 
     def close(self) -> None:
-        """Stop the rollout workers (K >= 1); ``run()`` calls it however it ends."""
+        """Stop the rollout workers (K >= 1) and the servers tether launched (rollout.engine.kind=vllm_server);
+        ``run()`` calls it however it ends."""
         if self.feed is not None:
             self.feed.close()
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     def run(self, resume: bool = False) -> Path:
         """Train until ``train.steps`` (`tether.loop.run_steps`); checkpoints every ``run.save_every`` steps and at
@@ -408,7 +432,8 @@ class Trainer:
         try:
             self.stopped_by = run_steps(self, self.cfg.train.steps, resume, title=f"tether {self.cfg.recipe}",
                                         main=dist.is_main(), final_checkpoint=self.cfg.run.final_checkpoint)
-        except (WorkerError, WeightSyncError) as e:  # K >= 1: the last completed step is checkpointed, then the error
+            self._raise_sync_error()  # after the last step: its row and checkpoint are written
+        except (WorkerError, WeightSyncError, ServerError) as e:  # the last completed step checkpointed, then the error
             raise self._checkpointed(e) from e
         finally:
             self.close()  # the rollout workers end with the run: normally, on an error or a stop signal
@@ -424,7 +449,7 @@ class Trainer:
 
     def evaluate_step(self) -> dict:
         """The held-out sets after this step when due (eval.every, eval.after), else {}."""
-        due = self.held_out.due(self.step)
+        due = self.held_out.due(self.step) and self._sync_error is None  # (not on servers that missed the weights)
         return self.held_out.evaluate(self.model, self.agent, self.engine, self.anchor) if due else {}
 
     def sample_rows(self) -> list:

@@ -48,7 +48,6 @@ from .kl import KL_ESTIMATORS, RPG_ESTIMATORS, KLInputs, KLOptions, rpg_advantag
 from .registry import Registry
 from .trust_region import REGIONS, RegionOut
 
-
 # A surrogate maps (logp, adv, region) -> per-token policy loss [B, T]; both forms read rho = pi/pi_old
 # through the region, so off-policy they need the sampler's log-probs.
 SurrogateFn = Callable[[Tensor, Tensor, RegionOut], Tensor]

@@ -11,7 +11,7 @@ One module per concern; every name is importable from ``tether.config``:
     schema.py      the sections (pydantic models) and the held-out sets of eval.benchmarks=auto
     agent.py       rollout.agent (single_turn | multi_turn with its env section; search is env.name=search)
     engine.py      rollout.engine (hf | vllm)
-    train_async.py train.async (none | max_staleness, workers, transport)
+    train_async.py train.async (none | max_staleness, workers, ...)
     presets.py     trainer settings a recipe brings (RECIPE_TRAINER_DEFAULTS), task presets (--task)
     yaml_io.py     reading a YAML config (trees only: no duplicate key, no recursive alias); save_config
     overrides.py   dotted keys: key=value parsing, type coercion, setting, flattening
@@ -37,15 +37,17 @@ from .schema import (DEFAULT_RECIPE, HELD_OUT, Config, DataConfig, EvalConfig, R
                      TrainConfig, eval_benchmarks, evaluating, to_dict)
 from .agent import (AgentConfig, EnvConfig, MultiTurnAgentConfig, OtherAgentConfig, RetrieverConfig,
                     SingleTurnAgentConfig, env_name, env_of)
-from .engine import VLLM_DTYPES, EngineConfig, HFEngineConfig, OtherEngineConfig, VLLMEngineConfig
-from .train_async import AsyncConfig, LocalTransport, RemoteTransport
+from .engine import (VLLM_DTYPES, EngineConfig, HFEngineConfig, OtherEngineConfig, VLLMEngineConfig,
+                     VLLMServerEngineConfig)
+from .train_async import AsyncConfig
 from .validate import check, check_device
 from .validate_train import apply_async_correction
 from .yaml_io import read_yaml_mapping, save_config
 
 __all__ = [
-    "DEFAULT_RECIPE", "HELD_OUT", "AsyncConfig", "EngineConfig", "HFEngineConfig", "LocalTransport",
-    "OtherEngineConfig", "RemoteTransport", "VLLMEngineConfig", "RECIPES", "RECIPE_TRAINER_DEFAULTS", "TASK_PRESETS",
+    "DEFAULT_RECIPE", "HELD_OUT", "AsyncConfig", "EngineConfig", "HFEngineConfig",
+    "OtherEngineConfig", "VLLMEngineConfig", "VLLMServerEngineConfig", "RECIPES", "RECIPE_TRAINER_DEFAULTS",
+    "TASK_PRESETS",
     "VLLM_DTYPES", "AlgoConfig",
     "AnchorConfig", "Config", "KLConfig", "describe", "recipe",
     "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "RolloutConfig", "RunConfig", "AgentConfig",

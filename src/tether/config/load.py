@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .recipes import RECIPES, recipe
-from ..errors import ConfigError
 from ..algo.registry import unknown_choice
+from ..errors import ConfigError
 from ..sections import replace
 from .overrides import apply_keys, flatten, set_key
 from .presets import RECIPE_TRAINER_DEFAULTS, TASK_PRESETS
+from .recipes import RECIPES, recipe
 from .schema import DEFAULT_RECIPE, Config
 from .validate import check
 from .validate_train import apply_async_correction

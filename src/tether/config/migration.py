@@ -21,8 +21,6 @@ MOVED: dict[str, str] = {
     "train.verify_logp_tol": "train.async.verify_logp_tol",
     "train.partial_rollout_tokens": "train.async.partial_rollout_tokens",
     "train.worker_restarts": "train.async.worker_restarts",
-    "train.worker_address": "train.async.transport.address",
-    "train.worker_timeout_s": "train.async.transport.timeout_s",
     **{f"env.{k}": f"rollout.agent.env.{k}" for k in ("name", "max_turns", "max_obs_tokens", "max_context",
                                                       "observation_format", "observation_role")},
     "search.retriever": "rollout.agent.env.retriever.kind",
@@ -37,7 +35,6 @@ MOVED: dict[str, str] = {
 _NOTES = {
     "rollout.engine.": " (with rollout.engine.kind={kind}: rollout.engine: {{kind: {kind}, {key}: ...}})",
     "train.async.max_staleness": " (train.async=K is short for it; train.async=none is the synchronous loop)",
-    "train.async.transport.": " (with train.async.transport.kind=remote)",
     "rollout.agent.env.max_turns": "{searches}",
     "rollout.agent.env.retriever.": " (the search environment: rollout.agent.kind=multi_turn, "
                                     "rollout.agent.env.name=search)",
@@ -45,8 +42,27 @@ _NOTES = {
 }
 
 
+#: keys of a retired feature -> what replaced it (an old config gets one line saying so)
+RETIRED_PREFIXES = ("train.async.transport", "train.worker_address", "train.worker_timeout_s")
+RETIRED_NOTE = ("the remote transport (`tether worker` processes over tether's own TCP protocol) was retired: serve "
+                "rollouts on other nodes with vLLM's server instead, rollout.engine.kind=vllm_server with "
+                "rollout.engine.urls=[http://HOST:PORT, ...] (weights through vLLM's weight-transfer protocol; "
+                "docs/async.md, 'Served rollouts'); local rollout workers need no key")
+
+
+def retired_key(key: str) -> str | None:
+    """The error for a key of a retired feature, naming what replaced it; None for any other key."""
+    if any(key == p or key.startswith(p + ".") for p in RETIRED_PREFIXES):
+        return f"config key {key!r}: {RETIRED_NOTE}"
+    return None
+
+
 def moved_key(key: str) -> str | None:
-    """The error for a key of the earlier flat layout, naming its new place; None for any other key."""
+    """The error for a key of the earlier flat layout, naming its new place (or what replaced a retired feature);
+    None for any other key."""
+    retired = retired_key(key)
+    if retired:
+        return retired
     new = MOVED.get(key)
     if new is None:
         return None
@@ -66,17 +82,19 @@ def migrate_saved(flat: dict[str, Any]) -> dict[str, Any]:
     """Dotted keys (a saved run's flattened config, or a sweep's recorded overrides) in the nested layout: the
     old keys renamed, their sections chosen. An old ``rollout.engine: vllm`` with its ``vllm_*`` keys becomes
     ``rollout.engine: {kind: vllm, ...}`` (the other kind's keys, at their defaults in a saved run, are
-    dropped); ``train.max_staleness: 0`` drops the async keys and is ``train.async: none``; a non-empty
-    ``train.worker_address`` chooses the remote transport. The old agents: ``multi_turn`` keeps its ``env.*``
-    keys under ``rollout.agent.env``; ``search`` becomes ``multi_turn`` with ``env.name=search``, its ``search.*``
-    keys in that env and its retriever section (``max_searches`` M as ``max_turns`` M + 1); the sections an old
-    agent did not read (at their defaults in a saved run) are dropped. Keys of the new layout pass unchanged."""
+    dropped); ``train.max_staleness: 0`` drops the async keys and is ``train.async: none``; the retired
+    transport's keys go when they chose the local workers (the default, the only workers left), and a saved run
+    that used the remote transport is a ConfigError saying what replaced it. The old agents: ``multi_turn`` keeps
+    its ``env.*`` keys under ``rollout.agent.env``; ``search`` becomes ``multi_turn`` with ``env.name=search``, its
+    ``search.*`` keys in that env and its retriever section (``max_searches`` M as ``max_turns`` M + 1); the
+    sections an old agent did not read (at their defaults in a saved run) are dropped. Keys of the new layout pass
+    unchanged."""
+    flat = _without_local_transport(flat)
     if not any(k in MOVED for k in flat) and flat.get("rollout.agent") != "search":
         return dict(flat)
     out: dict[str, Any] = {}
     engine = flat.get("rollout.engine")
     staleness = flat.get("train.max_staleness")
-    remote = bool(flat.get("train.worker_address"))
     agent = flat.get("rollout.agent")
     for k, v in flat.items():
         if k == "rollout.engine" and isinstance(v, str):
@@ -95,12 +113,22 @@ def migrate_saved(flat: dict[str, Any]) -> dict[str, Any]:
             if agent is None or agent == ("search" if k.startswith("search.") else "multi_turn"):
                 out[new] = v + 1 if k == "search.max_searches" else v
         elif staleness is None or staleness >= 1:
-            if remote or not new.startswith("train.async.transport."):
-                out[new] = v
+            out[new] = v
     if agent == "search":
         out["rollout.agent.env.name"] = "search"
-    if remote and (staleness is None or staleness >= 1):
-        out["train.async.transport.kind"] = "remote"
     if staleness is not None and staleness < 1:
         out["train.async"] = None
     return out
+
+
+def _without_local_transport(flat: dict[str, Any]) -> dict[str, Any]:
+    """A saved config's ``train.async.transport`` keys (and the old flat ``train.worker_*``) dropped when they chose
+    the local workers, what every run without the retired remote transport did; a run that used the remote transport
+    is a ConfigError naming what replaced it."""
+    from ..errors import ConfigError
+
+    retired = [k for k in flat if retired_key(k)]
+    if (flat.get("train.async.transport.kind") == "remote" or flat.get("train.async.transport") == "remote"
+            or flat.get("train.worker_address")):
+        raise ConfigError(f"this run used the remote transport: {RETIRED_NOTE}")
+    return {k: v for k, v in flat.items() if k not in retired}

@@ -11,11 +11,19 @@ import types
 import typing
 from typing import Any
 
-import yaml
-
 from ..errors import ConfigError
-from ..sections import (ValidationError, annotation, field_for_key, key_name, keys_of, kind_of, optional,
-                        validation_problems, variants)
+from ..sections import (
+    ValidationError,
+    annotation,
+    field_for_key,
+    key_name,
+    keys_of,
+    kind_of,
+    optional,
+    validation_problems,
+    variants,
+)
+from ..userio import loads_yaml
 from .migration import moved_key
 
 
@@ -202,12 +210,7 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def yaml_value(key: str, text: str) -> Any:
-    """An override's value parsed as YAML; text that is not YAML (``[`` alone) or is nested too deeply for the
-    parser is a ConfigError naming the key, not a traceback."""
-    try:
-        return yaml.safe_load(text)
-    except RecursionError:
-        raise ConfigError(f"{key}: the value is nested too deeply for the YAML parser") from None
-    except yaml.YAMLError as e:
-        what = " ".join(str(getattr(e, "problem", None) or e).split())
-        raise ConfigError(f"{key}={text[:60]}: not a valid YAML value: {what}") from None
+    """An override's value parsed as YAML (`tether.userio.loads_yaml`): text that is not YAML (``[`` alone), nested
+    too deeply for the parser, or with a key written twice in one mapping (``{size: 1, size: 2}``) is a ConfigError
+    naming the key, not a traceback or a silently dropped value."""
+    return loads_yaml(text, key, ConfigError)

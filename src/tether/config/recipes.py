@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import copy
 import math
+
 from pydantic import Field
 
-from ..sections import Section, default
-
 from ..algo.advantages import ADVANTAGES
-from ..algo.anchors import ANCHOR_KINDS
 from ..algo.aggregation import AGGREGATIONS
+from ..algo.anchors import ANCHOR_KINDS
 from ..algo.correction import KL_REJECT, check_correction
 from ..algo.kl import EXACT_ESTIMATORS, KL_ESTIMATORS, RPG_ESTIMATORS, TOPK_ESTIMATORS
 from ..algo.objectives import SURROGATES
 from ..algo.registry import unknown_choice
-from ..errors import ConfigError
 from ..algo.trust_region import REGIONS, REINFORCE_ONLY_REGIONS, RegionConfig, kl3_bounds
+from ..errors import ConfigError
+from ..sections import Section, default
 
 ANCHORS = ("none", *ANCHOR_KINDS.names())  # "none": no anchor and no KL term; the kinds: tether.algo.anchors
 PLACEMENTS = ("loss", "reward", "advantage")

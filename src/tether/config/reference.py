@@ -14,11 +14,12 @@ from pydantic_core import PydanticUndefined
 
 from ..agents import AGENTS
 from ..algo.anchors import ANCHOR_KINDS
-from ..rollout import ENGINES
 from ..envs import ENVS
+from ..rollout import ENGINES
 from ..search.retrievers import RETRIEVERS
 from ..sections import annotation, doc, key_name, keys_of, kind_of, variants
-from ..sections import default as field_default, optional as is_optional  # this module has its own default / optional
+from ..sections import default as field_default  # this module has its own default / optional
+from ..sections import optional as is_optional
 from ..tasks.registry import TASKS
 from ..tasks.rewards import REWARDS
 from .migration import MOVED

@@ -10,14 +10,13 @@ from typing import Any, Optional
 
 from pydantic import Field, field_validator
 
+from ..models import ModelConfig
 from ..sections import Section, as_dict
+from ..tasks.registry import TASKS, held_out_benchmark
 from .agent import AgentConfig, SingleTurnAgentConfig, agent_shorthand
 from .engine import EngineConfig, HFEngineConfig, engine_shorthand
-from .train_async import AsyncConfig, async_shorthand
-
 from .recipes import AlgoConfig, recipe
-from ..models import ModelConfig
-from ..tasks.registry import TASKS, held_out_benchmark
+from .train_async import AsyncConfig, async_shorthand
 
 DEFAULT_RECIPE = "ema_pg"
 
@@ -70,7 +69,8 @@ class RolloutConfig(Section):
     engine: EngineConfig = Field(default_factory=lambda: HFEngineConfig())
     """the sampling engine, a section chosen by its kind: hf (transformers generate on the training model)
     | vllm (an in-process vLLM engine: its own venv, scripts/setup.sh --vllm; it reports log-probs for
-    algo.tis_cap) | another engine of tether.rollout.ENGINES. `rollout.engine=vllm` is short for
+    algo.tis_cap) | vllm_server (vLLM servers, launched by tether or yours, weights through vLLM's weight-transfer
+    protocol) | another engine of tether.rollout.ENGINES. `rollout.engine=vllm` is short for
     `rollout.engine.kind=vllm`; each kind's own keys are in its table below"""
 
     @field_validator("engine", mode="before")

@@ -9,14 +9,14 @@ LoRA mean the same in both; the optimizer keys mean what ``train.*`` means for `
 from __future__ import annotations
 
 import math
-from pydantic import Field
-
-from ..sections import Section
 from pathlib import Path
 from typing import Any, Optional
 
+from pydantic import Field
+
 from ..algo.registry import unknown_choice
 from ..models import ModelConfig
+from ..sections import Section
 from .overrides import apply_keys, flatten
 from .reference import keys, section_tables
 from .schema import OutputsConfig

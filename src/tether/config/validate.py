@@ -12,19 +12,22 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..algo.objectives import uses_sampler_logp
-from .recipes import validate
-from ..errors import ConfigError
 from ..agents import AGENTS
+from ..algo.objectives import uses_sampler_logp
 from ..algo.registry import is_spec, unknown_choice
 from ..anchor import ANCHOR_KINDS
 from ..envs import ENVS
-from ..envs.verifiers import OPTIONS as VERIFIERS_OPTIONS, PREFIX as VERIFIERS_PREFIX, TOOL_FORMATS
+from ..envs.verifiers import OPTIONS as VERIFIERS_OPTIONS
+from ..envs.verifiers import PREFIX as VERIFIERS_PREFIX
+from ..envs.verifiers import TOOL_FORMATS, is_task_api
+from ..errors import ConfigError
 from ..models import DTYPES, ModelConfig
 from ..rollout import ENGINES, engine_reports_logp, worker_records_logp
 from ..search.retrievers import RETRIEVERS
 from ..tasks.registry import TASKS, task_name
 from ..tasks.rewards import REWARDS
+from .agent import RetrieverConfig, env_of
+from .recipes import validate
 from .schema import (
     HELD_OUT,
     Config,
@@ -34,7 +37,6 @@ from .schema import (
     RunConfig,
     eval_benchmarks,
 )
-from .agent import RetrieverConfig, env_of
 from .validate_train import check_train
 
 
@@ -155,6 +157,10 @@ def _check_verifiers(e, p: str, cfg: Config) -> list[str]:
         errs.append(f"{p}.name={e.name}: its messages are chat turns: set {p}.observation_format=chat")
     if e.observation_role != "tool":
         errs.append(f"{p}.observation_role has no effect with {p}.name={e.name} (its messages carry their roles)")
+    if is_task_api():  # verifiers 0.4: its own options, checked where the environment is built (envs/verifiers_v1.py)
+        if cfg.data.system_prompt:
+            errs.append(f"data.system_prompt has no effect with {p}.name={e.name} (its tasks carry their own)")
+        return errs
     bad = sorted(set(e.options) - set(VERIFIERS_OPTIONS))
     if bad:
         errs.append(f"{p}.options of {e.name}: unknown key(s) {bad} (known: {', '.join(VERIFIERS_OPTIONS)}; "
@@ -418,13 +424,15 @@ def _check_engine(cfg: Config) -> list[str]:
 
     r, errs = cfg.rollout, []
     kind = r.engine.kind
-    if kind == "vllm":
+    if kind == "vllm_server":
+        errs.extend(r.engine.problems())
+    if kind in ("vllm", "vllm_server"):
         if importlib.util.find_spec("vllm") is None:
-            errs.append("rollout.engine.kind=vllm needs vLLM, which lives in its own environment: run "
+            errs.append(f"rollout.engine.kind={kind} needs vLLM, which lives in its own environment: run "
                         "`bash scripts/setup.sh --vllm` and use .venv-vllm/bin/tether")
         if cfg.model.trust_remote_code:
-            errs.append("model.trust_remote_code=true with rollout.engine.kind=vllm: vLLM samples from a snapshot of "
-                        "the weights with its own implementation of the architecture, not the model's custom code; "
+            errs.append(f"model.trust_remote_code=true with rollout.engine.kind={kind}: vLLM samples from a snapshot "
+                        "of the weights with its own implementation of the architecture, not the model's custom code; "
                         "use rollout.engine.kind=hf")
     if uses_sampler_logp(cfg.algo) and kind in ENGINES:
         if cfg.train.max_staleness == 0 and not engine_reports_logp(kind):

@@ -1,17 +1,17 @@
 """Validation of the train.* section (part of ``tether.config.validate.check``): sizes and micro-batches, an
 iterative anchor that would be exactly on-policy, the ESS-scaled step (``train.lr_scale``), and asynchronous
 training (``train.async.max_staleness`` and the options of the rollout workers, `tether.asynchronous.workers`: their
-number, stale batches, verified sync, remote workers, partial rollouts). A key that has no effect under the
-resolved settings is a problem too.
+number, stale batches, verified sync, partial rollouts; the served engine's asynchronous mode). A key that has no
+effect under the resolved settings is a problem too.
 """
 
 from __future__ import annotations
 
 from ..algo.correction import LR_SCALES
-from .recipes import AlgoConfig
 from ..algo.registry import unknown_choice
 from ..rollout import ENGINES, engine_reports_logp, worker_records_logp
 from ..sections import default
+from .recipes import AlgoConfig
 from .schema import Config, TrainConfig
 
 
@@ -68,9 +68,13 @@ def _check_async(cfg: Config) -> list[str]:
     r, a, errs = cfg.rollout, cfg.train.async_, []
     if a is None:
         return []
-    if a.transport.kind == "remote" and not a.transport.address:
-        errs.append("train.async.transport.kind=remote needs train.async.transport.address (HOST:PORT the trainer "
-                    "listens on for its `tether worker` processes)")
+    if r.engine.kind == "vllm_server":  # the servers generate: the local workers' own keys have no effect
+        local = [k for k in ("verify_sync", "verify_logp_tol", "partial_rollout_tokens", "worker_restarts")
+                 if getattr(a, k) != default(type(a), k)]
+        if local:
+            errs.append(f"train.async.{local[0]} applies to local rollout workers, and rollout.engine.kind=vllm_server "
+                        f"runs none: its servers are verified after every update (rollout.engine.verify_logp_tol), "
+                        f"updated in flight (partial rollouts, each token's version recorded), and not restarted")
     if a.verify_logp_tol != default(type(a), "verify_logp_tol") and not (a.verify_sync and r.engine.kind == "vllm"):
         errs.append("train.async.verify_logp_tol only applies with train.async.verify_sync=true and "
                     "rollout.engine.kind=vllm (the vLLM workers' probe)")

@@ -14,8 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-import yaml
-
 from ..agents import AGENTS
 from ..agents.build import RolloutPlan
 from ..config import Config, load_config
@@ -23,9 +21,10 @@ from ..errors import EvalError
 from ..search.data import load_search_examples
 from ..search.protocol import OBSERVATION_FORMATS as PASSAGE_FORMATS
 from ..search.retrievers import RETRIEVERS
-from ..tasks.benchmarks import Benchmark, load_benchmarks, slug
 from ..sections import as_dict
+from ..tasks.benchmarks import Benchmark, load_benchmarks, slug
 from ..tasks.rewards import load_reward
+from ..userio import loads_yaml
 from .model import resolve_eval_spec
 
 __all__ = ["add_agent_arguments", "agent_setup", "format_search_table", "search_setup", "env_setup"]
@@ -163,10 +162,7 @@ def _options(text: Optional[str]) -> Optional[dict]:
     """--env-options: a YAML / JSON mapping (None when not given)."""
     if text in (None, ""):
         return None
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise EvalError(f"--env-options is not YAML / JSON: {e}") from None
+    value = loads_yaml(text, "--env-options", EvalError)
     if not isinstance(value, dict):
         raise EvalError(f"--env-options must be a mapping (the environment's options), got {text!r}")
     return value

@@ -18,13 +18,14 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .. import __version__
 from ..agents.build import RolloutPlan
-from ..config import check_device
-from ..errors import EvalError, OutputError
+from ..config import apply_keys, check, check_device
+from ..errors import ConfigError, EvalError, OutputError
 from ..metrics import json_safe, write_json_atomic, write_text_atomic
 from ..models import DTYPES
 from ..rundir.owned import MARKER, check_replaceable, write_marker
 from ..rundir.stop import GracefulStop, Interrupted, exit_code
 from ..tasks.rewards import REWARDS
+from ..userio import loads_yaml
 from .agents import add_agent_arguments, agent_setup, format_search_table
 from .metrics import default_ks
 from .model import EvalModelSpec, check_run_anchor, load_eval_model, resolve_eval_spec
@@ -96,6 +97,10 @@ def add_eval_parser(sub) -> None:
                    "(never a run directory, an export or a directory of yours)")
     e.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
     e.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default cpu)")
+    e.add_argument("--engine", default=None, metavar="YAML",
+                   help="the engine that samples (rollout.engine, a kind or a YAML mapping; default hf, transformers "
+                   "generate), e.g. '{kind: vllm_server, launch: 1}' (vLLM servers; docs/async.md) or vllm; needs "
+                   "the vLLM environment for the vLLM kinds")
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     add_agent_arguments(e)
     e.set_defaults(fn=run_eval_cli)
@@ -164,6 +169,19 @@ def _evaluate_bench(b, agent, out: Path, report: dict, table: dict, stopper, *, 
     return res.stopped
 
 
+def engine_setup(args, cfg) -> None:
+    """``--engine``: ``rollout.engine`` of the evaluation's config, set and checked as ``tether train`` checks it
+    (before the model loads)."""
+    if not getattr(args, "engine", None):
+        return
+    value = loads_yaml(args.engine, "--engine", EvalError)
+    try:
+        apply_keys(cfg, {"rollout.engine": value}, "--engine")
+        check(cfg)
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
+
+
 def _eval_settings(args) -> EvalSettings:
     """The sampling settings of the command line, checked (and the other numeric / device options)
     before anything is loaded."""
@@ -198,6 +216,7 @@ def run_eval_cli(args) -> int:
     # model is touched
     search = getattr(args, "agent", "single_turn") == "search"
     benches, plan = agent_setup(args)
+    engine_setup(args, plan.cfg)
     # 2. the model (cheap checks first: run without checkpoint, anchor without tensors)
     info = getattr(args, "eval_spec", None) or resolve_eval_spec(args.model)  # --agent multi_turn resolved it
     if args.anchor:
@@ -257,14 +276,28 @@ def _finish(table: dict, stopper, out: Path, created: bool, files: Sequence[str]
 
 def _run_benches(args, benches, info, out: Path, stopper, *, search: bool, plan: RolloutPlan,
                  settings: EvalSettings) -> dict:
-    """Load the model, build its engine (transformers, ``--batch-size`` sequences per generate call) and the
+    """Load the model, build its engine (``--engine``, default transformers, ``--batch-size`` sequences per generate
+    call) and the
     agent (``--agent`` with the system prompt and the sections `tether.eval.agents.agent_setup` made of the flags,
     its tools already built) once from ``plan`` (`tether.agents.build.RolloutPlan.assemble`), as training does, then
     evaluate every benchmark until the end or a stop signal. Returns the table (benchmark -> metrics) with the
     model's description under ``"_desc"``."""
     print(f"[tether] loading {args.model!r}{' (anchor)' if args.anchor else ''}", file=sys.stderr)
     model, tok, desc = load_eval_model(info, anchor=args.anchor, dtype=args.dtype, device=args.device)
-    agent = plan.assemble(model, tok, engine_options={"show_progress": False}).agent
+    hf = plan.cfg.rollout.engine.kind == "hf"
+    parts = plan.assemble(model, tok, engine_options={"show_progress": False} if hf else None)
+    try:
+        return _evaluate_all(args, benches, info, out, stopper, search=search, plan=plan, settings=settings,
+                             agent=parts.agent, desc=desc)
+    finally:
+        close = getattr(parts.engine, "close", None)  # the vLLM servers tether launched (--engine vllm_server)
+        if close is not None:
+            close()
+
+
+def _evaluate_all(args, benches, info, out: Path, stopper, *, search: bool, plan: RolloutPlan,
+                  settings: EvalSettings, agent, desc: str) -> dict:
+    """Evaluate every benchmark with ``agent`` (`_run_benches`), writing the report as each one finishes."""
     system_prompt = plan.cfg.data.system_prompt
     print(f"[tether] evaluating {desc}\n[tether] writing to {out}", file=sys.stderr)
     if search:

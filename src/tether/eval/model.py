@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from ..errors import EvalError
 from .. import models  # models.load_model: an attribute read at call time (tests patch it)
+from ..errors import EvalError
 from ..models import ModelConfig, ModelLoadError
-from .run import RunCheckpoint, check_anchor, checkpoint_at, load_run_model
 from ..rundir.reader import RunDir, is_checkpoint_dir, is_run_dir
 from ..tasks.benchmarks import slug
+from .run import RunCheckpoint, check_anchor, checkpoint_at, load_run_model
 
 __all__ = ["EvalModelSpec", "check_run_anchor", "load_eval_model", "resolve_eval_spec"]
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..rundir.checkpoint import copy_named_tensors, load_anchor_tensors, load_policy_weights
+from .. import models  # models.load_model read at call time (tests patch it)
 from ..config.saved import saved_config
 from ..errors import RunError
-from .. import models  # models.load_model read at call time (tests patch it)
 from ..models import ModelLoadError
+from ..rundir.checkpoint import copy_named_tensors, load_anchor_tensors, load_policy_weights
 from ..rundir.reader import RunDir, checkpoint_step
 from ..sections import replace
 

@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from ..agents import env_correct, reward_parts
 from ..errors import EvalError
 from ..rollout import SamplingParams
 from ..tasks.base import Example, RewardFn
-from ..agents import env_correct, reward_parts
 from ..tasks.rewards import call_reward, load_reward
 from .metrics import check_ks, majority_vote, summarize
 

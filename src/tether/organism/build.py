@@ -44,6 +44,8 @@ from typing import Callable, Optional
 
 from ..errors import ModelLoadError
 from ..gguf import default_cache_dir
+from ..procs import die_with_parent
+from ..userio import loads_json
 from .problems import CALC, QUESTION, draw, expression, solution_text, solve
 
 __all__ = ["ORGANISM_MODEL_NAME", "OrganismSpec", "char_tokenizer", "organism_path", "build_organism",
@@ -167,7 +169,7 @@ def _tether(args: list[str], log: Callable[[str], None], progress: Optional[Path
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
     with tempfile.TemporaryFile("w+") as out:
         p = subprocess.Popen([sys.executable, "-m", "tether", *args], stdout=out, stderr=subprocess.STDOUT, text=True,
-                             env=env)
+                             env=env, preexec_fn=die_with_parent())  # a kill -9 of the build ends it too
         while True:
             try:
                 p.wait(timeout=30)
@@ -175,7 +177,10 @@ def _tether(args: list[str], log: Callable[[str], None], progress: Optional[Path
             except subprocess.TimeoutExpired:
                 if progress is not None and progress.is_file():
                     rows = progress.read_text().splitlines()
-                    last = json.loads(rows[-1]) if rows and rows[-1].endswith("}") else {}
+                    try:
+                        last = loads_json(rows[-1]) if rows else {}
+                    except ValueError:  # a row being written
+                        last = {}
                     loss = last.get("loss", float("nan"))
                     log(f"[tether] organism: SFT step {last.get('step', 0)}/{total}, loss {loss:.3f}")
         if p.returncode != 0:
@@ -208,13 +213,66 @@ def _build(spec: OrganismSpec, final: Path, log: Callable[[str], None]) -> None:
             model = run
         _tether(["export", str(model), str(work / "model")], log)
         seconds = time.time() - t0
-        (work / "model" / "organism.json").write_text(json.dumps(
+        (work / "model" / MANIFEST).write_text(json.dumps(
             {"spec": dataclasses.asdict(spec), "key": spec.key(), "build_version": BUILD_VERSION,
-             "build_seconds": round(seconds, 1)}, indent=1) + "\n")
+             "build_seconds": round(seconds, 1), "files": _file_hashes(work / "model")}, indent=1) + "\n")
         os.replace(work / "model", final)
         log(f"[tether] organism built in {seconds:.0f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+MANIFEST = "organism.json"  # written last, with the hash of every other file: a build is complete when it is there
+
+
+def _file_hashes(d: Path) -> dict:
+    """``{name: {"bytes": size, "sha256": hex}}`` of the files in directory ``d`` (what a use verifies)."""
+    out = {}
+    for p in sorted(d.iterdir()):
+        if p.is_file() and p.name != MANIFEST:
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+            out[p.name] = {"bytes": p.stat().st_size, "sha256": h.hexdigest()}
+    return out
+
+
+def verify_cached(final: Path) -> None:
+    """Check a cached organism against the hashes its build recorded; a damaged one is a ModelLoadError saying what
+    to do (a build of before the hashes were recorded, 2026-12-05, is trusted on its manifest alone)."""
+    fix = f"delete the directory (rm -r {final}) and run again: it is rebuilt, once (about 10 minutes)"
+    try:
+        manifest = loads_json((final / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"the cached organism {final} is damaged ({MANIFEST}: {e}); {fix}") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return
+    now = _file_hashes(final)
+    for name, want in files.items():
+        got = now.get(name)
+        if got != want:
+            why = "missing" if got is None else (f"{got['bytes']} bytes, the build wrote {want.get('bytes')}"
+                                                 if got["bytes"] != want.get("bytes") else "its content changed")
+            raise ModelLoadError(f"the cached organism {final} is damaged ({name}: {why}); {fix}")
+
+
+def _clear_the_way(final: Path, log: Callable[[str], None]) -> None:
+    """Under the build lock: remove the temporary directories of builds that died (another live build would hold
+    the lock), and move aside an entry at ``final`` without a manifest (a damaged build, or a directory of
+    something else: kept, renamed ``<name>.damaged-<time>``) so that the finished build can take its place."""
+    for tmp in final.parent.glob(f".{final.name}.tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    if final.exists() or final.is_symlink():
+        aside = final.with_name(f"{final.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+        try:
+            os.replace(final, aside)
+        except OSError as e:
+            raise ModelLoadError(f"{final} exists but is not a complete organism (no {MANIFEST}), and cannot be "
+                                 f"moved aside ({e.strerror or e}): remove it and run again") from None
+        log(f"[tether] {final} was not a complete organism (no {MANIFEST}): moved aside to {aside.name}; building "
+            f"anew")
 
 
 def organism_path(spec: Optional[OrganismSpec] = None, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -231,7 +289,8 @@ def build_organism(spec: Optional[OrganismSpec] = None, cache_dir: str | os.Path
     spec = spec or DEFAULT_SPEC
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     final = organism_path(spec, cache_dir)
-    if (final / "organism.json").is_file():
+    if (final / MANIFEST).is_file():
+        verify_cached(final)
         return final
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -240,6 +299,8 @@ def build_organism(spec: Optional[OrganismSpec] = None, cache_dir: str | os.Path
         raise ModelLoadError(f"cannot build the organism in {final.parent}: {e.strerror or e}") from None
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process building it: wait, then reuse its result
-        if not (final / "organism.json").is_file():
+        if not (final / MANIFEST).is_file():
+            _clear_the_way(final, log)
             _build(spec, final, log)
+    verify_cached(final)
     return final

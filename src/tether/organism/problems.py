@@ -28,7 +28,6 @@ import hashlib
 import random
 from typing import Sequence
 
-
 __all__ = ["TEST_BUCKETS", "RL_DIFFICULTY", "MAX_DIFFICULTY", "MAX_VALUE", "QUESTION", "CALC", "content_split",
            "solve", "expression", "solution_text", "draw"]
 

@@ -46,9 +46,10 @@ from safetensors.torch import load_file, save_file
 
 from .. import distributed as dist
 from ..anchor import Anchor
-from ..errors import RunError, loads_json
+from ..errors import RunError
 from ..metrics import warn, with_path
 from ..metrics import write_text_atomic as _write_text_atomic  # a module name: tests inject failures here
+from ..userio import loads_json
 
 MANIFEST = "manifest.json"
 

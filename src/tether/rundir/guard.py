@@ -48,10 +48,11 @@ from typing import Any, Callable, Optional
 import yaml
 
 from .. import distributed as dist
-from .checkpoint import checkpoints, pid_alive
-from ..errors import ConfigError, EnvError, OutputError, RunError, loads_json
+from ..errors import ConfigError, EnvError, OutputError, RunError
 from ..metrics import warn, write_text_atomic
 from ..sections import as_dict
+from ..userio import loads_json
+from .checkpoint import checkpoints, pid_alive
 from .owned import MARKER, RUN_KINDS, check_replaceable, run_kind, write_marker
 from .reader import RunDir
 from .stop import resume_hint

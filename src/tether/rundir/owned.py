@@ -17,10 +17,10 @@ run directory) -- is refused with one error naming the directory and the entries
 and nothing is deleted. `check_replaceable` is that rule; `tether.rundir.guard`, `tether.export` and
 `tether.eval.cli` call it, and nothing else in tether deletes a user's directory.
 
-An output that is one JSONL file (``tether demos --out``) carries its mark in every row it writes:
-``"tether": "demos"`` (`ROW_MARK`; readers of the rows ignore the key). `check_replaceable_file` is
-the same rule for it: ``--overwrite`` replaces such a file only when every row holds the mark, so a
-file of yours, or tether's file with rows of yours appended, is refused.
+An output that is one file (``tether demos --out``, ``tether sweep report --out``, ``tether plot --out``)
+carries its mark inside it, and `tether.userio.claim_output_file` is the same rule for it: such a file is
+replaced only when it holds the mark, so a file of yours, or tether's file with rows of yours appended, is
+refused.
 
 `is_run_dir` and `is_checkpoint_dir` tell a run directory (of either kind) and one of its
 checkpoints from a model directory by their files, without reading them.
@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from .. import __version__
-from ..errors import OutputError, loads_json
+from ..errors import OutputError
+from ..userio import loads_json
 
 MARKER = ".tether.json"
 KINDS = ("run", "sft", "export", "eval")
@@ -48,7 +49,7 @@ RUN_KINDS = {"run": "tether train", "sft": "tether sft"}
 #: What a training run writes at the top of its directory (patterns). Temporary names of atomic
 #: writes and the moved-aside previous run of an ``--overwrite`` in progress are included.
 RUN_NAMES = ("config.yaml", "metrics.jsonl", "samples.jsonl", "checkpoints", "curves.png", "reward_errors.log",
-             "tensorboard", "wandb", ".lock", MARKER, "*.tmp-*", ".tether-replaced-*")
+             "servers", "tensorboard", "wandb", ".lock", MARKER, "*.tmp-*", ".tether-replaced-*")
 
 _WHAT = {"run": "training run", "sft": "supervised fine-tuning run", "export": "export", "eval": "evaluation output"}
 
@@ -56,39 +57,6 @@ _WHAT = {"run": "training run", "sft": "supervised fine-tuning run", "export": "
 def _a(what: str) -> str:
     """``what`` with its article: "an export", "a training run"."""
     return ("an " if what[0] in "aeiou" else "a ") + what
-
-
-#: The key that marks each row of a JSONL file tether writes (its value: the command, e.g. "demos").
-ROW_MARK = "tether"
-
-
-def check_replaceable_file(path: str | os.PathLike, kind: str, *, flag: str = "--overwrite") -> None:
-    """The rule for a JSONL file output: raise `OutputError` unless ``path`` is absent, or a regular file whose
-    every row is a JSON object tether wrote as ``kind`` (``{"tether": kind, ...}``)."""
-    p = Path(path)
-    if p.is_symlink() or (p.exists() and not p.is_file()):
-        what = "a symbolic link" if p.is_symlink() else "not a regular file"
-        raise OutputError(f"{p} is {what}; tether writes its {kind} only to a regular file: choose another path")
-    if not p.exists():
-        return
-    why = None
-    try:
-        with open(p, "rb") as f:
-            for n, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                try:
-                    row = loads_json(raw.decode("utf-8"))
-                except ValueError:  # not UTF-8, not JSON
-                    row = None
-                if not isinstance(row, dict) or row.get(ROW_MARK) != kind:
-                    why = f"line {n} is not a row tether {kind} wrote"
-                    break
-    except OSError as e:
-        raise OutputError(f"cannot read {p}: {e.strerror or e}") from None
-    if why:
-        raise OutputError(f"{p} exists and was not written by tether {kind} ({why}): {flag} replaces only a file "
-                          f"tether wrote, and never deletes yours; choose another --out or move it yourself")
 
 
 def is_run_dir(p: Path) -> bool:

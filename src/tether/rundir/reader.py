@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import ConfigError, RunError, loads_json
+from ..errors import ConfigError, RunError
+from ..userio import loads_json, read_yaml_mapping
 from .owned import RUN_KINDS, is_checkpoint_dir, is_run_dir, run_kind  # noqa: F401  (is_*: re-exported for tether eval)
-from ..yamlfile import read_yaml_mapping
 
 
 class RunDir:
@@ -72,7 +72,7 @@ class RunDir:
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints (``checkpoints/step-N`` with ``state.json``), ascending."""
-        from .checkpoint import step_of, checkpoints  # deferred: pulls in torch
+        from .checkpoint import checkpoints, step_of  # deferred: pulls in torch
 
         return sorted(step_of(p) for p in checkpoints(self.path) if (p / "state.json").is_file())
 
@@ -80,7 +80,7 @@ class RunDir:
         """The checkpoints one may name instead, for an error message: the steps whose checkpoints verify
         (``"2, 4"``), then any damaged ones as such (``"2, 4; damaged: 3"``). It reads every checkpoint's
         files: only an error path calls it."""
-        from .checkpoint import step_of, checkpoints, verify_checkpoint  # deferred: pulls in torch
+        from .checkpoint import checkpoints, step_of, verify_checkpoint  # deferred: pulls in torch
 
         good, bad = [], []
         for p in sorted((p for p in checkpoints(self.path) if (p / "state.json").is_file()), key=step_of):
@@ -104,8 +104,8 @@ class RunDir:
     def checkpoint(self, which: int | Path | None = None) -> Path:
         """The checkpoint to use: ``None`` the newest that passes its manifest (a damaged one is skipped
         with a warning); a step number, or a checkpoint directory of this run, that one, verified."""
-        from .checkpoint import step_of, latest_checkpoint, verify_checkpoint  # deferred: pulls in torch
         from ..metrics import warn  # deferred: pulls in torch
+        from .checkpoint import latest_checkpoint, step_of, verify_checkpoint  # deferred: pulls in torch
 
         if which is None:
             try:

@@ -2,6 +2,7 @@
 retrieval server, QA datasets and the ``search`` training task (registered in ``tether.tasks.TASKS`` when
 this package is imported). See ``docs/search_agents.md``."""
 
+from . import task  # noqa: F401  (registers the search task)
 from .corpus import Corpus, CorpusError, Passage, load_corpus, split_contents
 from .data import SEARCH_DATASETS, corpus_path, load_search_examples, search_data_dir
 from .protocol import (
@@ -24,7 +25,6 @@ from .retrievers import (
     make_retriever,
     register_retriever,
 )
-from . import task  # noqa: F401  (registers the search task)
 from .reward import SearchReward, SearchRewardResult, normalize_answer, score_response, search_reward
 
 __all__ = [

@@ -11,10 +11,17 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import OutputError, loads_json
+from ..errors import OutputError
+from ..userio import loads_json
 from .corpus import Corpus, CorpusError, Passage
-from .retriever_base import (as_corpus, check_search_args, corpus_digest, default_cache_root, publish_index,
-                             top_k_indices)
+from .retriever_base import (
+    as_corpus,
+    check_search_args,
+    corpus_digest,
+    default_cache_root,
+    publish_index,
+    top_k_indices,
+)
 
 
 class BM25Retriever:

@@ -13,8 +13,14 @@ from pathlib import Path
 import numpy as np
 
 from .corpus import Corpus, Passage
-from .retriever_base import (RetrievalError, as_corpus, check_search_args, corpus_digest, default_cache_root,
-                             publish_index)
+from .retriever_base import (
+    RetrievalError,
+    as_corpus,
+    check_search_args,
+    corpus_digest,
+    default_cache_root,
+    publish_index,
+)
 
 
 def default_prefixes(model: str) -> tuple[str, str]:

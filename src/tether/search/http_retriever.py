@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from ..userio import loads_json
 from .corpus import Corpus, Passage, split_contents
 from .retriever_base import RetrievalError, as_corpus, check_search_args
 
@@ -72,7 +73,7 @@ class HTTPRetriever:
         req = urllib.request.Request(self.url, data=data, method="POST",
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            return json.loads(resp.read().decode("utf-8"))
+            return loads_json(resp.read().decode("utf-8"))
 
     def search(self, queries: list[str], k: int) -> list[list[Passage]]:
         """Top-``k`` passages per query from the server (raises :class:`RetrievalError`)."""
@@ -127,7 +128,7 @@ def _read_error(e: urllib.error.HTTPError) -> str:
     except Exception:
         return str(e.reason)
     try:
-        j = json.loads(text)
+        j = loads_json(text)
         if isinstance(j, dict) and ("error" in j or "detail" in j):
             return str(j.get("error", j.get("detail")))
     except ValueError:

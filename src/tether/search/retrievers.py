@@ -49,8 +49,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..errors import ConfigError
 from ..algo.registry import Registry
+from ..errors import ConfigError
 from .bm25 import BM25Retriever
 from .data import corpus_path
 from .dense import DenseRetriever, default_prefixes

@@ -50,8 +50,9 @@ from contextlib import nullcontext
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
+from ..userio import loads_json
 from .gate import HeadGate
-from .retrievers import Retriever, RetrievalError, make_retriever
+from .retrievers import RetrievalError, Retriever, make_retriever
 
 __all__ = ["RetrievalServer", "validate_request", "RequestError", "add_retrieve_parser", "check_listen_address"]
 
@@ -238,7 +239,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         raw = self.rfile.read(length) if length > 0 else b""
         try:
-            body = json.loads(raw.decode("utf-8"))
+            body = loads_json(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as e:
             self._send(400, {"error": f"the body is not valid JSON: {e}"})
             return

@@ -35,8 +35,9 @@ from typing import Callable, Iterable, Optional
 
 from ..agents.build import build_env
 from ..config import load_config
+from ..envs.base import Env
+from ..envs.calculator import calculate
 from ..errors import ConfigError, OutputError
-from ..rundir.owned import ROW_MARK, check_replaceable_file
 from ..search.corpus import load_corpus
 from ..search.data import SEARCH_DATASETS, corpus_path, load_search_examples
 from ..search.reward import golden_answers
@@ -44,8 +45,7 @@ from ..tasks.arithmetic import ArithmeticTask
 from ..tasks.base import DataError, Example
 from ..tasks.data import NAMED_DATASETS, load_examples
 from ..tasks.qa_reward import normalize_answer
-from ..envs.base import Env
-from ..envs.calculator import calculate
+from ..userio import MARK_KEY, claim_output_file, output_writer
 
 __all__ = ["DemoStats", "run_teacher", "sft_row", "calculator_demos", "search_demos", "arithmetic_expression",
            "gsm8k_turns"]
@@ -229,20 +229,14 @@ def _examples(args) -> list[Example]:
 
 def _demos(args) -> int:
     """``tether demos``: write the demonstrations of ``args.env`` to ``args.out`` (JSONL, one SFT row per line)."""
-    import contextlib
     import json
-    import os
     import sys
     from pathlib import Path
 
     out = Path(args.out)
-    if out.is_dir():
-        raise OutputError(f"--out {out} is a directory; name the JSONL file to write")
-    if out.exists() and not args.overwrite:
+    if out.exists() and not out.is_dir() and not args.overwrite:
         raise OutputError(f"{out} exists; pass --overwrite to replace it")
-    if not out.parent.is_dir():
-        raise OutputError(f"cannot write {out}: {out.parent} is not a directory")
-    check_replaceable_file(out, "demos")  # --overwrite replaces only a file tether demos wrote (tether.rundir.owned)
+    claim_output_file(out, "demos")  # --overwrite replaces only a file tether demos wrote; the directory writable
     examples = _examples(args)
     stats = DemoStats()
     env = build_env(load_config(None, _env_keys(args)))  # the environment training builds from the same keys
@@ -251,22 +245,12 @@ def _demos(args) -> int:
     else:
         rows = search_demos(examples, env, load_corpus(args.corpus or str(corpus_path(args.data_dir))), stats,
                             args.system_prompt)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            for row in rows:
-                f.write(json.dumps({**row, ROW_MARK: "demos"}) + "\n")  # the mark of a row tether wrote
+    with output_writer(out, note="nothing was written") as f:
+        for row in rows:
+            f.write(json.dumps({**row, MARK_KEY: "demos"}) + "\n")  # the mark of a row tether wrote
         if not stats.written:
             raise DataError(f"no demonstration could be built from {len(examples)} examples of {args.data} ({stats}); "
                             f"nothing was written")
-        os.replace(tmp, out)
-    except OSError as e:  # a full disk, a read-only filesystem, a quota: nothing is written
-        if e.filename not in (None, str(tmp), str(out)):  # not our write (e.g. a retriever's cache): as it was
-            raise
-        raise OutputError(f"cannot write {out}: {e.strerror or e}; nothing was written") from None
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
     print(f"[tether] {args.env}: {stats} (from {len(examples)} training examples)", file=sys.stderr)
     print(out)
     return 0
@@ -300,18 +284,21 @@ def add_demos_parser(sub) -> None:
                    "split) | gsm8k (its train split) | a train file; search: multihop (default; the closed-pool "
                    "train split) | a train .jsonl")
     d.add_argument("--data-dir", dest="data_dir", default=None, help="the data directory (as data.data_dir / "
-                   "search.data_dir)")
+                   "rollout.agent.env.retriever.data_dir)")
     d.add_argument("--limit", type=int, default=0, help="use the first N examples (0 = all; arithmetic: 1000)")
     d.add_argument("--difficulty", type=int, default=3, help="arithmetic: steps per problem, 1-4 (default 3)")
     d.add_argument("--seed", type=int, default=0, help="arithmetic: the task's seed (default 0)")
     d.add_argument("--max-turns", dest="max_turns", type=int, default=4, help="calculator: the turn budget the "
                    "demonstrations fit, as rollout.agent.env.max_turns in training (default 4: up to 3 calls)")
     d.add_argument("--corpus", default="", help="search: the corpus (default: corpus.jsonl of the search data dir)")
-    d.add_argument("--topk", type=int, default=3, help="search: passages per search, as search.topk (default 3)")
+    d.add_argument("--topk", type=int, default=3, help="search: passages per search, as "
+                   "rollout.agent.env.retriever.topk (default 3)")
     d.add_argument("--max-searches", dest="max_searches", type=int, default=4,
-                   help="search: as search.max_searches in training (the prompt states it; default 4)")
+                   help="search: searches allowed, as rollout.agent.env.max_turns - 1 in training (the prompt "
+                   "states it; default 4)")
     d.add_argument("--observation-format", dest="observation_format", default="search_r1",
-                   choices=["search_r1", "clean"], help="search: as search.observation_format (default search_r1)")
+                   choices=["search_r1", "clean"],
+                   help="search: as rollout.agent.env.retriever.passage_format (default search_r1)")
     d.add_argument("--system-prompt", dest="system_prompt", default="", help="a system message, as "
                    "data.system_prompt in training (default none)")
     d.set_defaults(fn=_demos_main)

@@ -26,15 +26,14 @@ from typing import Optional
 
 import torch
 
-from ..errors import ConfigError
-from ..rundir.checkpoint import load_checkpoint, save_checkpoint
+from .. import models  # models.load_model: an attribute read at call time (tests patch it)
 from ..config import flatten, to_dict
 from ..config.sft import FROZEN_ON_RESUME, SFTConfig, load_sft_config
-from ..errors import RunError
-from ..metrics import peak_memory_mb
-from .. import models  # models.load_model: an attribute read at call time (tests patch it)
-from ..optim import make_adamw, optimizer_step, skipped_update_line
+from ..errors import ConfigError, RunError
 from ..loop import run_guarded, run_steps
+from ..metrics import peak_memory_mb
+from ..optim import make_adamw, optimizer_step, skipped_update_line
+from ..rundir.checkpoint import load_checkpoint, save_checkpoint
 from ..rundir.guard import RunDirectory, resumed_values
 from ..schedule import LRSchedule
 from .batches import BatchPlan, batch_logp, check_packing, collate, micro_batches

@@ -13,6 +13,7 @@ Data layer: imports nothing from eval, train, rollout or models.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from dataclasses import dataclass
@@ -21,17 +22,20 @@ from typing import Any, Optional, Sequence
 
 from ..errors import EvalError
 from ..organism.problems import MAX_DIFFICULTY, RL_DIFFICULTY
+from . import reasoning_gym
 from .arithmetic import LEVELS, ArithmeticTask
 from .data import default_reward_name, load_examples, resolve_dataset_name
-from . import reasoning_gym
 from .organism import OrganismTask
 from .rewards import load_reward
 
 __all__ = ["BENCHMARK_PREFIXES", "Benchmark", "load_benchmark", "load_benchmarks", "slug"]
 
-#: a source prefix -> ``loader(source, limit, reward) -> Benchmark`` (named ``slug(source)``) for benchmarks an
-#: environment holds (registered by its module: ``verifiers:`` in `tether.envs.verifiers`, its eval dataset)
-BENCHMARK_PREFIXES: dict = {}
+#: a source prefix -> ``"module:function"`` of its loader, ``function(source, limit, reward) -> Benchmark`` (named
+#: ``slug(source)``), for benchmarks an environment holds; the module is imported when a source has the prefix (the
+#: environments sit above this data layer). ``verifiers:<env_id>``: the environment's eval dataset.
+BENCHMARK_PREFIXES: dict[str, str] = {
+    "verifiers:": "tether.envs.verifiers:eval_benchmark",
+}
 
 
 @dataclass
@@ -129,9 +133,10 @@ def load_benchmark(
     """
     if str(source).startswith(reasoning_gym.PREFIX):
         return _reasoning_gym_benchmark(str(source), limit, reward)
-    for prefix, loader in BENCHMARK_PREFIXES.items():
+    for prefix, target in BENCHMARK_PREFIXES.items():
         if str(source).startswith(prefix):
-            return loader(str(source), limit, reward)
+            module, _, function = target.partition(":")
+            return getattr(importlib.import_module(module), function)(str(source), limit, reward)
     m = _ARITHMETIC_RE.fullmatch(str(source))
     if m and not Path(str(source)).expanduser().exists():
         return _synthetic_benchmark("arithmetic", int(m.group(1) or 1), limit, reward)

@@ -6,7 +6,7 @@
 * ``.parquet``: read in batches (needs ``pyarrow``).
 
 An unreadable file, bytes that are not UTF-8, invalid JSON (JSON nested too deeply for the parser
-included: `tether.errors.loads_json`) or an unreadable parquet page raise :class:`DataError`
+included: `tether.userio.loads_json`) or an unreadable parquet page raise :class:`DataError`
 naming the file and the line or row.
 """
 
@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import JSONTooDeep, json_error, loads_json, read_utf8
+from ..userio import JSONTooDeep, json_error, loads_json, read_utf8
 from .base import DataError
 
 __all__ = ["iter_jsonl"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..algo.registry import unknown_choice
+from ..errors import optional_import
 from .base import DataError, Example, RewardResult
 
 #: ``data.task`` / benchmark prefix of a reasoning-gym dataset
@@ -29,13 +30,9 @@ DEFAULT_SIZE = 1000
 
 
 def library():
-    """The ``reasoning_gym`` module, or a DataError saying how to install it."""
-    try:
-        import reasoning_gym  # deferred: an optional extra, imported only by the tasks that use it
-    except ImportError as e:
-        raise DataError(f"reasoning-gym tasks need the optional extra: pip install 'tether[reasoning-gym]' ({e})") \
-            from None
-    return reasoning_gym
+    """The ``reasoning_gym`` module (an optional extra, imported only by the tasks that use it), or a DataError
+    saying how to install it."""
+    return optional_import("reasoning_gym", "reasoning-gym tasks", "reasoning-gym", DataError)
 
 
 def dataset_name(source: str) -> str:

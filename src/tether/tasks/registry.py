@@ -33,10 +33,10 @@ from typing import Any, Callable, Optional
 
 from ..algo.registry import Registry, is_spec
 from ..organism.problems import MAX_DIFFICULTY, RL_DIFFICULTY
+from . import reasoning_gym
 from .arithmetic import ArithmeticTask
 from .base import DataError
 from .data import default_reward_name, load_examples
-from . import reasoning_gym
 from .organism import OrganismTask
 from .rewards import load_reward
 

@@ -296,4 +296,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (BrokenPipeError, ConnectionResetError, pickle.UnpicklingError):  # the trainer is gone (killed): no one
+        os._exit(0)  # to report to, and no traceback for its stderr file (os._exit: no flush of a broken pipe)

@@ -26,7 +26,7 @@ import re
 from typing import Any, Iterable, Sequence
 
 from .base import DataError, Example
-from .math import strip_delims, extract_boxed, gsm8k_reference, normalize_number
+from .math import extract_boxed, gsm8k_reference, normalize_number, strip_delims
 
 __all__ = ["DEFAULT_PROMPT_KEYS", "DEFAULT_ANSWER_KEYS", "row_to_example"]
 
