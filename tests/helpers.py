@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,13 @@ def strip(m: dict) -> dict:
 def copy_run(src, dst):
     shutil.copytree(src, dst)
     return dst
+
+
+def terminal_sigint() -> None:
+    """A ``preexec_fn``: SIGINT handled as in a user's terminal. A test run started in the background by a
+    non-interactive shell inherits SIGINT ignored, and tether (rightly) leaves an ignored signal alone, so a test
+    that sends SIGINT to a child it started gives the child the default disposition first."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def subprocess_env(**extra) -> dict:

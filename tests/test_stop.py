@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import DIGITS, rows, strip, subprocess_env, tiny_config
+from helpers import DIGITS, rows, strip, subprocess_env, terminal_sigint, tiny_config
 from tether.config import save_config
 from tether.rundir import stop
 from tether.rundir.checkpoint import latest_checkpoint
@@ -78,10 +78,8 @@ def start(args: list, log: Path, **env) -> subprocess.Popen:
     """``python -m tether ARGS`` in a fresh interpreter importing this checkout, output to ``log``."""
     full = subprocess_env(OMP_NUM_THREADS="1", **env)
     with open(log, "w") as out:
-        # SIGINT as in a user's terminal: a test run started in the background inherits it ignored, and the
-        # trainer (rightly) leaves an ignored signal alone
         return subprocess.Popen([sys.executable, "-m", "tether", *args], stdout=out, stderr=subprocess.STDOUT,
-                                env=full, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                env=full, preexec_fn=terminal_sigint)
 
 
 def wait_for(what, cond, proc: subprocess.Popen, log: Path) -> None:
@@ -294,7 +292,7 @@ def test_ctrl_c_under_torchrun_stops_gracefully(stopdir, tiny_model_dir, tmp_pat
     env = dict(_env(), TETHER_TEST_GATE=str(gate), TETHER_TEST_METRICS=str(run / "metrics.jsonl"))
     with open(log, "w") as out:
         p = subprocess.Popen(_torchrun(2, *args), cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=terminal_sigint)
     try:
         wait_for("step 2 to wait at the gate", lambda: Path(f"{gate}.waiting").exists(), p, log)
         os.killpg(p.pid, signal.SIGINT)  # what the terminal does on Ctrl-C

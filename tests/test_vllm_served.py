@@ -24,7 +24,7 @@ import torch
 
 vllm = pytest.importorskip("vllm")
 
-from helpers import DIGITS, assert_clean_error, rows, subprocess_env  # noqa: E402
+from helpers import DIGITS, assert_clean_error, rows, subprocess_env, terminal_sigint  # noqa: E402
 from tether.config.engine import VLLMServerEngineConfig  # noqa: E402
 from tether.logprobs import response_stats  # noqa: E402
 from tether.models import ModelConfig, load_model  # noqa: E402
@@ -313,7 +313,8 @@ def _is_server_of(pid: int, run: Path) -> bool:
 def test_every_launched_server_is_gone_after_a_stop_signal(work, tiny_dir, tmp_path, signals):
     run = tmp_path / "run"
     cmd = train_cmd(work, tiny_dir, run, 50, LAUNCH, f"data.reward={work / 'rew.py'}:slow")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                            preexec_fn=terminal_sigint)  # Ctrl-C reaches it even when the tests run in the background
     try:
         _wait_rows(run, 1, proc)
         pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_server_of(int(p.name), run)]
