@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -136,10 +138,13 @@ def test_sampled_rows_and_the_reward(model_tok):
     eng = HFEngine(model, tok, record_logp=True)
     agent, env = agent_on(eng, tok, taskset={"size": 2, "reward": "digits"}, pass_threshold=0.0)
     try:
+        t0 = time.perf_counter()
         rb = agent.rollout(env.examples("train"), SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=1))
+        wall = time.perf_counter() - t0
     finally:
         agent.close()
     assert rb.group.tolist() == [0, 0, 1, 1]
+    assert 0.0 < rb.gen_time_s < wall  # the engine's generating time, measured at the endpoint (not 0)
     assert all(i["env_correct"] and 0.0 <= i["env_reward"] <= 1.0 for i in rb.info)
     d = (trainer_logp(model, rb) - rb.sampler_logp).abs()[rb.loss_mask]
     assert float(d.max()) < 1e-4
@@ -213,3 +218,16 @@ def test_a_trace_with_no_tokens_is_one_error(model_tok):
             agent._batch(env.examples("train")[:1], [(0, SimpleNamespace(traces=[trace], errors=[]))])
     finally:
         agent.close()
+
+
+def test_the_endpoint_counts_overlapping_requests_once(monkeypatch):
+    """`GenerateEndpoint.busy_s`: the seconds during which at least one request was generating."""
+    from tether.rollout import endpoint as ep
+
+    clock = iter([0.0, 1.0, 3.0, 4.0, 10.0, 12.0])  # A starts at 0, B at 1, A ends at 3, B at 4; C from 10 to 12
+    monkeypatch.setattr(ep.time, "perf_counter", lambda: next(clock))
+    e = ep.GenerateEndpoint.__new__(ep.GenerateEndpoint)  # the clock alone, without a server
+    e._lock, e._busy, e._busy_since, e._busy_s = threading.Lock(), 0, 0.0, 0.0
+    for d in (+1, +1, -1, -1, +1, -1):
+        e._generating(d)
+    assert e.busy_s == 6.0  # 0 -> 4 once, not 3 + 3; then 2

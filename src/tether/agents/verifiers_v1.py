@@ -87,6 +87,7 @@ class VerifiersV1Agent:
         ctx = self._context(params)
         self.endpoint.seed = params.seed
         self.endpoint.failure = None
+        busy = self.endpoint.busy_s
 
         async def run():
             sem = asyncio.Semaphore(self.max_concurrency)
@@ -98,7 +99,9 @@ class VerifiersV1Agent:
         results = asyncio.run(run())
         if self.endpoint.failure is not None:  # the engine itself failed a request: its error, as any rollout's
             raise self.endpoint.failure
-        return self._batch(examples, results)
+        batch = self._batch(examples, results)
+        batch.gen_time_s = self.endpoint.busy_s - busy  # the time the engine was generating for these episodes
+        return batch
 
     # ------------------------------------------------------------ traces -> rows
 
@@ -183,7 +186,7 @@ class VerifiersV1Agent:
         return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
                             response_mask=response_mask, finish_reason=[r["reason"] for r in rows],
                             group=torch.tensor([r["group"] for r in rows], dtype=torch.long),
-                            texts=[r["text"] for r in rows], gen_time_s=0.0,
+                            texts=[r["text"] for r in rows], gen_time_s=0.0,  # set by rollout
                             gen_tokens=int(loss_mask.sum()), pad_token_id=pad, loss_mask=loss_mask,
                             sampler_logp=logp, info=[r["info"] for r in rows])
 

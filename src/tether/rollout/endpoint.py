@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import secrets
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
@@ -88,6 +89,7 @@ class GenerateEndpoint:
         self._lock = threading.Lock()  # an engine that is not thread-safe (hf) runs one request at a time
         self._shared = bool(getattr(engine, "thread_safe", False))
         self._batcher = _Batcher(engine)
+        self._busy, self._busy_since, self._busy_s = 0, 0.0, 0.0  # requests generating; since when; seconds so far
         self.versions: dict[str, list[list[int]]] = {}  # session id -> each call's token versions (served engine)
         endpoint = self
 
@@ -159,12 +161,16 @@ class GenerateEndpoint:
             self._count += 1
             default_seed = None if self.seed is None else (self.seed * 1_000_003 + self._count) % 2**31
         params, stops = sampling_from(body, default_seed)
-        if self._shared:  # the served engine: its requests go to its servers concurrently
-            sessions = [session] * params.n if session else None
-            rb = self.engine.generate([ids], params, sessions=sessions)
-            rows = list(range(len(rb)))
-        else:  # one engine call for the requests that arrive together (the hf engine batches them)
-            rb, rows = self._batcher.submit(ids, params)
+        self._generating(+1)
+        try:
+            if self._shared:  # the served engine: its requests go to its servers concurrently
+                sessions = [session] * params.n if session else None
+                rb = self.engine.generate([ids], params, sessions=sessions)
+                rows = list(range(len(rb)))
+            else:  # one engine call for the requests that arrive together (the hf engine batches them)
+                rb, rows = self._batcher.submit(ids, params)
+        finally:
+            self._generating(-1)
         choices = []
         for k, i in enumerate(rows):
             m = rb.response_mask[i]
@@ -182,6 +188,23 @@ class GenerateEndpoint:
         return {"request_id": f"tether-{uuid.uuid4().hex}", "model": self.model, "prompt_token_ids": ids,
                 "choices": choices, "usage": {"prompt_tokens": len(ids),
                                               "completion_tokens": sum(len(c["token_ids"]) for c in choices)}}
+
+    def _generating(self, d: int) -> None:
+        """One request starts (+1) or ends (-1) generating; `busy_s` adds the time at least one was."""
+        with self._lock:
+            now = time.perf_counter()
+            if self._busy == 0 and d > 0:
+                self._busy_since = now
+            self._busy += d
+            if self._busy == 0:
+                self._busy_s += now - self._busy_since
+
+    @property
+    def busy_s(self) -> float:
+        """Wall-clock seconds during which at least one request was generating (concurrent requests counted once):
+        the generation time of the rollouts the endpoint served (`RolloutBatch.gen_time_s`)."""
+        with self._lock:
+            return self._busy_s + (time.perf_counter() - self._busy_since if self._busy else 0.0)
 
     def close(self) -> None:
         self._server.shutdown()
