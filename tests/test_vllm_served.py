@@ -28,7 +28,7 @@ from helpers import DIGITS, assert_clean_error, rows, subprocess_env, terminal_s
 from tether.config.engine import VLLMServerEngineConfig  # noqa: E402
 from tether.logprobs import response_stats  # noqa: E402
 from tether.models import ModelConfig, load_model  # noqa: E402
-from tether.procs import die_with_parent  # noqa: E402
+from tether.procs import die_with_parent, group_alive  # noqa: E402
 from tether.rollout import SamplingParams, weight_transfer  # noqa: E402
 from tether.rollout.served import ServedEngine, ServedWeightSyncError  # noqa: E402
 from tether.rollout.servers import LOGPROBS_MODE, free_port  # noqa: E402
@@ -65,15 +65,6 @@ def _trainer_logp(model, rb):
     with torch.no_grad():
         return response_stats(model, rb.prompt_ids, rb.prompt_mask, rb.response_ids, rb.response_mask,
                               entropy=False).logp.float()
-
-
-def _alive(pid: int) -> bool:
-    """A process (or a member of its process group, the server's engine and workers) still exists."""
-    try:
-        os.killpg(pid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
 
 
 # ---------------------------------------------------------------- generation and weights, engine level
@@ -332,7 +323,7 @@ def test_every_launched_server_is_gone_after_a_stop_signal(work, tiny_dir, tmp_p
 def _wait_gone(pids: list[int], timeout: float = 30) -> None:
     """Every launched server's process group is gone (its engine and workers reaped) within ``timeout``."""
     deadline = time.time() + timeout
-    while any(_alive(p) for p in pids):
+    while any(group_alive(p) for p in pids):
         assert time.time() < deadline, f"a launched server outlived its trainer: {pids}"
         time.sleep(0.5)
 

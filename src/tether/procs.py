@@ -33,3 +33,13 @@ def die_with_parent(new_session: bool = False) -> Callable[[], None]:
                 os._exit(1)
 
     return preexec
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of process group ``pgid`` still exists (a launched server's engine and workers
+    included)."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False

@@ -21,11 +21,14 @@ dropped. A bearer token (made here, handed to the client through an environment 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import queue
 import secrets
 import threading
 import time
 import uuid
+from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
@@ -218,25 +221,17 @@ class _Batcher:
     step are one batch. ``submit`` returns the call's batch and the request's rows in it."""
 
     def __init__(self, engine, wait_s: float = 0.02):
-        import queue
-
         self.engine, self.wait_s = engine, wait_s
         self._q: "queue.Queue" = queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True, name="tether-endpoint-batcher")
         self._thread.start()
 
     def submit(self, ids: list[int], params: SamplingParams):
-        from concurrent.futures import Future
-
         fut: Future = Future()
         self._q.put((ids, params, fut))
         return fut.result()
 
     def _run(self) -> None:
-        import dataclasses
-        import queue
-        import time
-
         while True:
             first = self._q.get()
             if first is None:

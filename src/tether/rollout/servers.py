@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ..errors import GenerationError
-from ..procs import die_with_parent
+from ..procs import die_with_parent, group_alive
 from ..userio import loads_json
 
 LOGPROBS_MODE = "processed_logprobs"  # the sampler's distribution (temperature, top-k, top-p applied), as VLLMEngine
@@ -80,8 +80,9 @@ class Server:
         return f"{self.describe()} exited with code {self.proc.returncode}{self.log_tail()}"
 
 
-def http_json(method: str, url: str, body: Any = None, *, api_key: str = "", timeout: float = 60.0) -> Any:
-    """One JSON request; the decoded answer. urllib's errors pass through (the caller names the server)."""
+def http_request(method: str, url: str, body: Any = None, *, api_key: str = "", timeout: float = 60.0) -> bytes:
+    """One request with ``body`` as JSON (none when None) and the server's API key as the bearer; the raw answer.
+    urllib's errors pass through (the caller names the server)."""
     import json
 
     data = None if body is None else json.dumps(body).encode()
@@ -90,7 +91,12 @@ def http_json(method: str, url: str, body: Any = None, *, api_key: str = "", tim
         headers["Authorization"] = f"Bearer {api_key}"
     req = urllib.request.Request(url, data=data, headers=headers, method=method)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        raw = resp.read()
+        return resp.read()
+
+
+def http_json(method: str, url: str, body: Any = None, *, api_key: str = "", timeout: float = 60.0) -> Any:
+    """One JSON request (`http_request`); the decoded answer (None when empty)."""
+    raw = http_request(method, url, body, api_key=api_key, timeout=timeout)
     return loads_json(raw.decode("utf-8")) if raw.strip() else None
 
 
@@ -315,14 +321,6 @@ def _reason(e: BaseException) -> str:
     return str(getattr(e, "reason", None) or e)
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
 def _stop_servers(procs: list, tmp: Optional[tempfile.TemporaryDirectory], grace: float = 15.0) -> None:
     """SIGTERM to each server's process group (vLLM's engine and workers included), SIGKILL after ``grace``
     seconds; then the snapshot directory is removed."""
@@ -347,7 +345,7 @@ def _stop_servers(procs: list, tmp: Optional[tempfile.TemporaryDirectory], grace
         except subprocess.TimeoutExpired:
             pass
     deadline = time.monotonic() + 10  # the engine and workers of each group, reaped by init after SIGKILL
-    while time.monotonic() < deadline and any(_group_alive(p.pid) for p in procs):
+    while time.monotonic() < deadline and any(group_alive(p.pid) for p in procs):
         time.sleep(0.1)
     if tmp is not None:
         shutil.rmtree(tmp.name, ignore_errors=True)

@@ -28,10 +28,8 @@ vLLM itself through the plugin.
 
 from __future__ import annotations
 
-import json
 import threading
 import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -82,17 +80,11 @@ class WeightRouteError(RuntimeError):
 def post_json(url: str, path: str, body: Any = None, *, api_key: str = "", timeout: float = 300.0) -> Any:
     """POST ``body`` as JSON to ``url + path``; the decoded JSON answer (None when empty). Any failure is a
     `WeightRouteError` naming the server and the route (vLLM's own error text included)."""
-    from ..userio import loads_json
+    from ..userio import loads_json  # deferred, as vLLM's servers import this module as their plugin
+    from .servers import http_request
 
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    req = urllib.request.Request(url.rstrip("/") + path, data=data if data is not None else b"", headers=headers,
-                                 method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw = resp.read()
+        raw = http_request("POST", url.rstrip("/") + path, body, api_key=api_key, timeout=timeout)
     except urllib.error.HTTPError as e:
         detail = e.read().decode("utf-8", "replace").strip()[:500]
         raise WeightRouteError(f"server {url}: {path} answered HTTP {e.code}: {detail}") from None
