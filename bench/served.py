@@ -136,6 +136,8 @@ def loops_compared(a, out_dir: Path) -> dict:
 
     import yaml
 
+    from tether.metrics import read_metrics
+
     res = {}
     for name, k in (("sync", 0), ("K=1", 1)):
         over = {"model.name": a.model, "rollout.prompts_per_step": a.prompts, "rollout.n": a.n,
@@ -148,7 +150,7 @@ def loops_compared(a, out_dir: Path) -> dict:
                *(f"{key}={json.dumps(v) if isinstance(v, bool) else v}" for key, v in over.items()),
                f"rollout.engine={engine}"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        rows = [json.loads(line) for line in (out_dir / name / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(out_dir / name)
         walls = [r["time_step_s"] for r in rows if r.get("step", 0) > 1 and "time_step_s" in r]
         res[name] = statistics.median(walls)
         print(f"[served] {name} over a server: {res[name]:.2f} s per step (median of {len(walls)})", flush=True)
