@@ -136,7 +136,7 @@ def test_sampled_rows_and_the_reward(model_tok):
     """n samples of each example, grouped; every row's info carries the trace's reward and verdict."""
     model, tok = model_tok
     eng = HFEngine(model, tok, record_logp=True)
-    agent, env = agent_on(eng, tok, taskset={"size": 2, "reward": "digits"}, pass_threshold=0.0)
+    agent, env = agent_on(eng, tok, taskset={"size": 2, "reward": "spread"}, pass_threshold=0.0)
     try:
         t0 = time.perf_counter()
         rb = agent.rollout(env.examples("train"), SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=1))
@@ -152,10 +152,10 @@ def test_sampled_rows_and_the_reward(model_tok):
 
 @pytest.mark.slow  # about 90 s (two CLI processes, each starting verifiers' harness programs): CI's slow step
 def test_the_reward_reaches_the_advantage_in_training_and_eval_scores_it(tool_model_dir, tmp_path):
-    """`tether train` for 2 steps (the trace's reward: the share of digits in the reply, so groups differ) and
-    `tether eval` in the environment, in subprocesses."""
+    """`tether train` for 2 steps (the trace's reward: a number from the reply's characters, so two different
+    replies differ) and `tether eval` in the environment, in subprocesses."""
     env = subprocess_env(PYTHONPATH=str(ENVS))
-    opts = '{taskset: {size: 4, reward: digits}, pass_threshold: 0.1}'
+    opts = '{taskset: {size: 4, reward: spread}, pass_threshold: 0.1}'
     args = [sys.executable, "-m", "tether", "train", "--recipe", "grpo", "--output-dir", str(tmp_path / "run"),
             "--steps", "2", f"model.name={tool_model_dir}", *[f"{k}={v}" for k, v in ADD.items()],
             f"rollout.agent.env.options={opts}", "rollout.prompts_per_step=2", "rollout.n=2",

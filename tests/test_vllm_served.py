@@ -363,7 +363,7 @@ def test_a_verifiers_v1_environment_runs_token_exact_on_the_served_engine(served
     model, tok, eng, _ = served
     cfg = load_config(None, {"rollout.agent.kind": "multi_turn", "rollout.agent.env.name": "verifiers:tether_vf1_add",
                              "rollout.agent.env.observation_format": "chat", "rollout.agent.env.max_turns": 2,
-                             "rollout.agent.env.options": {"taskset": {"size": 2, "reward": "digits"}}})
+                             "rollout.agent.env.options": {"taskset": {"size": 2, "reward": "spread"}}})
     plan = RolloutPlan(cfg)
     agent = plan.agent(eng, tok)
     try:

@@ -3,8 +3,10 @@ served by its own MCP process (``python -m tether_vf1_add``, so this directory m
 
 Config: ``size`` tasks; ``digits``: 0 asks i + 2i for task i, D > 0 two random D-digit numbers (drawn with ``seed``:
 another seed, other problems: the held-out set); ``reward``: ``answer`` (1 when the reply contains the sum),
-``last_number`` (1 when the reply's last number is the sum), ``digits`` (the share of digits in the reply: varies for
-any policy, so advantages are not all zero) or ``raise`` (the reward raises: an error test)."""
+``last_number`` (1 when the reply's last number is the sum), ``spread`` (a number in [0, 1) computed from the reply's
+characters: two different replies almost surely score differently, whatever the policy writes, so a group's
+advantages are not all zero; the share of digits, used before, was 0 for every reply of the tiny random model in one
+CI run) or ``raise`` (the reward raises: an error test)."""
 import random
 import re
 
@@ -39,8 +41,8 @@ class AddTask(vf.Task[AddData, vf.State, AddTaskConfig]):
         reply = trace.last_reply or ""
         if self.data.reward == "raise":
             raise RuntimeError("the test's reward raises on purpose")
-        if self.data.reward == "digits":
-            return sum(c.isdigit() for c in reply) / max(len(reply), 1)
+        if self.data.reward == "spread":
+            return sum((i + 1) * ord(c) for i, c in enumerate(reply)) % 997 / 997
         if self.data.reward == "last_number":
             numbers = re.findall(r"-?\d+", reply)
             return 1.0 if numbers and numbers[-1] == self.data.answer else 0.0
