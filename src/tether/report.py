@@ -89,7 +89,7 @@ class HeldOut:
         (``sync_weights``: nothing to do for transformers, a reload for vLLM's copy)."""
         t0 = time.perf_counter()
         e = self.cfg.eval
-        settings = dict(n=e.n, greedy=e.greedy, temperature=0.0 if e.greedy else e.temperature,
+        settings = dict(n=e.n, greedy=e.greedy, temperature=0.0 if e.greedy else e.temperature, top_p=e.top_p,
                         max_new_tokens=e.max_new_tokens, batch_size=self.cfg.rollout.batch_size,
                         seed=self.cfg.train.seed, stop=list(self.cfg.rollout.stop))
         examples = {k: v[0] for k, v in self.sets.items()}

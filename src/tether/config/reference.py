@@ -22,6 +22,7 @@ from ..sections import default as field_default  # this module has its own defau
 from ..sections import optional as is_optional
 from ..tasks.registry import TASKS
 from ..tasks.rewards import REWARDS
+from .flags import flag_table
 from .migration import MOVED
 from .schema import Config
 
@@ -127,6 +128,7 @@ def reference() -> str:
            "(the `algo.*` defaults below are the bare field defaults: each recipe, the default `ema_pg` included,",
            "overrides some of them; `tether config --recipe NAME` prints a recipe's resolved values).", ""]
     out.append(section_tables(Config, None, registered()))
+    out.append(flag_table())
     out.append(moved_table())
     return "\n".join(out)
 

@@ -270,6 +270,8 @@ class EvalConfig(Section):
     """temperature 0 (n must be 1); false samples at eval.temperature"""
     temperature: float = 1.0
     """greedy=false: sampling temperature"""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """greedy=false: nucleus sampling mass (1.0 = off)"""
     max_new_tokens: int = 256
     """response length cap during evaluation"""
     anchor: bool = False

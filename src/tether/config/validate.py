@@ -205,7 +205,7 @@ def _check_eval(cfg: Config) -> list[str]:
     if e.every < 0:
         errs.append(f"eval.every must be >= 0, got {e.every}")
     if not (e.before or e.after or e.every):
-        for k in ("benchmarks", "limit", "n", "greedy", "temperature", "max_new_tokens", "anchor"):
+        for k in ("benchmarks", "limit", "n", "greedy", "temperature", "top_p", "max_new_tokens", "anchor"):
             if getattr(e, k) != getattr(de, k):
                 errs.append(f"eval.{k} has no effect while evaluation is off (eval.before=false, eval.after=false, "
                             f"eval.every=0)")
@@ -214,8 +214,9 @@ def _check_eval(cfg: Config) -> list[str]:
             errs.append("eval.limit, eval.n and eval.max_new_tokens must be positive")
         if e.greedy and e.n != 1:
             errs.append("eval.greedy=true gives n identical samples; set eval.n=1 or eval.greedy=false")
-        if e.greedy and e.temperature != de.temperature:
-            errs.append("eval.temperature has no effect with eval.greedy=true")
+        for k in ("temperature", "top_p"):
+            if e.greedy and getattr(e, k) != getattr(de, k):
+                errs.append(f"eval.{k} has no effect with eval.greedy=true")
         if e.anchor and not _anchor_has_weights(cfg.algo.anchor.kind):
             errs.append(f"eval.anchor=true needs an anchor with its own weights, not {cfg.algo.anchor.kind!r}")
         if not e.benchmarks:

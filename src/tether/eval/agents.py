@@ -17,9 +17,10 @@ from typing import Any, Mapping, Optional
 from ..agents import AGENTS
 from ..agents.build import RolloutPlan
 from ..config import Config, load_config
+from ..config.agent import SEARCH_MAX_TURNS
+from ..config.flags import EVAL_FLAGS, EVAL_PRESET, Flag, add_flags, given, value
 from ..errors import EvalError
 from ..search.data import load_search_examples
-from ..search.protocol import OBSERVATION_FORMATS as PASSAGE_FORMATS
 from ..search.retrievers import RETRIEVERS
 from ..sections import as_dict
 from ..tasks.benchmarks import Benchmark, load_benchmarks, slug
@@ -46,35 +47,20 @@ def add_agent_arguments(e) -> None:
     m.add_argument("--env-options", dest="env_options", default=None, metavar="YAML",
                    help="multi_turn: the environment's options as a YAML/JSON mapping (rollout.agent.env.options), "
                    "e.g. '{args: {num_eval_examples: 200}}' for a verifiers environment's load_environment")
-    m.add_argument("--max-turns", dest="max_turns", type=int, default=None,
-                   help="multi_turn: policy turns per episode (rollout.agent.env.max_turns; default: the run's, "
-                   "else 0: the environment's own)")
+    add_flags(m, EVAL_FLAGS["multi_turn"], EVAL_PRESET)
     g = e.add_argument_group("search environment", "--agent search runs the search environment "
                              "(docs/search_agents.md; its flags are rollout.agent.env.retriever.* keys) "
                              "on QA benchmarks: multihop_dev, multihop, nq, triviaqa, popqa, hotpotqa, "
                              "2wikimultihopqa, musique, bamboogle, or .jsonl files with question/golden_answers")
-    g.add_argument("--retriever", default="bm25", choices=RETRIEVERS.names(),
-                   help="search: bm25 or dense over --corpus, or http to a Search-R1 retrieval server at --url")
-    g.add_argument("--url", help="search, http: the retrieval server's base URL (POST URL/retrieve)")
-    g.add_argument("--corpus", help="search, bm25/dense: corpus JSONL (default: corpus.jsonl of the search data dir); "
-                   "http: the server's corpus, to recover the ids of documents it sends without one (gold recall)")
-    g.add_argument("--timeout", type=float, help="search, http: seconds per request (default 30)")
-    g.add_argument("--retries", type=int, help="search, http: extra attempts after a failed request (default 2)")
-    g.add_argument("--observation-format", default="search_r1", choices=PASSAGE_FORMATS,
-                   help="search (rollout.agent.env.retriever.passage_format): search_r1 (Search-R1's exact "
-                   "observations, default) or clean")
-    g.add_argument("--search-data-dir", help="search: directory of the QA sets and corpus (default "
-                   "$TETHER_SEARCH_DATA_DIR, else <$TETHER_DATA_DIR>/../search)")
-    g.add_argument("--topk", type=int, default=3, help="search: passages per search (default 3)")
-    g.add_argument("--max-searches", dest="max_searches", type=int, default=4,
-                   help="search: searches per episode, then a final turn without search (default 4; "
-                   "rollout.agent.env.max_turns = this + 1)")
-    g.add_argument("--max-obs-tokens", type=int, default=None,
-                   help="search, multi_turn: tokens per observation (rollout.agent.env.max_obs_tokens; default "
-                   "512; multi_turn: the run's when --model is a multi-turn run)")
-    g.add_argument("--max-context", dest="max_context", type=int, default=None,
-                   help="search, multi_turn: prompt + response tokens per episode (rollout.agent.env.max_context; "
-                   "default 4096; multi_turn: the run's when --model is a multi-turn run)")
+    add_flags(g, EVAL_FLAGS["search"], EVAL_PRESET, choices={"rollout.agent.env.retriever.kind": RETRIEVERS.names()})
+    g.add_argument("--max-searches", dest="max_searches", type=int, default=None,
+                   help=f"search: searches per episode, then a final turn without search (rollout.agent.env.max_turns "
+                   f"= this + 1; default {SEARCH_MAX_TURNS - 1})")
+    add_flags(g, EVAL_FLAGS["budgets"], EVAL_PRESET)
+
+
+#: the flags only the search agent reads (the budgets are multi_turn's too)
+SEARCH_ONLY = [*EVAL_FLAGS["search"], Flag("rollout.agent.env.max_turns", "--max-searches")]
 
 
 def agent_setup(args) -> tuple[list, RolloutPlan]:
@@ -87,12 +73,9 @@ def agent_setup(args) -> tuple[list, RolloutPlan]:
     if agent != "multi_turn" and env_keys:
         raise EvalError(" and ".join(env_keys) + " only apply with --agent multi_turn")
     wasted = []
-    if agent != "search":  # the search options at their parser defaults (the budgets are multi_turn's too)
-        defaults = {"retriever": "bm25", "url": None, "corpus": None, "timeout": None, "retries": None,
-                    "observation_format": "search_r1", "search_data_dir": None, "topk": 3, "max_searches": 4}
-        if agent != "multi_turn":
-            defaults.update(max_obs_tokens=None, max_context=None)
-        wasted = [f"--{k.replace('_', '-')}" for k, v in defaults.items() if k in vars(args) and getattr(args, k) != v]
+    if agent != "search":  # the search agent's flags given (the budgets are multi_turn's too)
+        unread = SEARCH_ONLY + (EVAL_FLAGS["budgets"] if agent != "multi_turn" else [])
+        wasted = [f.name for f in unread if getattr(args, f.dest, None) is not None]
     if wasted:
         raise EvalError(", ".join(wasted) + f" {'has' if len(wasted) == 1 else 'have'} no effect with --agent {agent}")
     if agent == "search":
@@ -145,9 +128,9 @@ def env_setup(args, trained: Mapping[str, Any] | None = None) -> Config:
     if trained:
         print("[tether] using the run's environment: " + ", ".join(f"{p}{k}={v}" for k, v in trained.items())
               + " (flags given here override it)", file=sys.stderr)
-    given = {"name": args.env, "max_turns": args.max_turns, "max_obs_tokens": args.max_obs_tokens,
-             "max_context": args.max_context, "options": _options(getattr(args, "env_options", None))}
-    over.update({p + k: v for k, v in given.items() if v is not None and v != ""})
+    flags = {"name": args.env, "options": _options(getattr(args, "env_options", None))}
+    over.update({p + k: v for k, v in flags.items() if v is not None and v != ""})
+    over.update(given(args, EVAL_FLAGS["multi_turn"] + EVAL_FLAGS["budgets"]))
     name = str(over.get(p + "name") or "")
     if name.startswith(("skyrl_gym:", "verifiers:")) and p + "observation_format" not in over:
         over[p + "observation_format"] = "chat"  # the only format these environments run in
@@ -172,26 +155,25 @@ def search_setup(args) -> tuple[list, RolloutPlan]:
     """--agent search: the QA benchmarks (search reward) and the rollout plan of the search environment's config
     (``rollout.agent.env.*`` and its ``retriever`` from the flags), with its tools (the environment over the
     retriever, built and checked here)."""
-    args.max_obs_tokens = 512 if args.max_obs_tokens is None else args.max_obs_tokens  # the parser's defaults,
-    args.max_context = 4096 if args.max_context is None else args.max_context  # recorded in results.json as used
     http = {k: v for k in ("url", "timeout", "retries") if (v := getattr(args, k, None)) not in (None, "")}
-    if http and args.retriever != "http":
+    retriever = value(args, EVAL_FLAGS["search"][0], EVAL_PRESET)
+    if http and retriever != "http":
         raise EvalError(" and ".join(f"--{k}" for k in http) + f" need{'s' * (len(http) == 1)} --retriever http")
-    if args.max_searches < 0:
-        raise EvalError(f"--max-searches must be >= 0, got {args.max_searches}")
-    if args.retriever == "http" and not args.url:
+    max_searches = SEARCH_MAX_TURNS - 1 if args.max_searches is None else args.max_searches
+    if max_searches < 0:
+        raise EvalError(f"--max-searches must be >= 0, got {max_searches}")
+    if retriever == "http" and not args.url:
         raise EvalError("--retriever http needs --url (the retrieval server's base URL)")
-    p, r = "rollout.agent.env.", "rollout.agent.env.retriever."
-    over = {"rollout.agent.kind": "multi_turn", p + "name": "search", p + "max_turns": args.max_searches + 1,
-            p + "max_obs_tokens": args.max_obs_tokens, p + "max_context": args.max_context, r + "kind": args.retriever,
-            r + "topk": args.topk, r + "passage_format": args.observation_format,
-            **{r + k: v for k, v in http.items()}}
-    # --corpus with http too: the server's corpus, which names the documents it sends without an id
-    over.update({r + k: v for k, v in (("corpus", args.corpus), ("data_dir", args.search_data_dir)) if v})
+    over = {"rollout.agent.kind": "multi_turn", "rollout.agent.env.name": "search",
+            "rollout.agent.env.max_turns": max_searches + 1,
+            **given(args, EVAL_FLAGS["search"] + EVAL_FLAGS["budgets"])}
     cfg = load_config(None, over)
+    env = cfg.rollout.agent.env  # what results.json and the banner record, as used
+    args.max_searches, args.max_obs_tokens, args.max_context = max_searches, env.max_obs_tokens, env.max_context
+    args.retriever, args.topk = env.retriever_section().kind, env.retriever_section().topk
     benches = []
     for src in args.benchmarks:
-        ex = load_search_examples(src, data_dir=args.search_data_dir, max_searches=args.max_searches,
+        ex = load_search_examples(src, data_dir=args.search_data_dir, max_searches=max_searches,
                                   limit=args.limit, question_key=args.prompt_key or "question",
                                   answers_key=args.answer_key)
         benches.append(Benchmark(name=slug(Path(src).stem if src.endswith(".jsonl") else src), source=src,

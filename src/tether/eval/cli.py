@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .. import __version__
 from ..agents.build import RolloutPlan
 from ..config import apply_keys, check, check_device
+from ..config.flags import EVAL_FLAGS, EVAL_PRESET, add_flags, value
 from ..errors import ConfigError, EvalError, OutputError
 from ..metrics import json_safe, write_json_atomic, write_text_atomic
 from ..models import DTYPES
@@ -74,15 +75,8 @@ def add_eval_parser(sub) -> None:
     e.add_argument("--benchmarks", nargs="+", required=True, metavar="BENCH",
                    help="gsm8k math500 aime24 amc minerva olympiadbench, arithmetic-dN (the synthetic task's "
                         "test split at difficulty N, seed 0), or .jsonl/.json/.parquet files")
-    e.add_argument("--n", type=int, default=None, help="samples per problem (default 4; 1 with --greedy)")
-    e.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    e.add_argument("--top-p", dest="top_p", type=float, default=1.0, help="nucleus mass (default 1.0 = off)")
-    e.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=512, help="response cap (default 512)")
-    e.add_argument("--limit", type=int, default=None, help="first N problems of each benchmark")
-    e.add_argument("--greedy", action="store_true", help="argmax decoding, one sample (temperature 0, n = 1)")
-    e.add_argument("--batch-size", dest="batch_size", type=int, default=64,
-                   help="sequences per generate call (default 64)")
-    e.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    add_flags(e.add_argument_group("sampling", "the in-run evaluation's keys (eval.*), with tether eval's preset "
+                                   "(tether.config.flags.EVAL_PRESET)"), EVAL_FLAGS["sampling"], EVAL_PRESET)
     e.add_argument("--system-prompt", help="system message (default: the run's data.system_prompt for runs, else none)")
     e.add_argument("--data-dir", help="directory of named benchmarks' files (before $TETHER_DATA_DIR and the hub)")
     e.add_argument("--split", default=None, help="split to load (default: test for named benchmarks)")
@@ -183,27 +177,30 @@ def engine_setup(args, cfg) -> None:
 
 
 def _eval_settings(args) -> EvalSettings:
-    """The sampling settings of the command line, checked (and the other numeric / device options)
-    before anything is loaded."""
-    greedy = bool(args.greedy)
+    """The sampling settings of the command line (the flags given, else `EVAL_PRESET`'s and the keys' defaults),
+    checked (and the other numeric / device options) before anything is loaded."""
+    flag = {f.dest: f for f in EVAL_FLAGS["sampling"]}
+    v = {k: value(args, f, EVAL_PRESET) for k, f in flag.items()}
+    greedy = bool(v["greedy"])
     if greedy and args.n is not None and args.n > 1:
         raise EvalError(f"--greedy decodes one deterministic response per problem; drop --n {args.n} "
                         f"(or sample with --temperature > 0)")
-    n = 1 if greedy else (4 if args.n is None else int(args.n))
-    temperature = 0.0 if greedy else float(args.temperature)
-    n, temperature = check_sampling(n, temperature, args.top_p, greedy, flag="--")
+    n = 1 if greedy else int(v["n"])
+    temperature = 0.0 if greedy else float(v["temperature"])
+    n, temperature = check_sampling(n, temperature, v["top_p"], greedy, flag="--")
     greedy = greedy or temperature == 0
     for k in ("max_new_tokens", "batch_size"):
-        if getattr(args, k) < 1:
+        if v[k] < 1:
             raise EvalError(f"--{k.replace('_', '-')} must be >= 1")
-    if args.limit is not None and args.limit < 1:
+    if v["limit"] is not None and v["limit"] < 1:
         raise EvalError("--limit must be >= 1")
+    args.limit = v["limit"]
     if str(args.dtype).lower() not in DTYPES:
         raise EvalError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")
     for problem in check_device(args.device, "--device"):
         raise EvalError(problem)
-    return EvalSettings(n=n, temperature=temperature, top_p=float(args.top_p), max_new_tokens=int(args.max_new_tokens),
-                        greedy=greedy, batch_size=int(args.batch_size), seed=int(args.seed), ks=default_ks(n))
+    return EvalSettings(n=n, temperature=temperature, top_p=float(v["top_p"]), max_new_tokens=int(v["max_new_tokens"]),
+                        greedy=greedy, batch_size=int(v["batch_size"]), seed=int(v["seed"]), ks=default_ks(n))
 
 
 def run_eval_cli(args) -> int:

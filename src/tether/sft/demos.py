@@ -35,6 +35,7 @@ from typing import Callable, Iterable, Optional
 
 from ..agents.build import build_env
 from ..config import load_config
+from ..config.flags import DEMOS_FLAGS, DEMOS_PRESET, add_flags, value
 from ..envs.base import Env
 from ..envs.calculator import calculate
 from ..errors import ConfigError, OutputError
@@ -288,19 +289,10 @@ def add_demos_parser(sub) -> None:
     d.add_argument("--limit", type=int, default=0, help="use the first N examples (0 = all; arithmetic: 1000)")
     d.add_argument("--difficulty", type=int, default=3, help="arithmetic: steps per problem, 1-4 (default 3)")
     d.add_argument("--seed", type=int, default=0, help="arithmetic: the task's seed (default 0)")
-    d.add_argument("--max-turns", dest="max_turns", type=int, default=4, help="calculator: the turn budget the "
-                   "demonstrations fit, as rollout.agent.env.max_turns in training (default 4: up to 3 calls)")
-    d.add_argument("--corpus", default="", help="search: the corpus (default: corpus.jsonl of the search data dir)")
-    d.add_argument("--topk", type=int, default=3, help="search: passages per search, as "
-                   "rollout.agent.env.retriever.topk (default 3)")
     d.add_argument("--max-searches", dest="max_searches", type=int, default=4,
                    help="search: searches allowed, as rollout.agent.env.max_turns - 1 in training (the prompt "
                    "states it; default 4)")
-    d.add_argument("--observation-format", dest="observation_format", default="search_r1",
-                   choices=["search_r1", "clean"],
-                   help="search: as rollout.agent.env.retriever.passage_format (default search_r1)")
-    d.add_argument("--system-prompt", dest="system_prompt", default="", help="a system message, as "
-                   "data.system_prompt in training (default none)")
+    add_flags(d, DEMOS_FLAGS, DEMOS_PRESET)  # the config keys' own flags: type, choices and help from the keys
     d.set_defaults(fn=_demos_main)
 
 
@@ -311,7 +303,14 @@ def _named_sets(env: str) -> set[str]:
     return set(SEARCH_DATASETS)
 
 
+def flag_values(args) -> None:
+    """Each config key's flag not given takes the preset's value, else the key's default (what its help states)."""
+    for f in DEMOS_FLAGS:
+        setattr(args, f.dest, value(args, f, DEMOS_PRESET))
+
+
 def _demos_main(args) -> int:
+    flag_values(args)
     args.data = args.data or ("arithmetic" if args.env == "calculator" else "multihop")
     if args.data.lower() in ("arithmetic", "gsm8k", "multihop"):
         args.data = args.data.lower()
