@@ -97,3 +97,15 @@ def test_demos_flags_reach_the_environment_it_builds():
     keys = _env_keys(args)
     assert keys["rollout.agent.env.retriever.topk"] == 5
     assert keys["rollout.agent.env.retriever.passage_format"] == "search_r1"
+
+
+@pytest.mark.parametrize("over, needle", [({"eval.top_p": 1.5}, "eval.top_p: Input should be less than or equal to 1"),
+                                          ({"eval.top_p": 0.9}, "eval.top_p has no effect with eval.greedy=true")])
+def test_eval_top_p_is_a_checked_key(over, needle):
+    from tether.config import load_config
+    from tether.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, over)
+    assert needle in str(e.value)
+    assert load_config(None, {"eval.top_p": 0.9, "eval.greedy": False}).eval.top_p == 0.9
