@@ -109,3 +109,21 @@ def test_eval_top_p_is_a_checked_key(over, needle):
         load_config(None, over)
     assert needle in str(e.value)
     assert load_config(None, {"eval.top_p": 0.9, "eval.greedy": False}).eval.top_p == 0.9
+
+
+def test_sft_and_train_share_the_optimizer_section():
+    """tether sft's optimizer keys are tether train's declarations (one section, OptimizerConfig); only the
+    schedule's default differs (SFT decays, cosine)."""
+    from tether.config import TrainConfig
+    from tether.config.schema import OptimizerConfig
+    from tether.config.sft import SFTTrainConfig
+
+    shared = list(OptimizerConfig.model_fields)
+    assert shared == ["lr", "weight_decay", "betas", "warmup_steps", "schedule", "grad_clip"]
+    for cls in (TrainConfig, SFTTrainConfig):
+        assert issubclass(cls, OptimizerConfig) and list(cls.model_fields)[:len(shared)] == shared
+    for k in shared:
+        if k != "schedule":
+            assert doc(SFTTrainConfig, k) == doc(TrainConfig, k) == doc(OptimizerConfig, k)
+            assert default(SFTTrainConfig, k) == default(TrainConfig, k)
+    assert (SFTTrainConfig().schedule, TrainConfig().schedule) == ("cosine", "constant")

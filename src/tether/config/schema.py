@@ -131,15 +131,12 @@ class RolloutConfig(Section):
     """exclude responses cut at max_new_tokens from the loss (DAPO overlong filtering)"""
 
 
-class TrainConfig(Section):
-    """Optimization: the update over one rollout batch."""
+class OptimizerConfig(Section):
+    """AdamW and its learning-rate schedule: the ``train`` keys ``tether train`` and ``tether sft`` share (both
+    sections derive from this one, so each key means the same in both; tether.optim, tether.schedule)."""
 
-    steps: int = 10
-    """trainer steps (rollout + update); the default run, with its held-out evaluation before and after, fits 20
-    minutes on 2 CPU cores. Raised on --resume it extends the run (see train.schedule)"""
     lr: float = 1e-5
-    """AdamW learning rate, >= 0 (0: no update, a baseline; EMA-PG used 1e-6 for hundreds of steps; the short CPU
-    default needs more); set on --resume, it applies from the next step"""
+    """AdamW learning rate, >= 0 (0: no update, a baseline); set on --resume, it applies from the next step"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
     betas: list = Field(default_factory=lambda: [0.9, 0.999])
@@ -150,6 +147,16 @@ class TrainConfig(Section):
     """constant | cosine | linear (after warm-up, to 0 at the last optimizer step). The LR never jumps on --resume:
     when train.steps (or the schedule) changes, the decay is re-laid from the multiplier reached to 0 at the new
     end; a run already decayed to 0 cannot be extended except with constant (train.lr)"""
+    grad_clip: float = 1.0
+    """max global grad norm (0 = off)"""
+
+
+class TrainConfig(OptimizerConfig):
+    """Optimization: the update over one rollout batch (the optimizer's keys first, `OptimizerConfig`)."""
+
+    steps: int = 10
+    """trainer steps (rollout + update); the default run, with its held-out evaluation before and after, fits 20
+    minutes on 2 CPU cores. Raised on --resume it extends the run (see train.schedule)"""
     lr_scale: str = "none"
     """none | ess | seq_ess: scale each optimizer step's LR by the effective sample size of the importance weights
     pi_old/mu of its mini-batch (VCPO), lr_step = lr_sched * clip((ESS/N)^p, lr_scale_floor, 1), ESS/N = (sum
@@ -162,8 +169,6 @@ class TrainConfig(Section):
     lr_scale_power: float = 1.0
     """lr_scale ess / seq_ess: p in (0, 1]; 1 scales the step with the effective batch, 0.5 is VCPO's square-root
     rule for Adam"""
-    grad_clip: float = 1.0
-    """max global grad norm (0 = off)"""
     epochs: int = 1
     """passes over each rollout batch (> 1 makes the update off-policy)"""
     mini_batches: int = 1

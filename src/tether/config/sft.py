@@ -19,7 +19,7 @@ from ..models import ModelConfig
 from ..sections import Section
 from .overrides import apply_keys, flatten
 from .reference import keys, section_tables
-from .schema import OutputsConfig
+from .schema import OptimizerConfig, OutputsConfig
 from .validate import check_checkpoints, check_model, check_optimizer, check_outputs, raise_problems
 from .yaml_io import read_yaml_mapping
 
@@ -46,8 +46,9 @@ class SFTDataConfig(Section):
     truncate (keep its first data.max_length tokens; it must still hold a trained token)"""
 
 
-class SFTTrainConfig(Section):
-    """Optimization: AdamW on the mean negative log-likelihood of the trained tokens of each batch."""
+class SFTTrainConfig(OptimizerConfig):
+    """Optimization: AdamW on the mean negative log-likelihood of the trained tokens of each batch (the optimizer's
+    keys are ``tether train``'s, `OptimizerConfig`, first; its schedule is cosine)."""
 
     epochs: int = 1
     """passes over the training rows (with train.steps = 0); raised on --resume it extends the run"""
@@ -64,19 +65,9 @@ class SFTTrainConfig(Section):
     to its longest) | length_grouped (batches of similar lengths: less padding, but a batch's contents correlate
     with length) | packed (random batches, each micro-batch concatenated without padding, positions restarting
     per conversation; checked against the padded forward at the start)"""
-    lr: float = 1e-5
-    """AdamW learning rate, >= 0; set on --resume, it applies from the next step"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    betas: list = Field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas"""
-    warmup_steps: int = 0
-    """linear warm-up, in optimizer steps"""
     schedule: str = "cosine"
     """constant | cosine | linear (after warm-up, to 0 at the last step); as for tether train, the LR never jumps
     when --resume extends the run"""
-    grad_clip: float = 1.0
-    """max global grad norm (0 = off)"""
     val_every: int = 0
     """also compute the validation loss every N steps (0 = before the first step and after the last only; needs
     data.val_path or data.val_fraction)"""
