@@ -108,7 +108,7 @@ def run(a, k: int, w: int, out: Path) -> list[dict]:
     """The timed steps' metrics of one run with train.async.max_staleness=k and w rollout workers."""
     import torch
 
-    from tether.config import load_config
+    from tether.resolve import load_config
     from tether.train import Trainer
 
     over = {"model.name": a.model, "rollout.prompts_per_step": a.prompts, "rollout.n": a.n,

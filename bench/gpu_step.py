@@ -29,7 +29,7 @@ def run() -> int:
 
     import vs_trl
     from _memory import rss_bytes
-    from tether.config import load_config
+    from tether.resolve import load_config
     from tether.train import Trainer
 
     baseline = rss_bytes()

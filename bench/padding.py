@@ -84,7 +84,7 @@ def table(results: list[dict]) -> str:
 
 def rollout(a, task: str, out: Path):
     """One rollout batch of ``task`` with the default run's settings; returns it and the config."""
-    from tether.config import load_config
+    from tether.resolve import load_config
     from tether.train import Trainer
 
     over = {"model.name": a.model, "run.progress": False, "run.plot": False, "train.seed": a.seed,

@@ -80,7 +80,8 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     import torch
 
-    from tether.config import load_config, parse_overrides
+    from tether.config import parse_overrides
+    from tether.resolve import load_config
     from tether.train import Trainer
 
     ov = {

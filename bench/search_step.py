@@ -59,7 +59,7 @@ def parse_args(argv=None):
 
 
 def trainer(a, task: str, out: Path, model=None, tokenizer=None):
-    from tether.config import load_config
+    from tether.resolve import load_config
     from tether.train import Trainer
 
     over = {"model.name": a.model, "rollout.prompts_per_step": a.prompts, "rollout.n": a.n,

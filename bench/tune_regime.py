@@ -47,8 +47,9 @@ def main(argv=None) -> int:
     if a.every < 1 or a.val < 1 or a.eval_tokens < 1 or a.minutes <= 0:
         p.error("--every, --val, --eval-tokens must be >= 1 and --minutes > 0")
 
-    from tether.config import load_config, parse_overrides
+    from tether.config import parse_overrides
     from tether.eval.runner import evaluate_during_training
+    from tether.resolve import load_config
     from tether.tasks.arithmetic import ArithmeticTask
     from tether.tasks.rewards import load_reward
     from tether.train import Trainer

@@ -113,7 +113,7 @@ def child_tether(a, recipe: str, extra: dict | None = None, breakdown: bool = Fa
     import torch
 
     from _memory import rss_bytes
-    from tether.config import load_config
+    from tether.resolve import load_config
     from tether.train import Trainer
 
     baseline_rss = rss_bytes()  # the interpreter and libraries, before the model load

@@ -48,7 +48,7 @@ EXTRA = {
 
 
 def run_all(recipes: list[str], extra: list[str]) -> dict:
-    from tether.config import load_config
+    from tether.resolve import load_config
     from tether.testing import make_tiny_model_dir
     from tether.train import train
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import tether
-from tether.config import load_config
+from tether.resolve import load_config
 
 SRC = str(Path(tether.__file__).resolve().parents[1])
 TIMING = ("time", "tokens_per_s", "peak_")  # metric names that differ between two runs of the same computation

@@ -128,7 +128,8 @@ def test_asynchronous_training_is_corrected_by_default(workdir, tiny_model_dir, 
     uncorrected; a correction set by hand is used as given (and then false is refused as having no effect, as it is
     with K = 0); a Config built in Python gets the same default from the Trainer (apply_async_correction,
     idempotent)."""
-    from tether.config import Config, apply_async_correction
+    from tether.config import Config
+    from tether.resolve import apply_async_correction
 
     def corr(c):
         return (c.algo.tis_cap, c.algo.mask_token_low, c.algo.mask_token_high)
@@ -348,7 +349,7 @@ def test_lora_and_tied_weights_reach_the_workers(kind, workdir, tiny_model_dir, 
 
 @pytest.mark.parametrize("env", ["calculator", "user"])
 def test_a_multi_turn_environment_runs_in_a_worker(env, tiny_model_dir, tmp_path):
-    from tether.config import load_config
+    from tether.resolve import load_config
 
     over = {"model.name": str(tiny_model_dir), "rollout.max_new_tokens": 12, "rollout.prompts_per_step": 2,
             "rollout.n": 2, "train.steps": 2, "run.progress": False, "run.plot": False, "run.save_every": 0,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tether.config import load_config
 from tether.models import ModelConfig, load_model
+from tether.resolve import load_config
 from tether.rollout import SamplingParams
 from tether.rollout.hf import HFEngine
 from tether.tasks.base import Example

@@ -15,18 +15,10 @@ from typing import Optional, Union
 import pytest
 
 import tether.config
+import tether.resolve
 from helpers import DIGITS, tiny_config
-from tether.config import (
-    Config,
-    ConfigError,
-    coerce_value,
-    flatten,
-    load_config,
-    parse_overrides,
-    reference,
-    save_config,
-    to_dict,
-)
+from tether.config import Config, ConfigError, coerce_value, flatten, parse_overrides, to_dict
+from tether.resolve import load_config, reference, save_config
 from tether.sections import Section
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +40,7 @@ def _is_section(value) -> bool:
 
 def leaf_keys(obj=None, prefix: str = "") -> list[str]:
     """Every key of a config instance at any depth (default: ``Config()``), walked from its fields
-    (independently of ``tether.config.reference``); an optional section that is off is one leaf."""
+    (independently of ``tether.resolve.reference``); an optional section that is off is one leaf."""
     obj = Config() if obj is None else obj
     out = []
     for name, key in _fields(obj):
@@ -124,7 +116,7 @@ class _Undocumented(Section):
 
 
 def test_a_key_declared_without_a_docstring_is_refused():
-    from tether.config.reference import keys
+    from tether.resolve.reference import keys
 
     with pytest.raises(AssertionError, match="config key bare has no docstring"):
         keys(_Undocumented)
@@ -215,8 +207,8 @@ def test_problems_of_several_sections_are_listed_in_section_order():
 # ---------------------------------------------------------------- the package's names
 
 
-def _imported_from_config() -> set[str]:
-    """Names imported from tether.config anywhere in src, bench, tests and scripts (also relatively)."""
+def _imported_from(package: str) -> set[str]:
+    """Names imported from tether.<package> anywhere in src, bench, tests and scripts (also relatively)."""
     names = set()
     for top in ("src", "bench", "tests", "scripts"):
         for f in (ROOT / top).rglob("*.py"):
@@ -226,26 +218,48 @@ def _imported_from_config() -> set[str]:
             except SyntaxError:  # a file being written by someone else; it imports nothing yet
                 continue
             for node in ast.walk(tree):
-                if not isinstance(node, ast.ImportFrom) or "config" not in (node.module or ""):
+                if not isinstance(node, ast.ImportFrom) or package not in (node.module or ""):
                     continue
-                absolute = node.level == 0 and node.module == "tether.config"
-                relative = in_pkg and node.module == "config" and node.level == (1 if f.parent.name == "tether" else 2)
+                absolute = node.level == 0 and node.module == f"tether.{package}"
+                relative = in_pkg and node.module == package and node.level == (1 if f.parent.name == "tether" else 2)
                 if absolute or relative:
                     names.update(a.name for a in node.names)
     return names
 
 
 def test_every_name_callers_import_is_re_exported():
-    names = _imported_from_config()
-    assert {"load_config", "parse_overrides", "reference", "flatten", "check_device"} <= names  # the scan worked
+    """tether.config (the declarations) and tether.resolve (load_config, check, ...) export every name imported
+    from them; the former single module's public names are in one of the two."""
+    config, resolve = _imported_from("config"), _imported_from("resolve")
+    assert {"parse_overrides", "flatten", "Config"} <= config  # the scan worked
+    assert {"load_config", "reference", "check_device"} <= resolve
     old_public = {  # the names of the former single module tether/config.py
         "DEFAULT_RECIPE", "DataConfig", "RolloutConfig", "TrainConfig", "RunConfig", "EvalConfig",
         "HELD_OUT", "eval_benchmarks", "evaluating", "Config", "RECIPE_TRAINER_DEFAULTS", "TASK_PRESETS", "to_dict",
         "parse_overrides", "read_yaml_mapping", "load_config", "check", "check_device", "VLLM_DTYPES",
         "save_config", "reference", "ConfigError", "AlgoConfig", "ModelConfig", "coerce_value", "flatten", "set_key"}
-    missing = sorted(n for n in names | old_public if not hasattr(tether.config, n))
-    assert not missing, f"tether.config no longer exports {missing}"
+    missing = sorted(n for n in config if not hasattr(tether.config, n))
+    missing += sorted(n for n in resolve if not hasattr(tether.resolve, n))
+    missing += sorted(n for n in old_public if not hasattr(tether.config, n) and not hasattr(tether.resolve, n))
+    assert not missing, f"no longer exported: {missing}"
     assert all(hasattr(tether.config, n) for n in tether.config.__all__)
+    assert all(hasattr(tether.resolve, n) for n in tether.resolve.__all__)
+
+
+def test_the_declarations_import_nothing_above_them():
+    """tether.config imports no agent, environment, task, engine, retriever, model loader or run directory: it is
+    the bottom of the house (tether.resolve checks names against those registries)."""
+    banned = ("agents", "envs", "tasks", "rollout", "models", "search", "rundir", "resolve", "anchor", "eval")
+    found = []
+    for f in (ROOT / "src" / "tether" / "config").glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom):
+                mod = (node.module or "").split(".")
+                top = mod[1] if node.level == 0 and mod[0] == "tether" and len(mod) > 1 else \
+                    mod[0] if node.level == 2 else None
+                if top in banned:
+                    found.append(f"{f.name}: {'.' * node.level}{node.module}")
+    assert not found, found
 
 
 # ---------------------------------------------------------------- values checked by load_config

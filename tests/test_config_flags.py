@@ -102,8 +102,8 @@ def test_demos_flags_reach_the_environment_it_builds():
 @pytest.mark.parametrize("over, needle", [({"eval.top_p": 1.5}, "eval.top_p: Input should be less than or equal to 1"),
                                           ({"eval.top_p": 0.9}, "eval.top_p has no effect with eval.greedy=true")])
 def test_eval_top_p_is_a_checked_key(over, needle):
-    from tether.config import load_config
     from tether.errors import ConfigError
+    from tether.resolve import load_config
 
     with pytest.raises(ConfigError) as e:
         load_config(None, over)

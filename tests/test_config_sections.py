@@ -19,11 +19,10 @@ from tether.config import (
     RetrieverConfig,
     SingleTurnAgentConfig,
     VLLMEngineConfig,
-    load_config,
-    save_config,
     to_dict,
 )
 from tether.config.migration import MOVED, migrate_saved, moved_key
+from tether.resolve import load_config, save_config
 from tether.sections import Section, default, doc, keys_of, replace
 
 

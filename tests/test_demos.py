@@ -208,8 +208,9 @@ def test_demos_and_training_build_one_environment():
     """`tether demos` builds its environment with tether.agents.build.build_env from the keys training sets, so a
     demonstration's observations are the ones training shows; an agent without an environment is refused."""
     from tether.agents.build import build_env
-    from tether.config import ConfigError, load_config
+    from tether.config import ConfigError
     from tether.envs.calculator import CalculatorEnv
+    from tether.resolve import load_config
 
     env = build_env(load_config(None, {"rollout.agent": "multi_turn", "rollout.agent.env.max_turns": 3}))
     assert isinstance(env, CalculatorEnv) and env.max_turns == 3

@@ -13,8 +13,8 @@ import pytest
 from helpers import rows, run_module
 from test_search_agent import LogpEngine, ScriptedEngine, segments
 from tether.agents import MultiTurnAgent, env_from_config
-from tether.config import load_config
 from tether.errors import ConfigError, EnvError
+from tether.resolve import load_config
 from tether.rollout import SamplingParams
 from tether.tasks.base import DataError, Example
 from tether.tasks.rewards import load_reward
@@ -46,7 +46,7 @@ def tok(tiny_model_dir):
 
 
 def test_reasoning_gym_task_its_options_and_its_verifier():
-    from tether.config import eval_benchmarks
+    from tether.resolve import eval_benchmarks
     from tether.tasks.stream import held_out_sets, prompt_stream
 
     cfg = load_config(None, RG)

@@ -92,14 +92,15 @@ def test_train_bad_value_is_one_line_before_the_model_and_run_dir(overrides, nee
     ["data.reward=math"], ["data.reward=tether.tasks.rewards:math_reward"], ["run.plot=0", "run.progress=1"],
 ], ids=lambda o: " ".join(o))
 def test_valid_values_still_load(overrides):
-    from tether.config import load_config, parse_overrides
+    from tether.config import parse_overrides
+    from tether.resolve import load_config
 
     load_config(None, parse_overrides(overrides))
 
 
 def test_reward_file_spec_is_checked_without_importing_it(tmp_path):
     """A path.py:function spec whose file exists passes check(); the file is not run there."""
-    from tether.config import load_config
+    from tether.resolve import load_config
 
     f = tmp_path / "rew.py"
     f.write_text("raise SystemExit('imported at config time')\n")

@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file
 
 from tether.cli import main
-from tether.config import load_config
 from tether.eval import (
     EvalError,
     EvalSettings,
@@ -30,6 +29,7 @@ from tether.eval import (
     summarize,
 )
 from tether.eval.cli import load_eval_model
+from tether.resolve import load_config
 from tether.tasks.base import DataError
 from tether.train import train
 

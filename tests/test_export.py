@@ -20,10 +20,10 @@ import tether
 import tether.export as export_mod
 from tether.anchor import make_anchor
 from tether.cli import main
-from tether.config import load_config
 from tether.eval.run import load_run_model
 from tether.export import ExportError, export_run, plain_contiguous, resolve_run_checkpoint
 from tether.models import ModelConfig, load_model
+from tether.resolve import load_config
 from tether.rundir.checkpoint import load_anchor_tensors, load_policy_weights
 from tether.testing import TINY_CHAT_TEMPLATE, make_tiny_model_dir
 from tether.train import train

@@ -81,7 +81,8 @@ def test_a_user_agent_by_spec_gets_the_default_options(tmp_path, monkeypatch):
     """rollout.agent=module:name builds the user's agent with system_prompt and prompt_overflow (its
     ``options`` attribute replaces them); one that does not load is a ConfigError (one error line)."""
     from tether.agents.build import RolloutPlan
-    from tether.config import ConfigError, load_config
+    from tether.config import ConfigError
+    from tether.resolve import load_config
 
     (tmp_path / "my_agent_mod.py").write_text(
         "class Echo:\n"

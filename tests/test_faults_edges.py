@@ -53,7 +53,8 @@ def test_duplicate_yaml_key_is_refused(text, key, line, first, tmp_path):
 
 def test_merge_keys_may_still_be_overridden(tmp_path):
     """`<<: *base` then a key of base is YAML's override, not a duplicate."""
-    from tether.config import flatten, read_yaml_mapping
+    from tether.config import flatten
+    from tether.resolve import read_yaml_mapping
 
     f = tmp_path / "merge.yaml"
     f.write_text("x: &b {steps: 2, lr: 1.0e-3}\ny: {<<: *b, steps: 5}\n")

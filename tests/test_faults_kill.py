@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from helpers import DIGITS, rows, strip, tiny_config
 from test_stop import TIMEOUT, finish, start, with_one_thread
-from tether.config import save_config
+from tether.resolve import save_config
 from tether.rundir.checkpoint import latest_checkpoint
 from tether.train import train
 

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 
 from helpers import DIGITS, FAULTS, cli_args, copy_run, rows, strip, subprocess_env, tiny_config
 from tether.cli import main
-from tether.config import load_config
 from tether.errors import ConfigError, RunError
 from tether.metrics import JsonlWriter, read_metrics
+from tether.resolve import load_config
 from tether.rundir.checkpoint import latest_checkpoint
 from tether.testing import make_tiny_model_dir
 from tether.train import resume, train

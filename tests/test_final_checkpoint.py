@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tether.config import load_config
+from tether.resolve import load_config
 from tether.train import train
 
 REWARD = "def digits(completion, example):\n    return sum(c.isdigit() for c in completion) / max(len(completion), 1)\n"

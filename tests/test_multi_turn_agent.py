@@ -225,8 +225,8 @@ def test_raw_observations_on_smollm2_continue_the_assistant_turn(smol_tok):
 def test_train_runs_the_calculator_and_a_users_environment(tiny_model_dir, tmp_path):
     """rollout.agent=multi_turn on the arithmetic task (calculator) and on a user's env file whose reward parts are
     added to the task's reward; metrics per environment each step; whole trajectories in samples.jsonl."""
-    from tether.config import load_config
     from tether.errors import ConfigError
+    from tether.resolve import load_config
     from tether.train import train
 
     base = {"model.name": str(tiny_model_dir), "rollout.max_new_tokens": 12, "rollout.prompts_per_step": 2,
@@ -344,8 +344,8 @@ def test_tether_eval_runs_the_calculator(tiny_model_dir, tmp_path):
 
 
 def test_per_response_rollout_options_are_errors_with_a_multi_turn_agent():
-    from tether.config import load_config
     from tether.errors import ConfigError
+    from tether.resolve import load_config
 
     for over, msg in (({"rollout.stop": ["\n\n"]}, "rollout.stop with rollout.agent.kind=multi_turn"),
                       ({"rollout.min_new_tokens": 4}, "rollout.min_new_tokens with rollout.agent.kind=multi_turn"),

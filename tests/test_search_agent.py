@@ -255,7 +255,7 @@ def test_search_training_runs_end_to_end(tiny_model_dir, tmp_path, monkeypatch):
     agent per step, whole trajectories in samples.jsonl, and a corpus error before the model loads."""
     import json
 
-    from tether.config import load_config
+    from tether.resolve import load_config
     from tether.train import train
 
     corpus = tmp_path / "corpus.jsonl"
@@ -298,7 +298,7 @@ def test_real_smollm2_search_training(tmp_path):
     """SmolLM2-135M, 2 steps of ema_pg on the closed-pool multihop set with BM25 over the shared corpus."""
     import json
 
-    from tether.config import load_config
+    from tether.resolve import load_config
     from tether.search.data import search_data_dir
     from tether.train import train
 
@@ -323,8 +323,8 @@ def test_each_turn_is_capped_by_max_new_tokens(tok):
 
 
 def test_search_options_that_cannot_act_are_errors():
-    from tether.config import load_config
     from tether.errors import ConfigError
+    from tether.resolve import load_config
 
     for over, msg in (({"rollout.agent.env.retriever.dense_model": "m"}, "dense_model only applies"),
                       ({"rollout.agent.env.retriever.timeout": 5.0}, "timeout only applies"),

@@ -119,7 +119,8 @@ def test_search_training_on_a_hub_id_reads_data_split(monkeypatch, tmp_path):
     import sys
     import types
 
-    from tether.config import ConfigError, load_config
+    from tether.config import ConfigError
+    from tether.resolve import load_config
     from tether.search.task import search_qa_task
 
     asked = []

@@ -15,9 +15,9 @@ from search_helpers import synthetic_corpus
 from test_search_agent import EX, FakeRetriever, ScriptedEngine, char_ids, segments
 from tether.agents import env_from_config
 from tether.agents.build import RolloutPlan
-from tether.config import load_config
 from tether.envs.search import SearchEnv
 from tether.errors import ConfigError
+from tether.resolve import load_config
 from tether.rollout import SamplingParams
 from tether.search.corpus import load_corpus
 from tether.search.protocol import render_observation

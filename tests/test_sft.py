@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import DIGITS, assert_clean_error, cli_args, rows, run_module, strip
-from tether.config.sft import load_sft_config, sft_reference
 from tether.errors import ConfigError, RunError
 from tether.models import ModelConfig, load_model
+from tether.resolve.sft import load_sft_config, sft_reference
 from tether.rundir.checkpoint import latest_checkpoint
 from tether.rundir.owned import read_marker, write_marker
 from tether.sft import SFTTrainer, resume_sft, resume_sft_config, sft
@@ -212,7 +212,7 @@ def test_docs_sft_md_lists_every_option():
 @pytest.mark.slow
 def test_smollm2_sft_then_one_rl_step_from_its_checkpoint(tmp_path):
     """The real model: a few SFT steps on search trajectories lower the loss, then one RL step starts from them."""
-    from tether.config import load_config
+    from tether.resolve import load_config
     from tether.train import train
 
     rows_ = [r for r in conversations(8) if "messages" in r and r["messages"][0]["role"] == "system"]

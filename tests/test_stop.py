@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import DIGITS, rows, strip, subprocess_env, terminal_sigint, tiny_config
-from tether.config import save_config
+from tether.resolve import save_config
 from tether.rundir import stop
 from tether.rundir.checkpoint import latest_checkpoint
 from tether.train import Trainer, train

@@ -622,7 +622,7 @@ def test_the_task_is_looked_up_in_the_registry():
     """data.task picks a registered task (arithmetic), the search agent's task (its QA data), a user's
     module:function, or else the dataset task math; a hub id org/name:config is not a user spec."""
     from tether.algo.registry import is_spec
-    from tether.config import load_config
+    from tether.resolve import load_config
     from tether.tasks.registry import TASKS, held_out_benchmark, task_name, task_presets
 
     assert task_name(load_config(None, {})) == "arithmetic"
@@ -636,7 +636,7 @@ def test_the_task_is_looked_up_in_the_registry():
 
 
 def test_a_user_task_and_its_reward_by_spec(tmp_path, monkeypatch):
-    from tether.config import load_config
+    from tether.resolve import load_config
     from tether.tasks.stream import prompt_stream
 
     (tmp_path / "user_task_mod.py").write_text(
@@ -655,7 +655,8 @@ def test_a_user_task_and_its_reward_by_spec(tmp_path, monkeypatch):
 
 def test_the_registries_name_the_config_choices():
     """check() lists a registry's names (with a did-you-mean) for an unknown choice, and takes user specs."""
-    from tether.config import ConfigError, load_config
+    from tether.config import ConfigError
+    from tether.resolve import load_config
     from tether.tasks.rewards import REWARDS
 
     assert list(REWARDS) == ["arithmetic", "gsm8k", "math", "search", "search_f1", "reasoning_gym", "none"]

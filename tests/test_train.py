@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from helpers import DIGITS, rows, strip, tiny_config
-from tether.config import load_config
 from tether.config.recipes import RECIPES
 from tether.errors import ConfigError
+from tether.resolve import load_config
 from tether.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from tether.tasks.base import DataError
 from tether.train import Trainer, resume, train
@@ -341,7 +341,7 @@ def test_default_run_prints_held_out_accuracy_before_and_after(workdir, tiny_mod
 def test_auto_benchmarks_follow_the_task(workdir, tiny_model_dir, tmp_path):
     """auto -> the training task's held-out set; a task without one evaluates nothing and says so, and
     asking for periodic evaluation of it is a configuration error."""
-    from tether.config import eval_benchmarks
+    from tether.resolve import eval_benchmarks
     assert eval_benchmarks(load_config(None, {})) == ["arithmetic"]
     assert eval_benchmarks(load_config(None, {"data.task": "gsm8k"})) == ["gsm8k"]
     assert eval_benchmarks(load_config(None, {"data.task": "gsm8k", "eval.benchmarks": ["auto", "math500"]})) == \

@@ -20,8 +20,8 @@ from tether.agents import env_from_config, multi_turn_agent
 from tether.agents.chat_turns import ChatTemplateError
 from tether.agents.tool_calls import parse_tool_calls, template_tool_format, tools_system_text
 from tether.agents.verifiers import VerifiersAgent
-from tether.config import load_config
 from tether.errors import ConfigError, EnvError
+from tether.resolve import load_config
 from tether.rollout import SamplingParams
 from tether.tasks.stream import held_out_sets, prompt_stream
 

@@ -24,10 +24,10 @@ vf = pytest.importorskip("verifiers.v1", reason="verifiers 0.4, the optional ext
 
 from helpers import assert_clean_error, rows, subprocess_env  # noqa: E402
 from tether.agents.build import RolloutPlan  # noqa: E402
-from tether.config import load_config  # noqa: E402
 from tether.errors import ConfigError, EnvError  # noqa: E402
 from tether.logprobs import response_stats  # noqa: E402
 from tether.models import ModelConfig, load_model  # noqa: E402
+from tether.resolve import load_config  # noqa: E402
 from tether.rollout import HFEngine, SamplingParams  # noqa: E402
 
 ENVS = Path(__file__).parent / "vf1_envs"

@@ -281,7 +281,7 @@ def test_verifiers_env_runs_on_vllm(setup, monkeypatch):
     the user turns are masked with log-prob 0, and the engine's log-probs equal the trainer's on the policy's ids."""
     pytest.importorskip("verifiers.legacy")  # the classic API (verifiers 0.3.x); 0.4's: test_vllm_served.py
     from tether.agents import env_from_config, multi_turn_agent
-    from tether.config import load_config
+    from tether.resolve import load_config
     from tether.tasks.stream import prompt_stream
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "vf_envs"))

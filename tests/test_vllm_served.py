@@ -355,7 +355,7 @@ def test_a_verifiers_v1_environment_runs_token_exact_on_the_served_engine(served
     each trace's ids, masks and log-probs are the server's sampled ids and the trainer's log-probs."""
     pytest.importorskip("verifiers.v1")
     from tether.agents.build import RolloutPlan
-    from tether.config import load_config
+    from tether.resolve import load_config
 
     envs = Path(__file__).parent / "vf1_envs"
     monkeypatch.syspath_prepend(str(envs))

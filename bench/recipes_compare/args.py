@@ -218,8 +218,9 @@ def _resolve(a, p) -> None:
 def parse_variants(items: list[list[str]], error) -> dict:
     """``[["grpo_tm", "grpo", "algo.aggregation=token-mean"]]`` -> ``{"grpo_tm": {"recipe": "grpo",
     "overrides": {"algo.aggregation": "token-mean"}}}``; each variant's config is validated here, before any run."""
-    from tether.config import ConfigError, load_config, parse_overrides
+    from tether.config import ConfigError, parse_overrides
     from tether.config.recipes import RECIPES as ALL
+    from tether.resolve import load_config
     out = {}
     for item in items:
         if len(item) < 3:

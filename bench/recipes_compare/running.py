@@ -68,9 +68,9 @@ def fresh_run_dir(path: Path) -> None:
 
 def one_run(a, task: str, recipe: str, seed: int, base_model, tok, evals: dict) -> dict:
     """Train one (task, recipe, seed), evaluate its final policy, measure KL and entropy."""
-    from tether.config import RECIPE_TRAINER_DEFAULTS, load_config, save_config
     from tether.config.recipes import describe
     from tether.metrics import read_metrics
+    from tether.resolve import RECIPE_TRAINER_DEFAULTS, load_config, save_config
     from tether.train import Trainer
 
     run_dir = a.work_dir / task / f"{recipe}-seed{seed}"
@@ -177,7 +177,7 @@ def new_results(a) -> dict:
     """The results of this command before anything runs: settings, machine, recipe trainer settings."""
     import torch
 
-    from tether.config import RECIPE_TRAINER_DEFAULTS
+    from tether.resolve import RECIPE_TRAINER_DEFAULTS
 
     info = bu.machine_info()
     info["torch_threads"] = torch.get_num_threads()

@@ -11,7 +11,7 @@ from .sweep.cli import add_sweep_parser, positive_int
 
 
 def _train(args) -> int:
-    from .config import load_config  # deferred: pulls in torch
+    from .resolve import load_config  # deferred: pulls in torch
     from .train import resume, train  # deferred: pulls in torch and transformers
 
     overrides = _overrides(args, (("model", "model.name"), ("data", "data.task"), ("steps", "train.steps"),
@@ -37,7 +37,7 @@ def _train(args) -> int:
 
 
 def _sft(args) -> int:
-    from .config.sft import load_sft_config  # deferred: pulls in torch
+    from .resolve.sft import load_sft_config  # deferred: pulls in torch
     from .sft import resume_sft, sft  # deferred: pulls in torch and transformers
 
     overrides = _overrides(args, (("data", "data.path"), ("model", "model.name"), ("steps", "train.steps"),
@@ -107,7 +107,8 @@ def _plot(args) -> int:
 
 
 def _config(args) -> int:
-    from .config import load_config, parse_overrides, reference, to_dict  # deferred: pulls in torch
+    from .config import parse_overrides, to_dict
+    from .resolve import load_config, reference  # deferred: pulls in torch
 
     if args.reference:
         print(reference())
@@ -145,11 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=50")
     t.add_argument("--config", help="YAML config file")
     t.add_argument("--recipe", help="named algorithm (tether recipes lists them); default ema_pg")
-    from .config import TASK_PRESETS  # deferred: pulls in torch (and registers every task: search's preset too)
+    from .resolve import TASK_PRESETS  # deferred: pulls in torch (and registers every task: search's preset too)
 
     t.add_argument("--task", choices=list(TASK_PRESETS),
                    help="math (default: single-turn, arithmetic / GSM8K / MATH data) | search (the multi-turn search "
-                   "agent on the closed-pool multi-hop set with BM25; tether.config.TASK_PRESETS)")
+                   "agent on the closed-pool multi-hop set with BM25; tether.resolve.TASK_PRESETS)")
     t.add_argument("--model", help="hub id, local directory, .gguf file, or 'smollm2' (the embedded default)")
     t.add_argument("--data", help="arithmetic | gsm8k | math500 | ... | a .jsonl/.json/.parquet file | a hub id")
     t.add_argument("--steps", type=int, help="trainer steps (= train.steps)")
@@ -258,7 +259,7 @@ def main(argv=None) -> int:
 
 def error_text(e: BaseException) -> str:
     """The message of a user error for ``tether: error: ...``: one line, except that a list of
-    problems (lines starting with ``  - ``, as `tether.config.check` writes them) keeps one
+    problems (lines starting with ``  - ``, as `tether.resolve.check` writes them) keeps one
     problem per line under it. Other line breaks (e.g. in a message transformers wrote) are
     joined with spaces, so the error is one line a script or a log search can take."""
     lines = [ln.rstrip() for ln in str(e).strip().splitlines() if ln.strip()]

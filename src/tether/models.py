@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from . import distributed
+from .config.model import DTYPES, EMBEDDED_MODEL_NAME, ModelConfig  # noqa: F401  (re-exported)
 from .errors import (  # ModelLoadError: the CLI reports it as one line (exit 2); re-exported
     ConfigError,
     ModelLoadError,
@@ -43,53 +44,13 @@ from .gguf import (  # noqa: F401  (re-exported)
 from .organism import ORGANISM_MODEL_NAME, build_organism
 from .rundir.checkpoint import checkpoints, latest_checkpoint, load_policy_weights, verify_checkpoint
 from .rundir.owned import is_checkpoint_dir, is_run_dir
-from .sections import Section
 from .userio import read_yaml_mapping
 
 logger = logging.getLogger(__name__)
 
-#: Name under which the embedded model is selected in `ModelConfig.name`.
-EMBEDDED_MODEL_NAME = "smollm2"
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-#: The dtype names `ModelConfig.dtype` accepts (case-insensitive).
-DTYPES = tuple(_DTYPES)
-
-
-class ModelConfig(Section):
-    """What model to load and how to prepare it for training."""
-
-    name: str = EMBEDDED_MODEL_NAME
-    """"smollm2" (embedded default) | "organism" (built on first use, docs/organism.md) | hub id | local dir | path
-    to .gguf | a tether run directory (tether sft / tether train: the policy of its newest checkpoint) or
-    RUN/checkpoints/step-N"""
-    dtype: str = "float32"
-    """parameter dtype: float32 | bfloat16 | float16"""
-    device: str = "cpu"
-    """cpu | cuda | cuda:N | auto (cuda if available, else cpu)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in backward (saves memory, costs ~30% time)"""
-    lora_r: int = 0
-    """0 = full fine-tuning; >0 = LoRA via peft with this rank"""
-    lora_alpha: int = 16
-    """LoRA scaling numerator (scale = alpha / r)"""
-    lora_dropout: float = 0.0
-    """dropout on the LoRA branch input"""
-    lora_target_modules: list[str] | str = "all-linear"
-    """peft target_modules ("all-linear" = every linear but lm_head)"""
-    cache_dir: str | None = None
-    """cache for dequantized GGUF models; default $TETHER_CACHE or ~/.cache/tether"""
-    trust_remote_code: bool = False
-    """allow custom modeling code from hub repos / local dirs"""
-
+#: the torch dtype of each name `ModelConfig.dtype` accepts (`tether.config.model.DTYPES`)
+_DTYPES = {name: getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name))
+           for name in DTYPES}
 
 
 # --------------------------------------------------------------------------- resolution

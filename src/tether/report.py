@@ -28,9 +28,9 @@ import torch
 
 from . import distributed as dist
 from .algo import zero_variance_groups
-from .config import eval_benchmarks, evaluating
 from .eval import runner as eval_runner  # eval_runner.evaluate_during_training: read at call time (tests patch it)
 from .metrics import read_metrics
+from .resolve import eval_benchmarks, evaluating
 from .tasks.stream import held_out_sets
 
 

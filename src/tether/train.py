@@ -45,9 +45,8 @@ from .asynchronous.feed import RolloutFeed, rank_groups
 from .asynchronous.partial import token_metrics
 from .asynchronous.weights import WeightSyncError
 from .asynchronous.workers import WorkerError
-from .config import Config, apply_async_correction, evaluating
+from .config import Config
 from .config.recipes import describe
-from .config.saved import resume_config
 from .errors import ConfigError, GenerationError
 from .logprobs import response_stats
 from .loop import run_guarded, run_steps
@@ -56,6 +55,8 @@ from .metrics import UpdateStats, peak_memory_mb
 from .optim import make_adamw, optimizer_step, skipped_update_line
 from .passes import Passes, StepBatch, exact_kl_sample, forwarded_positions, head_inputs, idle_backward, micro_batches
 from .report import HeldOut, RewardErrorLog, rollout_metrics, sample_rows
+from .resolve import apply_async_correction, evaluating
+from .resolve.saved import resume_config
 from .rollout import RolloutBatch, SamplingParams
 from .rollout.servers import ServerError
 from .rundir.checkpoint import checkpoints, load_checkpoint, save_checkpoint

@@ -1,5 +1,5 @@
 """The schema of a run's configuration: one `Section` (a pydantic model) per section, each key documented
-by the docstring under its declaration (``tether.config.reference`` turns those into docs/config.md).
+by the docstring under its declaration (``tether.resolve.reference`` turns those into docs/config.md).
 Sections nest by what they configure: ``rollout.engine`` and ``rollout.agent`` are chosen by their kind
 (`tether.config.engine`, `tether.config.agent`),
 ``train.async`` is an optional section (`tether.config.train_async`)."""
@@ -10,11 +10,10 @@ from typing import Any, Optional
 
 from pydantic import Field, field_validator
 
-from ..models import ModelConfig
 from ..sections import Section, as_dict
-from ..tasks.registry import TASKS, held_out_benchmark
 from .agent import AgentConfig, SingleTurnAgentConfig, agent_shorthand
 from .engine import EngineConfig, HFEngineConfig, engine_shorthand
+from .model import ModelConfig
 from .recipes import AlgoConfig, recipe
 from .train_async import AsyncConfig, async_shorthand
 
@@ -281,29 +280,6 @@ class EvalConfig(Section):
     """response length cap during evaluation"""
     anchor: bool = False
     """also evaluate the anchor (fixed / ema / reset / kl_reset), as eval_anchor/..."""
-
-
-# eval.benchmarks=auto: the held-out set of a training task (tasks not listed have none), from the tasks'
-# registered ``held_out`` (tether.tasks.registry.TASKS)
-HELD_OUT = {k: v for n in TASKS if isinstance(TASKS.meta(n)["held_out"], dict)
-            for k, v in TASKS.meta(n)["held_out"].items()}
-
-
-def eval_benchmarks(cfg: "Config") -> list[str]:
-    """eval.benchmarks with ``auto`` replaced by the training task's held-out set (dropped if it has none)."""
-    out = []
-    for b in cfg.eval.benchmarks:
-        if b != "auto":
-            out.append(b)
-        elif held_out_benchmark(cfg) is not None:
-            out.append(held_out_benchmark(cfg))
-    return list(dict.fromkeys(out))
-
-
-def evaluating(cfg: "Config") -> bool:
-    """Whether the run evaluates at all (before, after or every N steps) on at least one benchmark."""
-    e = cfg.eval
-    return bool((e.before or e.after or e.every) and eval_benchmarks(cfg))
 
 
 class Config(Section):

@@ -16,10 +16,11 @@ from typing import Any, Mapping, Optional
 
 from ..agents import AGENTS
 from ..agents.build import RolloutPlan
-from ..config import Config, load_config
+from ..config import Config
 from ..config.agent import SEARCH_MAX_TURNS
 from ..config.flags import EVAL_FLAGS, EVAL_PRESET, Flag, add_flags, given, value
 from ..errors import EvalError
+from ..resolve import load_config
 from ..search.data import load_search_examples
 from ..search.retrievers import RETRIEVERS
 from ..sections import as_dict

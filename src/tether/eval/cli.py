@@ -18,11 +18,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .. import __version__
 from ..agents.build import RolloutPlan
-from ..config import apply_keys, check, check_device
+from ..config import apply_keys
 from ..config.flags import EVAL_FLAGS, EVAL_PRESET, add_flags, value
 from ..errors import ConfigError, EvalError, OutputError
 from ..metrics import json_safe, write_json_atomic, write_text_atomic
 from ..models import DTYPES
+from ..resolve import check, check_device
 from ..rundir.owned import MARKER, check_replaceable, write_marker
 from ..rundir.stop import GracefulStop, Interrupted, exit_code
 from ..tasks.rewards import REWARDS

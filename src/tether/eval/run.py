@@ -1,6 +1,6 @@
 """A run directory at one of its checkpoints, with its config and its model, for ``tether eval`` and
 ``tether export`` (the directory itself is read by `tether.rundir.reader.RunDir`; its config resolved by
-`tether.config.saved.saved_config`).
+`tether.resolve.saved.saved_config`).
 
 * `RunCheckpoint` -- a run at one checkpoint, resolved without loading weights (`checkpoint_at`).
 * `check_anchor`, `load_run_model` -- the run's model at that checkpoint, policy or anchor.
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import models  # models.load_model read at call time (tests patch it)
-from ..config.saved import saved_config
 from ..errors import RunError
 from ..models import ModelLoadError
+from ..resolve.saved import saved_config
 from ..rundir.checkpoint import copy_named_tensors, load_anchor_tensors, load_policy_weights
 from ..rundir.reader import RunDir, checkpoint_step
 from ..sections import replace

@@ -9,5 +9,5 @@
 The modules are imported by name (``tether.rundir.checkpoint``...): this face imports none, so ``reader`` and
 ``owned`` stay free of torch (``tether eval`` reads a run while its parser is built). Nothing here reads the
 config's schema: a run's config is written from its sections (`guard.write_config`) and resolved in
-`tether.config.saved`.
+`tether.resolve.saved`.
 """

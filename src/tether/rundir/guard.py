@@ -69,7 +69,7 @@ _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 def write_config(cfg, path: Path) -> None:
     """``config.yaml`` as tether writes it: the resolved config (a pydantic section) as the YAML of the keys users
-    write (loadable with ``--config``), atomically (never half a file). ``tether.config.save_config``."""
+    write (loadable with ``--config``), atomically (never half a file). ``tether.resolve.save_config``."""
     write_text_atomic(path, yaml.safe_dump(as_dict(cfg), sort_keys=False))
 
 

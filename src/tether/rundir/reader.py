@@ -3,7 +3,7 @@
 
 * `RunDir` -- one run directory ``RUN``: checked (:meth:`RunDir.open`: it exists and has a
   ``config.yaml``), its saved config as written (:meth:`~RunDir.raw_config`; resolved:
-  `tether.config.saved.saved_config`), its checkpoints (:meth:`~RunDir.steps`) and the one to use
+  `tether.resolve.saved.saved_config`), its checkpoints (:meth:`~RunDir.steps`) and the one to use
   (:meth:`~RunDir.checkpoint`): the newest that passes its manifest (`tether.rundir.checkpoint.latest_checkpoint`),
   or a named step or checkpoint directory, verified against its manifest (`tether.rundir.checkpoint.verify_checkpoint`).
 * The run at one checkpoint, with its config and its model: `tether.eval.run`.

@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 from ..agents.build import build_env
-from ..config import load_config
 from ..config.flags import DEMOS_FLAGS, DEMOS_PRESET, add_flags, value
 from ..envs.base import Env
 from ..envs.calculator import calculate
 from ..errors import ConfigError, OutputError
+from ..resolve import load_config
 from ..search.corpus import load_corpus
 from ..search.data import SEARCH_DATASETS, corpus_path, load_search_examples
 from ..search.reward import golden_answers

@@ -28,11 +28,12 @@ import torch
 
 from .. import models  # models.load_model: an attribute read at call time (tests patch it)
 from ..config import flatten, to_dict
-from ..config.sft import FROZEN_ON_RESUME, SFTConfig, load_sft_config
+from ..config.sft import FROZEN_ON_RESUME, SFTConfig
 from ..errors import ConfigError, RunError
 from ..loop import run_guarded, run_steps
 from ..metrics import peak_memory_mb
 from ..optim import make_adamw, optimizer_step, skipped_update_line
+from ..resolve.sft import load_sft_config
 from ..rundir.checkpoint import load_checkpoint, save_checkpoint
 from ..rundir.guard import RunDirectory, resumed_values
 from ..schedule import LRSchedule

@@ -1,7 +1,7 @@
 """``tether sweep``: a grid of training runs over seeds, run in lanes, and its statistical report.
 
     spec.py     the spec (YAML): base config, axes, extra arms, seeds, metric; checked, every arm resolved
-                with `tether.config.load_config` before any run starts; shards
+                with `tether.resolve.load_config` before any run starts; shards
     layout.py   the sweep directory: DIR/sweep.json, DIR/runs/<arm>/seed-<s>/ (the run) and its record
     runner.py   ``tether train`` subprocesses in lanes, one thread each; resume after a kill; records
     results.py  reading one or more sweep directories back: runs, curves, final values

@@ -65,8 +65,8 @@ def train_command(spec, arm: str, seed: int, out: Path, act: str) -> list[str]:
 def final_row(run: Path, cfg) -> Optional[dict]:
     """The metrics row of the run's last step, if the run finished: the row of step ``train.steps``, holding
     ``eval/...`` keys when the run evaluates after training (``cfg``: its `tether.config.Config`)."""
-    from ..config import evaluating  # deferred: pulls in torch
     from ..metrics import read_jsonl  # deferred: pulls in torch
+    from ..resolve import evaluating  # deferred: pulls in torch
 
     path = Path(run) / "metrics.jsonl"
     if not path.is_file():

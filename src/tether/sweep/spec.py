@@ -29,7 +29,7 @@ A spec (docs/sweeps.md; configs/sweeps/example.yaml) has these top-level keys an
 
 The sweep sets ``train.seed``, ``run.output_dir`` and ``run.overwrite`` itself, and a spec that sets one is
 refused; it also sets ``run.progress=false`` last (the sweep shows its own progress). Every arm's config
-is resolved with `tether.config.load_config` (the function ``tether train`` and ``tether config`` use)
+is resolved with `tether.resolve.load_config` (the function ``tether train`` and ``tether config`` use)
 before any run starts, and every problem of every arm is reported at once, naming the spec key it came
 from.
 """
@@ -242,16 +242,16 @@ def parse_spec(raw: dict, path: str = "spec") -> Spec:
 
 def load_spec(path: str | Path) -> Spec:
     """Read spec file ``path`` and check its keys (`parse_spec`); `check_arms` then resolves its arms."""
-    from ..config import read_yaml_mapping  # deferred: pulls in torch
+    from ..resolve import read_yaml_mapping  # deferred: pulls in torch
 
     return parse_spec(read_yaml_mapping(path), str(path))
 
 
 def check_arms(spec: Spec) -> dict:
-    """Resolve every arm's config (at the first seed) with `tether.config.load_config`, as ``tether train``
+    """Resolve every arm's config (at the first seed) with `tether.resolve.load_config`, as ``tether train``
     would; every problem of every arm at once in one ConfigError, each naming the arm and the spec keys that
     set its overrides. Returns arm name -> its resolved `tether.config.Config`."""
-    from ..config import load_config  # deferred: pulls in torch
+    from ..resolve import load_config  # deferred: pulls in torch
 
     problems, configs = [], {}
     for arm in spec.arms:

@@ -81,7 +81,7 @@ def training_reward(cfg, stream: PromptStream, default: Optional[str] = None):
 
 
 def held_out_sets(cfg, names: list[str]) -> dict:
-    """The held-out benchmarks ``names`` (``tether.config.eval_benchmarks(cfg)``) for evaluation during
+    """The held-out benchmarks ``names`` (``tether.resolve.eval_benchmarks(cfg)``) for evaluation during
     training: name -> (examples, reward function). A task registered with a ``test_set`` (``arithmetic``:
     the synthetic task's test split, never trained on) gives its own; any other name is a
     `tether.tasks.benchmarks` benchmark."""

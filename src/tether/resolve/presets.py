@@ -1,5 +1,5 @@
 """Settings a recipe or a task brings along, applied after the recipe's algorithm and before the
-YAML file and the overrides (see ``tether.config.load_config``)."""
+YAML file and the overrides (see ``tether.resolve.load_config``)."""
 
 from __future__ import annotations
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..algo.registry import unknown_choice
+from ..config.overrides import apply_keys, flatten, set_key
+from ..config.recipes import RECIPES, recipe
+from ..config.schema import DEFAULT_RECIPE, Config
 from ..errors import ConfigError
 from ..sections import replace
-from .overrides import apply_keys, flatten, set_key
 from .presets import RECIPE_TRAINER_DEFAULTS, TASK_PRESETS
-from .recipes import RECIPES, recipe
-from .schema import DEFAULT_RECIPE, Config
 from .validate import check
 from .validate_train import apply_async_correction
 from .yaml_io import read_yaml_mapping

@@ -14,6 +14,9 @@ from pydantic_core import PydanticUndefined
 
 from ..agents import AGENTS
 from ..algo.anchors import ANCHOR_KINDS
+from ..config.flags import flag_table
+from ..config.migration import MOVED
+from ..config.schema import Config
 from ..envs import ENVS
 from ..rollout import ENGINES
 from ..search.retrievers import RETRIEVERS
@@ -22,9 +25,6 @@ from ..sections import default as field_default  # this module has its own defau
 from ..sections import optional as is_optional
 from ..tasks.registry import TASKS
 from ..tasks.rewards import REWARDS
-from .flags import flag_table
-from .migration import MOVED
-from .schema import Config
 
 # `name: type = default  # meaning` at a dataclass field's declaration; the meaning may go on over the
 # comment-only lines right below it (`    # more meaning`), so no line need pass 120 characters

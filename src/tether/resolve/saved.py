@@ -7,14 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from ..config.migration import migrate_saved
+from ..config.model import ModelConfig
+from ..config.overrides import flatten
+from ..config.schema import DEFAULT_RECIPE
 from ..errors import ConfigError
-from ..models import ModelConfig
 from ..rundir.guard import resumed_values
 from ..rundir.reader import RunDir
 from .load import load_config
-from .migration import migrate_saved
-from .overrides import flatten
-from .schema import DEFAULT_RECIPE
 from .sft import load_sft_config
 
 

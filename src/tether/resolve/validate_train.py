@@ -1,4 +1,4 @@
-"""Validation of the train.* section (part of ``tether.config.validate.check``): sizes and micro-batches, an
+"""Validation of the train.* section (part of ``tether.resolve.validate.check``): sizes and micro-batches, an
 iterative anchor that would be exactly on-policy, the ESS-scaled step (``train.lr_scale``), and asynchronous
 training (``train.async.max_staleness`` and the options of the rollout workers, `tether.asynchronous.workers`: their
 number, stale batches, verified sync, partial rollouts; the served engine's asynchronous mode). A key that has no
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from ..algo.correction import LR_SCALES
 from ..algo.registry import unknown_choice
+from ..config.recipes import AlgoConfig
+from ..config.schema import Config, TrainConfig
 from ..rollout import ENGINES, engine_reports_logp, worker_records_logp
 from ..sections import default
-from .recipes import AlgoConfig
-from .schema import Config, TrainConfig
 
 
 def check_train(cfg: Config) -> list[str]:

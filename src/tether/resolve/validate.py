@@ -2,7 +2,7 @@
 
 Each ``_check_*`` returns its section's problems; a key that has no effect under the resolved
 settings is a problem too (it would silently do nothing). The train.* section's checks (sizes,
-micro-batches, asynchronous training) are in `tether.config.validate_train`.
+micro-batches, asynchronous training) are in `tether.resolve.validate_train`.
 """
 
 from __future__ import annotations
@@ -16,27 +16,20 @@ from ..agents import AGENTS
 from ..algo.objectives import uses_sampler_logp
 from ..algo.registry import is_spec, unknown_choice
 from ..anchor import ANCHOR_KINDS
+from ..config.agent import RetrieverConfig, env_of
+from ..config.model import DTYPES, ModelConfig
+from ..config.recipes import validate
+from ..config.schema import Config, DataConfig, EvalConfig, RolloutConfig, RunConfig
 from ..envs import ENVS
 from ..envs.verifiers import OPTIONS as VERIFIERS_OPTIONS
 from ..envs.verifiers import PREFIX as VERIFIERS_PREFIX
 from ..envs.verifiers import TOOL_FORMATS, is_task_api
 from ..errors import ConfigError
-from ..models import DTYPES, ModelConfig
 from ..rollout import ENGINES, engine_reports_logp, worker_records_logp
 from ..search.retrievers import RETRIEVERS
 from ..tasks.registry import TASKS, task_name
 from ..tasks.rewards import REWARDS
-from .agent import RetrieverConfig, env_of
-from .recipes import validate
-from .schema import (
-    HELD_OUT,
-    Config,
-    DataConfig,
-    EvalConfig,
-    RolloutConfig,
-    RunConfig,
-    eval_benchmarks,
-)
+from .held_out import HELD_OUT, eval_benchmarks
 from .validate_train import check_train
 
 

@@ -1,0 +1,38 @@
+"""``model``: what model to load and how to prepare it for training (`tether.models.load_model` reads it; the
+section of both ``tether train`` and ``tether sft``)."""
+
+from __future__ import annotations
+
+from ..sections import Section
+
+#: Name under which the embedded model is selected in `ModelConfig.name`.
+EMBEDDED_MODEL_NAME = "smollm2"
+#: The dtype names `ModelConfig.dtype` accepts (case-insensitive).
+DTYPES = ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+class ModelConfig(Section):
+    """What model to load and how to prepare it for training."""
+
+    name: str = EMBEDDED_MODEL_NAME
+    """"smollm2" (embedded default) | "organism" (built on first use, docs/organism.md) | hub id | local dir | path
+    to .gguf | a tether run directory (tether sft / tether train: the policy of its newest checkpoint) or
+    RUN/checkpoints/step-N"""
+    dtype: str = "float32"
+    """parameter dtype: float32 | bfloat16 | float16"""
+    device: str = "cpu"
+    """cpu | cuda | cuda:N | auto (cuda if available, else cpu)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward (saves memory, costs ~30% time)"""
+    lora_r: int = 0
+    """0 = full fine-tuning; >0 = LoRA via peft with this rank"""
+    lora_alpha: int = 16
+    """LoRA scaling numerator (scale = alpha / r)"""
+    lora_dropout: float = 0.0
+    """dropout on the LoRA branch input"""
+    lora_target_modules: list[str] | str = "all-linear"
+    """peft target_modules ("all-linear" = every linear but lm_head)"""
+    cache_dir: str | None = None
+    """cache for dequantized GGUF models; default $TETHER_CACHE or ~/.cache/tether"""
+    trust_remote_code: bool = False
+    """allow custom modeling code from hub repos / local dirs"""
