@@ -60,9 +60,11 @@ def every_key() -> set[str]:
         VLLMEngineConfig,
         VLLMServerEngineConfig,
     )
+    from tether.config.region import OtherRegionConfig
 
     keys = set(leaf_keys())
-    keys |= {"rollout.engine", "rollout.agent", "train.async"}  # a chosen and an optional section are keys too
+    keys |= {"rollout.engine", "rollout.agent", "train.async", "algo.region"}  # chosen / optional sections too
+    keys |= set(leaf_keys(OtherRegionConfig(kind="my.module:Region"), "algo.region."))
     keys |= set(leaf_keys(MultiTurnAgentConfig(env=EnvConfig(retriever=RetrieverConfig())), "rollout.agent."))
     keys |= {"rollout.agent.env.retriever"}
     keys |= set(leaf_keys(VLLMEngineConfig(), "rollout.engine."))
@@ -274,7 +276,8 @@ def workdir(make_workdir):
 def test_bad_keys_are_errors_with_did_you_mean(tmp_path):
     with pytest.raises(ConfigError, match="unknown config key 'train.lrr'.*Did you mean 'train.lr'"):
         load_config(None, {"train.lrr": 1e-5})
-    with pytest.raises(ConfigError, match="region.delta has no effect"):
+    with pytest.raises(ConfigError, match="algo.region.delta is a key of algo.region.kind=kl3 or tv or binary_kl, "
+                       "and algo.region.kind is 'ratio'"):
         load_config(None, {"algo.region.delta": 0.1}, recipe_name="grpo")
     with pytest.raises(ConfigError, match="data.difficulty only applies"):
         load_config(None, {"data.task": "gsm8k", "data.difficulty": 3})

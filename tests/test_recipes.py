@@ -54,7 +54,6 @@ def test_unknown_recipe_lists_choices():
     (lambda c: setattr(c.anchor, "kind", "none"), "needs an anchor; choose anchor.kind from"),
     (lambda c: setattr(c.kl, "estimator", "topk_ref"), "Did you mean 'topk_rev'"),
     (lambda c: setattr(c.kl, "beta", 0.0), "needs kl.beta > 0"),
-    (lambda c: setattr(c.region, "delta", 0.1), "region.delta has no effect with trust region 'ratio'"),
     (lambda c: setattr(c, "advantage", "gae"), "unknown advantage 'gae'"),
     (lambda c: setattr(c.anchor, "kappa", 0.3), "anchor.kappa has no effect with anchor 'ema'"),
     (lambda c: setattr(c.kl, "placement", "advantage"), "needs kl.estimator rpg_rkl or rpg_urkl"),
@@ -123,3 +122,58 @@ def test_anchor_kinds_of_the_config_are_the_registered_ones():
     import tether.algo.anchors
     assert ANCHOR_KINDS is tether.algo.anchors.ANCHOR_KINDS
     assert ANCHOR_KINDS.where(needs_forward=False) == ("iterative",)
+
+
+# ---------------------------------------------------------------- algo.region: a section per kind
+
+
+def test_each_region_kind_holds_only_the_bounds_it_reads():
+    """Written out from tether.algo.trust_region's functions: the keys each kind's section declares."""
+    from tether.config.region import REGION_KINDS, OtherRegionConfig
+
+    reads = {"none": set(), "ratio": {"eps_low", "eps_high", "clip_c"}, "dual": {"eps_low", "eps_high", "clip_c"},
+             "rpg_clip": {"eps_low", "eps_high", "clip_c"}, "gspo": {"eps_low", "eps_high", "clip_c"},
+             "kl3": {"delta", "clip_c"}, "tv": {"delta", "clip_c"}, "binary_kl": {"delta", "clip_c"},
+             "cispo": {"eps_high"}}
+    from tether.algo.trust_region import REGIONS
+
+    assert set(REGION_KINDS) == set(reads) == set(REGIONS.names())
+    for kind, cls in REGION_KINDS.items():
+        assert set(cls.model_fields) - {"kind"} == reads[kind], kind
+    assert set(OtherRegionConfig.model_fields) == {"kind", "eps_low", "eps_high", "clip_c", "delta"}
+
+
+def test_a_region_switched_by_kind_starts_from_its_own_defaults():
+    from tether.resolve import load_config
+
+    c = load_config(None, {"algo.region.kind": "kl3", "algo.region.delta": 0.05}, recipe_name="ema_pg")
+    assert c.algo.region.model_dump() == {"kind": "kl3", "delta": 0.05, "clip_c": 0.0}
+    assert load_config(None, {"algo.region": "tv", "algo.region.delta": 0.1}).algo.region.kind == "tv"
+    c = load_config(None, {"algo.region": {"kind": "cispo", "eps_high": 0.3}, "algo.surrogate": "reinforce"})
+    assert c.algo.region.model_dump() == {"kind": "cispo", "eps_high": 0.3}
+
+
+def test_an_earlier_release_s_region_with_all_four_bounds_still_loads(tmp_path):
+    """config.yaml of the previous release held eps_low, eps_high, clip_c and delta whatever the kind: the bounds
+    the kind does not read, at their old defaults, are dropped; a non-default one is still refused."""
+    from tether.resolve import load_config
+
+    old = tmp_path / "config.yaml"
+    old.write_text("recipe: atr_grpo\nalgo:\n  region: {kind: kl3, eps_low: 0.2, eps_high: 0.2, clip_c: 0.0, "
+                   "delta: 0.03}\n")
+    assert load_config(str(old)).algo.region.model_dump() == {"kind": "kl3", "delta": 0.03, "clip_c": 0.0}
+    flat = {"algo.region.kind": "cispo", "algo.region.eps_low": 0.2, "algo.region.eps_high": 0.28,
+            "algo.region.clip_c": 0.0, "algo.region.delta": 0.0, "algo.surrogate": "reinforce"}
+    assert load_config(None, flat).algo.region.model_dump() == {"kind": "cispo", "eps_high": 0.28}
+    with pytest.raises(ConfigError, match="algo.region.eps_low is a key of algo.region.kind=ratio"):
+        load_config(None, {**flat, "algo.region.eps_low": 0.1})
+    # the algorithms' own dataclass (tether.algo.RegionConfig) is read the same way
+    assert AlgoConfig(region=RegionConfig("kl3", delta=0.03)).region.model_dump() == \
+        {"kind": "kl3", "delta": 0.03, "clip_c": 0.0}
+
+
+def test_a_user_region_keeps_every_bound_and_must_be_registered():
+    c = AlgoConfig(region={"kind": "my_module:MyRegion", "delta": 0.2})
+    assert type(c.region).__name__ == "OtherRegionConfig" and c.region.delta == 0.2 and c.region.eps_low == 0.2
+    with pytest.raises(ConfigError, match="unknown trust region 'my_module:MyRegion'"):
+        validate(c)

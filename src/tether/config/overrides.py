@@ -130,7 +130,7 @@ def set_key(obj, dotted: str, value: Any, prefix: str = "") -> None:
             _assign(obj, name, {"kind": value}, full)
         return
     if field_for_key(cur, key) is None and len(choices) > 1:
-        owners = [kind_of(c) for c in choices if field_for_key(c, key) is not None]
+        owners = [k for c in choices if field_for_key(c, key) is not None and (k := kind_of(c))]
         if owners:
             raise ConfigError(f"{full}.{key} is a key of {full}.kind={' or '.join(map(str, owners))}, and {full}.kind "
                               f"is {getattr(cur, 'kind', None)!r}: set {full}.kind={owners[0]} first (or give "

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ..algo.advantages import ADVANTAGES
 from ..algo.aggregation import AGGREGATIONS
@@ -21,9 +22,19 @@ from ..algo.correction import KL_REJECT, check_correction
 from ..algo.kl import EXACT_ESTIMATORS, KL_ESTIMATORS, RPG_ESTIMATORS, TOPK_ESTIMATORS
 from ..algo.objectives import SURROGATES
 from ..algo.registry import unknown_choice
-from ..algo.trust_region import REGIONS, REINFORCE_ONLY_REGIONS, RegionConfig, kl3_bounds
+from ..algo.trust_region import REGIONS, REINFORCE_ONLY_REGIONS, kl3_bounds
 from ..errors import ConfigError
 from ..sections import Section, default
+from .region import (
+    CISPORegionConfig,
+    DualRegionConfig,
+    GSPORegionConfig,
+    KL3RegionConfig,
+    RatioRegionConfig,
+    RegionConfig,
+    RPGClipRegionConfig,
+    region_mapping,
+)
 
 ANCHORS = ("none", *ANCHOR_KINDS.names())  # "none": no anchor and no KL term; the kinds: tether.algo.anchors
 PLACEMENTS = ("loss", "reward", "advantage")
@@ -86,8 +97,8 @@ class AlgoConfig(Section):
     """grpo, reinforce_pp*: epsilon added to the std"""
     surrogate: str = "ratio"
     """ratio: -A*rho (PPO) | reinforce: -sg(A*rho)*log pi (RPG, CISPO); same gradient"""
-    region: RegionConfig = Field(default_factory=RegionConfig)
-    """the trust region (tether.algo.trust_region)"""
+    region: RegionConfig = Field(default_factory=RatioRegionConfig)
+    """the trust region (tether.config.region: a section per kind, with the bounds it reads)"""
     kl: KLConfig = Field(default_factory=KLConfig)
     anchor: AnchorConfig = Field(default_factory=AnchorConfig)
     aggregation: str = "token-mean"
@@ -121,6 +132,11 @@ class AlgoConfig(Section):
     kl_sampler: str = "pi_old"
     """pi_old | mu: the distribution the KL term's sampling weights (s, rho, c of tether.algo.kl) divide by; mu
     (the engine's log-probs) keeps RPG's KL gradients exact when mu != pi_old"""
+
+    @field_validator("region", mode="before")
+    @classmethod
+    def _region_shorthand(cls, v: Any) -> Any:
+        return region_mapping(v)
 
     def copy(self) -> "AlgoConfig":
         return copy.deepcopy(self)
@@ -199,31 +215,24 @@ def _kl_has_sampling_weight(cfg: AlgoConfig) -> bool:
 
 
 def _region_errors(cfg: AlgoConfig) -> list[str]:
-    """An unknown trust region, the region.* fields it does not read, and out-of-range bounds."""
+    """An unknown trust region and out-of-range bounds (a bound the kind does not read cannot be set: each kind's
+    section holds only its own, tether.config.region)."""
     errs: list[str] = []
-    d_region = RegionConfig()
     r = cfg.region
     if r.kind not in REGIONS:
-        errs.append(unknown_choice("trust region", r.kind, REGIONS.names()))
-    else:
-        uses = {
-            "none": set(), "ratio": {"eps_low", "eps_high", "clip_c"}, "dual": {"eps_low", "eps_high", "clip_c"},
-            "rpg_clip": {"eps_low", "eps_high", "clip_c"}, "kl3": {"delta", "clip_c"}, "tv": {"delta", "clip_c"},
-            "binary_kl": {"delta", "clip_c"}, "cispo": {"eps_high"}, "gspo": {"eps_low", "eps_high", "clip_c"},
-        }[r.kind]
-        for f in ("eps_low", "eps_high", "clip_c", "delta"):
-            if f not in uses and getattr(r, f) != getattr(d_region, f):
-                errs.append(f"region.{f} has no effect with trust region {r.kind!r}")
-        if r.kind in ("dual", "rpg_clip") and not r.clip_c > 1:
-            errs.append(f"trust region {r.kind!r} needs region.clip_c > 1 (RPG uses 3)")
-        if r.clip_c and not r.clip_c > 1:
-            errs.append(f"region.clip_c must be > 1 or 0 (off), got {r.clip_c}")
-        if r.kind in ("kl3", "tv", "binary_kl") and not r.delta > 0:
-            errs.append(f"trust region {r.kind!r} needs region.delta > 0")
-        if r.kind in REINFORCE_ONLY_REGIONS and cfg.surrogate != "reinforce":
-            errs.append(f"trust region {r.kind!r} is defined for surrogate 'reinforce', got {cfg.surrogate!r}")
-        if not (0 <= r.eps_low < 1 and r.eps_high >= 0):
-            errs.append(f"need 0 <= region.eps_low < 1 and region.eps_high >= 0, got {r.eps_low}, {r.eps_high}")
+        return [unknown_choice("trust region", r.kind, REGIONS.names())]
+    clip_c, delta = getattr(r, "clip_c", 0.0), getattr(r, "delta", 0.0)
+    if r.kind in ("dual", "rpg_clip") and not clip_c > 1:
+        errs.append(f"trust region {r.kind!r} needs region.clip_c > 1 (RPG uses 3)")
+    if clip_c and not clip_c > 1:
+        errs.append(f"region.clip_c must be > 1 or 0 (off), got {clip_c}")
+    if r.kind in ("kl3", "tv", "binary_kl") and not delta > 0:
+        errs.append(f"trust region {r.kind!r} needs region.delta > 0")
+    if r.kind in REINFORCE_ONLY_REGIONS and cfg.surrogate != "reinforce":
+        errs.append(f"trust region {r.kind!r} is defined for surrogate 'reinforce', got {cfg.surrogate!r}")
+    lo, hi = getattr(r, "eps_low", 0.0), getattr(r, "eps_high", 0.0)
+    if not (0 <= lo < 1 and hi >= 0):
+        errs.append(f"need 0 <= region.eps_low < 1 and region.eps_high >= 0, got {lo}, {hi}")
     return errs
 
 
@@ -307,13 +316,13 @@ ATR_DELTA = 0.03
 
 
 def _grpo() -> AlgoConfig:
-    return AlgoConfig(name="grpo", advantage="grpo", region=RegionConfig("ratio", 0.2, 0.2),
+    return AlgoConfig(name="grpo", advantage="grpo", region=RatioRegionConfig(eps_low=0.2, eps_high=0.2),
                       kl=KLConfig("k3", beta=1e-3), anchor=AnchorConfig("fixed"),
                       aggregation="seq-mean-token-mean")
 
 
 def _rpg(variant: str, reinforce: bool) -> AlgoConfig:
-    region = RegionConfig("rpg_clip" if reinforce else "dual", 0.2, 0.28, clip_c=3.0)
+    region = (RPGClipRegionConfig if reinforce else DualRegionConfig)(eps_low=0.2, eps_high=0.28, clip_c=3.0)
     placement = "advantage" if reinforce and variant in ("rkl", "urkl") else "loss"
     return AlgoConfig(name=f"rpg_{'reinforce_' if reinforce else ''}{variant}", advantage="group_mean",
                       surrogate="reinforce" if reinforce else "ratio", region=region,
@@ -325,28 +334,30 @@ RECIPES = {
     # GRPO (DeepSeekMath): group-normalized advantage, symmetric ratio clip, k3 in the loss, frozen reference.
     "grpo": _grpo,
     # DAPO: clip-higher 0.2/0.28, token-mean, no KL (dynamic sampling and overlong shaping live in the trainer).
-    "dapo": lambda: AlgoConfig(name="dapo", region=RegionConfig("ratio", 0.2, 0.28), aggregation="token-mean"),
+    "dapo": lambda: AlgoConfig(name="dapo", region=RatioRegionConfig(eps_low=0.2, eps_high=0.28),
+                               aggregation="token-mean"),
     # Dr.GRPO: no std normalization, no length normalization (fixed-L sum), no KL.
-    "dr_grpo": lambda: AlgoConfig(name="dr_grpo", advantage="dr_grpo", region=RegionConfig("ratio", 0.2, 0.2),
+    "dr_grpo": lambda: AlgoConfig(name="dr_grpo", advantage="dr_grpo",
+                                  region=RatioRegionConfig(eps_low=0.2, eps_high=0.2),
                                   aggregation="seq-mean-token-sum-norm"),
     # EMA-PG (arXiv 2602.04417): EMA anchor, unbiased top-k reverse KL with k = 32, clip-higher.
-    "ema_pg": lambda: AlgoConfig(name="ema_pg", region=RegionConfig("ratio", 0.2, 0.28),
+    "ema_pg": lambda: AlgoConfig(name="ema_pg", region=RatioRegionConfig(eps_low=0.2, eps_high=0.28),
                                  kl=KLConfig("topk_rev", beta=1e-3, topk=32),
                                  anchor=AnchorConfig("ema", eta=0.95, every=10), aggregation="token-mean"),
     # ATR-GRPO (arXiv 2602.05494): the KL3 trust region instead of the ratio clip; otherwise GRPO.
-    "atr_grpo": lambda: AlgoConfig(name="atr_grpo", advantage="grpo", region=RegionConfig("kl3", delta=ATR_DELTA),
+    "atr_grpo": lambda: AlgoConfig(name="atr_grpo", advantage="grpo", region=KL3RegionConfig(delta=ATR_DELTA),
                                    kl=KLConfig("k3", beta=1e-3), anchor=AnchorConfig("fixed"),
                                    aggregation="seq-mean-token-mean"),
     # REINFORCE++: batch-normalized advantage, PPO clip, k3 KL as a per-token reward penalty.
     "reinforce_pp": lambda: AlgoConfig(name="reinforce_pp", advantage="reinforce_pp",
-                                       region=RegionConfig("ratio", 0.2, 0.2),
+                                       region=RatioRegionConfig(eps_low=0.2, eps_high=0.2),
                                        kl=KLConfig("k3", beta=1e-3, placement="reward"),
                                        anchor=AnchorConfig("fixed"), aggregation="token-mean"),
     # CISPO (MiniMax-M1): no mask; REINFORCE with the truncated IS weight sg(min(rho, 1 + eps_high)).
     "cispo": lambda: AlgoConfig(name="cispo", surrogate="reinforce",
-                                region=RegionConfig("cispo", eps_high=0.28), aggregation="token-mean"),
+                                region=CISPORegionConfig(eps_high=0.28), aggregation="token-mean"),
     # GSPO (Qwen): sequence-level geometric-mean ratio with a tight clip.
-    "gspo": lambda: AlgoConfig(name="gspo", region=RegionConfig("gspo", eps_low=3e-4, eps_high=4e-4),
+    "gspo": lambda: AlgoConfig(name="gspo", region=GSPORegionConfig(eps_low=3e-4, eps_high=4e-4),
                                aggregation="seq-mean-token-mean"),
 }
 for _v in ("fkl", "rkl", "ufkl", "urkl"):
@@ -366,8 +377,14 @@ def recipe(name: str) -> AlgoConfig:
 def describe(cfg: AlgoConfig) -> str:
     """One line naming every choice of cfg, for logs."""
     r, k, a = cfg.region, cfg.kl, cfg.anchor
-    reg = {"kl3": lambda: "kl3(delta=%g -> [%.3f, %.3f])" % ((r.delta,) + kl3_bounds(r.delta))}.get(
-        r.kind, lambda: f"{r.kind}(eps={r.eps_low:g}/{r.eps_high:g}" + (f", c={r.clip_c:g})" if r.clip_c else ")"))()
+    if r.kind == "kl3":
+        reg = "kl3(delta=%g -> [%.3f, %.3f])" % ((r.delta,) + kl3_bounds(r.delta))
+    else:
+        parts = [f"eps={r.eps_low:g}/{r.eps_high:g}" if hasattr(r, "eps_low") else
+                 f"eps_high={r.eps_high:g}" if hasattr(r, "eps_high") else "",
+                 f"delta={r.delta:g}" if hasattr(r, "delta") else "",
+                 f"c={r.clip_c:g}" if getattr(r, "clip_c", 0) else ""]
+        reg = r.kind + (f"({', '.join(p for p in parts if p)})" if any(parts) else "")
     kl = "none" if k.estimator == "none" else f"{k.estimator}(beta={k.beta:g}, {k.placement}" + (
         f", k={k.topk})" if k.estimator in TOPK_ESTIMATORS else ")")
     anc = a.kind + (f"(eta={a.eta:g}, every={a.every})" if a.kind == "ema" else "")

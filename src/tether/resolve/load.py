@@ -8,6 +8,7 @@ from typing import Any, Optional
 from ..algo.registry import unknown_choice
 from ..config.overrides import apply_keys, flatten, set_key
 from ..config.recipes import RECIPES, recipe
+from ..config.region import drop_unread_bounds
 from ..config.schema import DEFAULT_RECIPE, Config
 from ..errors import ConfigError
 from ..sections import replace
@@ -37,7 +38,10 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
             raise ConfigError(unknown_choice("task", task, TASK_PRESETS))
         for k, v in TASK_PRESETS[task].items():
             set_key(cfg, k, v)
+    kind = cfg.algo.region.kind  # the recipe's region: bounds it does not read, at their old default, are dropped
     for source, vals in ((path or "config file", file_vals), ("override", overrides)):
+        vals = drop_unread_bounds(vals, kind)
+        kind = vals["algo.region.kind"] if isinstance(vals.get("algo.region.kind"), str) else kind
         apply_keys(cfg, vals, source)
     # algo.name names the recipe, +custom when an algo.* key changed it (algo.name itself set by hand does not count,
     # nor the correction train.async.correction brings: a saved config, which holds it, resolves to the same name)

@@ -1,14 +1,11 @@
 """The reference of every config key (docs/config.md, ``tether config --reference``), generated from
 the sections themselves: ``Config`` is walked field by field at every depth (each kind of a chosen section,
 ``rollout.engine``, and each optional section, ``train.async``, in a table of its own), and each key is
-documented by the docstring under its declaration (a key without one is an error). The trust region
-(``algo.region``, a dataclass of `tether.algo`, which imports only torch) is documented by the comments at its
-fields' declarations."""
+documented by the docstring under its declaration (a key without one is an error)."""
 
 from __future__ import annotations
 
 import inspect
-import re
 
 from pydantic_core import PydanticUndefined
 
@@ -25,30 +22,6 @@ from ..sections import default as field_default  # this module has its own defau
 from ..sections import optional as is_optional
 from ..tasks.registry import TASKS
 from ..tasks.rewards import REWARDS
-
-# `name: type = default  # meaning` at a dataclass field's declaration; the meaning may go on over the
-# comment-only lines right below it (`    # more meaning`), so no line need pass 120 characters
-_DECLARATION = re.compile(r"^\s+(\w+):\s*[^#]*#\s*(.+)$")
-_CONTINUATION = re.compile(r"^\s+#\s*(.+)$")
-
-
-def declaration_comments(section: type) -> dict[str, str]:
-    """field name -> the comment at its declaration in dataclass ``section``'s source (continuation lines
-    joined)."""
-    out: dict[str, str] = {}
-    last = None
-    for line in inspect.getsource(section).splitlines():
-        m = _DECLARATION.match(line)
-        if m:
-            last = m.group(1)
-            out[last] = m.group(2).strip()
-            continue
-        c = _CONTINUATION.match(line)
-        if c and last is not None:
-            out[last] += " " + c.group(1).strip()
-        else:
-            last = None
-    return out
 
 
 def sections(cls: type = Config, prefix: str = "") -> list[tuple[str, type]]:
@@ -70,14 +43,13 @@ def _default(section: type, name: str) -> object:
 
 def section_keys(prefix: str, section: type) -> list[tuple[str, object, str]]:
     """``(dotted key, default, meaning)`` of the keys of ``section`` itself (not of the sections under it)."""
-    comments = None if hasattr(section, "model_fields") else declaration_comments(section)
     out = []
     for name in keys_of(section):
         tp = annotation(section, name)
         if variants(tp) and not (kind_of(section) and name == "kind"):
             if not _is_choice_or_optional(tp):
                 continue  # a plain nested section: its own table
-        text = doc(section, name) if comments is None else comments.get(name)
+        text = doc(section, name)
         key = prefix + key_name(section, name)
         if not text:
             raise AssertionError(f"config key {key} has no docstring at its declaration")

@@ -1,0 +1,161 @@
+"""``algo.region``: the trust region, a section chosen by its ``kind``, each kind with the keys it reads
+(tether.algo.trust_region computes each; ``REGIONS`` registers them). A key another kind reads is refused by
+construction (``algo.region.delta`` with ``kind: ratio``), and ``algo.region.kind=kl3`` starts the new kind from its
+own defaults. ``algo.region=ratio`` is short for ``algo.region.kind=ratio``.
+
+A region saved by an earlier release (config.yaml held all four bounds, whatever the kind read) is read back by
+`region_mapping`: a bound the kind does not read, at its old default, is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Tag
+
+from ..sections import Section
+
+
+class _Kind(Section):
+    kind: str
+    """the trust region (tether.algo.trust_region; its table: docs/algorithms.md)"""
+
+
+class _Interval(Section):
+    eps_low: float = 0.2
+    """the ratio interval's lower bound is 1 - eps_low, 0 <= eps_low < 1"""
+    eps_high: float = 0.2
+    """the ratio interval's upper bound is 1 + eps_high, >= 0 (DAPO's clip-higher: 0.28)"""
+
+
+class _DualCap(Section):
+    clip_c: float = 0.0
+    """for A < 0, no gradient once rho > clip_c (the dual clip; > 1, RPG uses 3; 0 = off)"""
+
+
+class _Radius(Section):
+    delta: float = 0.0
+    """the divergence radius, > 0"""
+
+
+class NoRegionConfig(_Kind):
+    """``algo.region.kind=none``: every token's gradient passes (no trust region)."""
+
+    kind: Literal["none"] = "none"
+    """none"""
+
+
+class RatioRegionConfig(_DualCap, _Interval, _Kind):
+    """``algo.region.kind=ratio``: PPO / GRPO's clip, 1 - eps_low <= rho <= 1 + eps_high (DAPO: clip-higher)."""
+
+    kind: Literal["ratio"] = "ratio"
+    """ratio"""
+
+
+class DualRegionConfig(_DualCap, _Interval, _Kind):
+    """``algo.region.kind=dual``: the ratio clip plus the dual cap at clip_c for A < 0 (needs clip_c > 1)."""
+
+    kind: Literal["dual"] = "dual"
+    """dual"""
+
+
+class RPGClipRegionConfig(_DualCap, _Interval, _Kind):
+    """``algo.region.kind=rpg_clip``: RPG-Style Clip, the dual clip in REINFORCE form (surrogate reinforce; needs
+    clip_c > 1)."""
+
+    kind: Literal["rpg_clip"] = "rpg_clip"
+    """rpg_clip"""
+
+
+class GSPORegionConfig(_DualCap, _Interval, _Kind):
+    """``algo.region.kind=gspo``: the sequence ratio (pi(y)/pi_old(y))^(1/|y|) inside the ratio interval (GSPO:
+    3e-4 / 4e-4)."""
+
+    kind: Literal["gspo"] = "gspo"
+    """gspo"""
+
+
+class KL3RegionConfig(_DualCap, _Radius, _Kind):
+    """``algo.region.kind=kl3``: k3(rho) = rho - 1 - log rho <= delta, i.e. Lambert-W bounds on rho (ATR-GRPO)."""
+
+    kind: Literal["kl3"] = "kl3"
+    """kl3"""
+
+
+class TVRegionConfig(_DualCap, _Radius, _Kind):
+    """``algo.region.kind=tv``: abs(pi(y) - pi_old(y)) <= delta (binary total variation, DPPO)."""
+
+    kind: Literal["tv"] = "tv"
+    """tv"""
+
+
+class BinaryKLRegionConfig(_DualCap, _Radius, _Kind):
+    """``algo.region.kind=binary_kl``: KL(Bern(pi_old(y)) || Bern(pi(y))) <= delta (binary KL, DPPO)."""
+
+    kind: Literal["binary_kl"] = "binary_kl"
+    """binary_kl"""
+
+
+class CISPORegionConfig(_Kind):
+    """``algo.region.kind=cispo``: no mask; the REINFORCE weight sg(min(rho, 1 + eps_high)) (surrogate
+    reinforce)."""
+
+    kind: Literal["cispo"] = "cispo"
+    """cispo"""
+    eps_high: float = 0.2
+    """the weight's cap is 1 + eps_high, >= 0 (MiniMax-M1: 0.28)"""
+
+
+class OtherRegionConfig(_Radius, _DualCap, _Interval, _Kind):
+    """A trust region registered in tether.algo.trust_region.REGIONS by a user (docs/extending.md): every bound,
+    for it to read."""
+
+
+#: kind -> its section (the kinds tether ships)
+REGION_KINDS: dict[str, type[Section]] = {
+    c.model_fields["kind"].default: c for c in (NoRegionConfig, RatioRegionConfig, DualRegionConfig,
+                                                RPGClipRegionConfig, GSPORegionConfig, KL3RegionConfig, TVRegionConfig,
+                                                BinaryKLRegionConfig, CISPORegionConfig)}
+
+#: the bounds every region carried before each kind had its own section, and their defaults then
+_OLD_DEFAULTS = {"eps_low": 0.2, "eps_high": 0.2, "clip_c": 0.0, "delta": 0.0}
+
+
+def region_mapping(value: Any) -> Any:
+    """``algo.region`` given as a kind (``ratio``), a dataclass (`tether.algo.RegionConfig`) or an earlier release's
+    mapping of all four bounds: the mapping of its kind's section, a bound the kind does not read dropped when it
+    holds its old default (any other value stays, and is refused as the kind's unknown key)."""
+    if isinstance(value, str):
+        return {"kind": value}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if not isinstance(value, dict):
+        return value
+    value = {"kind": "ratio", **value}
+    cls = REGION_KINDS.get(value["kind"])
+    if cls is None:
+        return value
+    return {k: v for k, v in value.items()
+            if k in cls.model_fields or k not in _OLD_DEFAULTS or v != _OLD_DEFAULTS[k]}
+
+
+def drop_unread_bounds(vals: dict[str, Any], kind: str) -> dict[str, Any]:
+    """Dotted keys ``vals`` without the ``algo.region.<bound>`` keys that region ``kind`` (``vals``' own
+    ``algo.region.kind`` when it sets one) does not read and that hold their old default: an earlier release wrote
+    all four into every config.yaml, and setting one at that default never had an effect."""
+    given = vals.get("algo.region.kind", vals.get("algo.region"))
+    kind = given if isinstance(given, str) else given.get("kind", kind) if isinstance(given, dict) else kind
+    fields = REGION_KINDS.get(kind, OtherRegionConfig).model_fields
+    return {k: v for k, v in vals.items()
+            if not (k.startswith("algo.region.") and k[12:] in _OLD_DEFAULTS and k[12:] not in fields
+                    and v == _OLD_DEFAULTS[k[12:]])}
+
+
+def _region_tag(value: Any) -> str:
+    kind = value.get("kind", "ratio") if isinstance(value, dict) else getattr(value, "kind", "ratio")
+    return kind if kind in REGION_KINDS else "other"
+
+
+RegionConfig = Annotated[Union[tuple(Annotated[c, Tag(k)] for k, c in REGION_KINDS.items())
+                               + (Annotated[OtherRegionConfig, Tag("other")],)], Discriminator(_region_tag)]
