@@ -23,7 +23,7 @@ def check(model_dir: str) -> None:
 
     from tether import distributed as dist
     from tether.anchor import Anchor
-    from tether.config.recipes import AnchorConfig
+    from tether.config.anchor import EMAAnchorConfig
     from tether.logprobs import response_stats
     from tether.rollout import SamplingParams
     from tether.rollout.hf import HFEngine
@@ -53,7 +53,7 @@ def check(model_dir: str) -> None:
 
     # 2. anchor: snapshot, then edit the policy's shards (as an optimizer step would); applied()
     #    must give the snapshot's logits, and after it the edited ones (no stale gathered weights).
-    anchor = Anchor(AnchorConfig(kind="ema", eta=0.5, every=1), model)
+    anchor = Anchor(EMAAnchorConfig(eta=0.5, every=1), model)
     with torch.no_grad():
         logits(model)  # the root now holds gathered weights
         for s, q in zip(shards, ref.parameters()):

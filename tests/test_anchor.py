@@ -5,7 +5,14 @@ import torch
 from torch import nn
 
 from tether.anchor import Anchor, make_anchor
-from tether.config.recipes import AnchorConfig
+from tether.config.anchor import (
+    EMAAnchorConfig,
+    FixedAnchorConfig,
+    IterativeAnchorConfig,
+    KLResetAnchorConfig,
+    NoAnchorConfig,
+    ResetAnchorConfig,
+)
 
 
 def net(dtype=torch.float32, seed=0):
@@ -28,7 +35,7 @@ def test_ema_closed_form_after_n_updates():
     model = net()
     theta0 = flat(model.parameters())
     eta, every = 0.9, 3
-    anchor = Anchor(AnchorConfig("ema", eta=eta, every=every), model)
+    anchor = Anchor(EMAAnchorConfig(eta=eta, every=every), model)
     want = theta0.clone()  # the EMA run step by step: theta_a <- eta*theta_a + (1-eta)*theta at every move
     assert torch.allclose(flat(anchor.master), want, atol=1e-6)
     thetas = []
@@ -53,7 +60,7 @@ def test_ema_accumulates_in_fp32_for_a_bf16_policy():
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(1.0)
-    anchor = Anchor(AnchorConfig("ema", eta=0.99, every=1), model)
+    anchor = Anchor(EMAAnchorConfig(eta=0.99, every=1), model)
     assert all(m.dtype == torch.float32 for m in anchor.master)
     with torch.no_grad():
         for p in model.parameters():
@@ -80,7 +87,7 @@ def test_ema_accumulates_in_fp32_for_a_bf16_policy():
 
 def test_applied_swaps_without_copy_and_restores():
     model = net()
-    anchor = Anchor(AnchorConfig("fixed"), model)
+    anchor = Anchor(FixedAnchorConfig(), model)
     x = torch.randn(5, 4)
     y0 = model(x).detach()
     set_params(model, 7)
@@ -99,8 +106,8 @@ def test_applied_swaps_without_copy_and_restores():
 def test_fixed_never_moves_and_reset_copies_every_n():
     model = net()
     theta0 = flat(model.parameters())
-    fixed = Anchor(AnchorConfig("fixed"), model)
-    reset = Anchor(AnchorConfig("reset", every=2), model)
+    fixed = Anchor(FixedAnchorConfig(), model)
+    reset = Anchor(ResetAnchorConfig(every=2), model)
     set_params(model, 1)
     assert not fixed.update(model, 1) and not reset.update(model, 1)
     assert torch.equal(flat(reset.master), theta0)
@@ -111,7 +118,7 @@ def test_fixed_never_moves_and_reset_copies_every_n():
 
 def test_kl_triggered_reset():
     model = net()
-    a = Anchor(AnchorConfig("kl_reset", kappa=0.05, kl_smoothing=0.5), model)
+    a = Anchor(KLResetAnchorConfig(kappa=0.05, kl_smoothing=0.5), model)
     set_params(model, 3)
     assert not a.update(model, 1, token_kl=0.04)  # ma 0.02
     assert not a.update(model, 2, token_kl=0.06)  # ma 0.04
@@ -123,12 +130,12 @@ def test_kl_triggered_reset():
 
 def test_iterative_anchor_keeps_nothing():
     model = net()
-    a = make_anchor(AnchorConfig("iterative"), model)
+    a = make_anchor(IterativeAnchorConfig(), model)
     assert not a.needs_forward and a.master == [] and not a.update(model, 1)
     with pytest.raises(ValueError, match="sampler"):
         with a.applied(model):
             pass
-    assert make_anchor(AnchorConfig("none"), model) is None
+    assert make_anchor(NoAnchorConfig(), model) is None
 
 
 def saved(a: Anchor) -> dict:
@@ -138,22 +145,22 @@ def saved(a: Anchor) -> dict:
 
 def test_state_round_trip():
     model = net()
-    a = Anchor(AnchorConfig("ema", eta=0.5, every=1), model)
+    a = Anchor(EMAAnchorConfig(eta=0.5, every=1), model)
     set_params(model, 2)
     a.update(model, 1)
     state = saved(a)
-    b = Anchor(AnchorConfig("ema", eta=0.5, every=1), net(seed=5))
+    b = Anchor(EMAAnchorConfig(eta=0.5, every=1), net(seed=5))
     b.load_state_dict(state, model)
     assert b.num_updates == 1 and torch.equal(flat(b.master), flat(a.master))
     with pytest.raises(ValueError, match="'ema' anchor"):
-        Anchor(AnchorConfig("fixed"), model).load_state_dict(state)
+        Anchor(FixedAnchorConfig(), model).load_state_dict(state)
 
 
 def test_load_state_dict_without_model_refreshes_the_bf16_forward_copy():
     """A bf16 policy's EMA anchor forwards through a bf16 copy of its fp32 master; restoring a state
     without passing the model must refresh that copy too, or ``applied`` forwards stale weights."""
     model = net(torch.bfloat16)
-    cfg = AnchorConfig("ema", eta=0.5, every=1)
+    cfg = EMAAnchorConfig(eta=0.5, every=1)
     a = Anchor(cfg, model)
     set_params(model, 4)
     assert a.update(model, 1)
@@ -176,7 +183,7 @@ def test_ema_master_is_fp64_for_an_fp64_policy():
     an update is the exact fp64 formula theta_a <- eta theta_a + (1 - eta) theta."""
     model = net(torch.float64)
     eta = 0.9
-    a = Anchor(AnchorConfig("ema", eta=eta, every=1), model)
+    a = Anchor(EMAAnchorConfig(eta=eta, every=1), model)
     assert all(m.dtype == torch.float64 for m in a.master)
     theta0 = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
@@ -199,7 +206,7 @@ def test_lora_tracks_only_adapters():
                       num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
     model = peft.get_peft_model(LlamaForCausalLM(cfg), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    a = Anchor(AnchorConfig("ema", eta=0.9, every=1), model)
+    a = Anchor(EMAAnchorConfig(eta=0.9, every=1), model)
     assert a.names and all("lora_" in n for n in a.names)
     n_adapter = sum(t.numel() for t in a.master)
     assert n_adapter < 0.1 * sum(p.numel() for p in model.parameters())

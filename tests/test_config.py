@@ -60,11 +60,13 @@ def every_key() -> set[str]:
         VLLMEngineConfig,
         VLLMServerEngineConfig,
     )
+    from tether.config.anchor import OtherAnchorConfig
     from tether.config.region import OtherRegionConfig
 
     keys = set(leaf_keys())
-    keys |= {"rollout.engine", "rollout.agent", "train.async", "algo.region"}  # chosen / optional sections too
+    keys |= {"rollout.engine", "rollout.agent", "train.async", "algo.region", "algo.anchor"}  # chosen sections too
     keys |= set(leaf_keys(OtherRegionConfig(kind="my.module:Region"), "algo.region."))
+    keys |= set(leaf_keys(OtherAnchorConfig(kind="my_anchor"), "algo.anchor."))
     keys |= set(leaf_keys(MultiTurnAgentConfig(env=EnvConfig(retriever=RetrieverConfig())), "rollout.agent."))
     keys |= {"rollout.agent.env.retriever"}
     keys |= set(leaf_keys(VLLMEngineConfig(), "rollout.engine."))

@@ -13,7 +13,8 @@ import torch
 
 from helpers import DIGITS, tiny_config
 from tether.anchor import Anchor
-from tether.config.recipes import AlgoConfig, AnchorConfig, validate
+from tether.config.anchor import FixedAnchorConfig
+from tether.config.recipes import AlgoConfig, validate
 from tether.errors import ConfigError
 from tether.logprobs import response_stats
 from tether.memory import malloc_trim
@@ -182,7 +183,7 @@ def _tiny_policy(tiny_model_dir):
 def test_bf16_anchor_halves_its_bytes_and_keeps_no_fp32_copy(bm, tiny_model_dir):
     model = _tiny_policy(tiny_model_dir)
     n = _n_params(model)
-    a32, a16 = Anchor(AnchorConfig("fixed"), model), Anchor(AnchorConfig("fixed", dtype="bfloat16"), model)
+    a32, a16 = Anchor(FixedAnchorConfig(), model), Anchor(FixedAnchorConfig(dtype="bfloat16"), model)
     assert bm.storage_bytes(a32.master) == n * F32 and bm.storage_bytes(a16.master) == n * 2 and not a16._compute
     before = [p.detach().clone() for p in model.parameters()]
     with a16.applied(model):
@@ -201,7 +202,7 @@ def test_bf16_anchor_kl_and_gradient_within_the_stated_tolerance(tiny_model_dir,
     floor the rounding dominates the KL gradient: on SmolLM2-135M the floor is 9.6e-5 and at a KL of
     1.3e-4 the gradient differs by 83% (docs/benchmarks.md, "Memory: what each change should remove")."""
     model = _tiny_policy(tiny_model_dir)
-    a32, a16 = Anchor(AnchorConfig("fixed"), model), Anchor(AnchorConfig("fixed", dtype="bfloat16"), model)
+    a32, a16 = Anchor(FixedAnchorConfig(), model), Anchor(FixedAnchorConfig(dtype="bfloat16"), model)
     g = torch.Generator().manual_seed(0)
     B, P, T = 4, 12, 16
     pid, rid = torch.randint(4, 384, (B, P), generator=g), torch.randint(4, 384, (B, T), generator=g)
@@ -233,13 +234,15 @@ def test_bf16_anchor_kl_and_gradient_within_the_stated_tolerance(tiny_model_dir,
 
 
 def test_bf16_anchor_config_is_for_a_fixed_anchor_of_an_fp32_policy(tiny_model_dir):
-    validate(AlgoConfig(anchor=AnchorConfig("fixed", dtype="bfloat16"), **_k3()))
-    with pytest.raises(ConfigError, match="fixed anchor only"):
-        validate(AlgoConfig(anchor=AnchorConfig("ema", dtype="bfloat16"), **_k3()))
+    validate(AlgoConfig(anchor=FixedAnchorConfig(dtype="bfloat16"), **_k3()))
+    from tether.resolve import load_config
+
+    with pytest.raises(ConfigError, match="algo.anchor.dtype is a key of algo.anchor.kind=fixed"):  # by construction
+        load_config(None, {"algo.anchor.dtype": "bfloat16"}, recipe_name="ema_pg")
     with pytest.raises(ConfigError, match="Valid choices: policy, bfloat16"):
-        validate(AlgoConfig(anchor=AnchorConfig("fixed", dtype="float16"), **_k3()))
+        validate(AlgoConfig(anchor=FixedAnchorConfig(dtype="float16"), **_k3()))
     with pytest.raises(ValueError, match="would change nothing"):
-        Anchor(AnchorConfig("fixed", dtype="bfloat16"), _tiny_policy(tiny_model_dir).to(torch.bfloat16))
+        Anchor(FixedAnchorConfig(dtype="bfloat16"), _tiny_policy(tiny_model_dir).to(torch.bfloat16))
 
 
 def _k3():

@@ -18,7 +18,8 @@ import torch
 from tether.algo import LossInputs, RegionConfig, compute_loss, loss_needs
 from tether.algo.aggregation import aggregate
 from tether.algo.kl import KL_ESTIMATORS, KLInputs, KLOptions, rpg_score_coef
-from tether.config.recipes import AlgoConfig, AnchorConfig, KLConfig, recipe
+from tether.config.anchor import FixedAnchorConfig
+from tether.config.recipes import AlgoConfig, KLConfig, recipe
 
 pytestmark = pytest.mark.usefixtures("float64")
 V, L = 3, 2
@@ -152,7 +153,7 @@ def test_compute_loss_equals_manual_composition():
     """loss = aggregate(-A*rho (masked) + beta*KL) with every piece computed by hand."""
     b = random_batch(1)
     cfg = AlgoConfig(region=RegionConfig("ratio", 0.2, 0.28), kl=KLConfig("k3", beta=0.1),
-                     anchor=AnchorConfig("fixed"), aggregation="seq-mean-token-mean")
+                     anchor=FixedAnchorConfig(), aggregation="seq-mean-token-mean")
     out = compute_loss(cfg, LossInputs(**b))
     logp, old, ref, mask, adv = b["logp"], b["old_logp"], b["ref_logp"], b["mask"], b["adv"][:, None]
     rho = torch.exp(logp - old)
@@ -170,7 +171,7 @@ def test_compute_loss_equals_manual_composition():
 def test_kl_in_reward_is_penalty_to_go():
     b = random_batch(2)
     cfg = AlgoConfig(region=RegionConfig("none"), kl=KLConfig("k1", beta=0.5, placement="reward"),
-                     anchor=AnchorConfig("fixed"), aggregation="token-mean")
+                     anchor=FixedAnchorConfig(), aggregation="token-mean")
     out = compute_loss(cfg, LossInputs(**b))
     logp, old, ref, mask = b["logp"], b["old_logp"], b["ref_logp"], b["mask"]
     s = torch.exp(logp.detach() - old)

@@ -3,7 +3,8 @@
 import pytest
 
 from tether.algo import RegionConfig
-from tether.config.recipes import RECIPES, AlgoConfig, AnchorConfig, KLConfig, recipe, validate
+from tether.config.anchor import EMAAnchorConfig, FixedAnchorConfig
+from tether.config.recipes import RECIPES, AlgoConfig, KLConfig, recipe, validate
 from tether.errors import ConfigError
 
 SPEC = {  # ALGORITHMS.md section 6
@@ -51,11 +52,10 @@ def test_unknown_recipe_lists_choices():
 
 
 @pytest.mark.parametrize("mutate,msg", [
-    (lambda c: setattr(c.anchor, "kind", "none"), "needs an anchor; choose anchor.kind from"),
+    (lambda c: setattr(c, "anchor", "none"), "needs an anchor; choose anchor.kind from"),
     (lambda c: setattr(c.kl, "estimator", "topk_ref"), "Did you mean 'topk_rev'"),
     (lambda c: setattr(c.kl, "beta", 0.0), "needs kl.beta > 0"),
     (lambda c: setattr(c, "advantage", "gae"), "unknown advantage 'gae'"),
-    (lambda c: setattr(c.anchor, "kappa", 0.3), "anchor.kappa has no effect with anchor 'ema'"),
     (lambda c: setattr(c.kl, "placement", "advantage"), "needs kl.estimator rpg_rkl or rpg_urkl"),
     (lambda c: (setattr(c.kl, "estimator", "topk_rev_centered"), setattr(c.kl, "truncated", True)),
      "use 'topk_rev'"),
@@ -75,7 +75,7 @@ def test_ineffective_options_without_kl():
     with pytest.raises(ConfigError, match="kl.beta is set but kl.estimator is 'none'"):
         validate(c)
     c = recipe("dapo")
-    c.anchor = AnchorConfig("ema")
+    c.anchor = EMAAnchorConfig()
     with pytest.raises(ConfigError, match="has no effect without a KL term"):
         validate(c)
     c = recipe("grpo")
@@ -97,7 +97,7 @@ def test_region_surrogate_compatibility():
 def test_every_registered_estimator_validates_with_an_anchor():
     from tether.algo import KL_ESTIMATORS
     for est in KL_ESTIMATORS:
-        validate(AlgoConfig(kl=KLConfig(est, beta=0.01), anchor=AnchorConfig("fixed")))
+        validate(AlgoConfig(kl=KLConfig(est, beta=0.01), anchor=FixedAnchorConfig()))
 
 
 def test_algo_layer_imports_only_torch():
@@ -177,3 +177,36 @@ def test_a_user_region_keeps_every_bound_and_must_be_registered():
     assert type(c.region).__name__ == "OtherRegionConfig" and c.region.delta == 0.2 and c.region.eps_low == 0.2
     with pytest.raises(ConfigError, match="unknown trust region 'my_module:MyRegion'"):
         validate(c)
+
+
+# ---------------------------------------------------------------- algo.anchor: a section per kind
+
+
+def test_each_anchor_kind_holds_only_the_keys_it_reads():
+    """Written out from tether.anchor: ema reads eta and every, reset every, kl_reset kappa and kl_smoothing, fixed
+    its stored dtype; none and iterative nothing."""
+    from tether.algo.anchors import ANCHOR_KINDS
+    from tether.config.anchor import ANCHOR_SECTIONS
+
+    reads = {"none": set(), "fixed": {"dtype"}, "ema": {"eta", "every"}, "iterative": set(), "reset": {"every"},
+             "kl_reset": {"kappa", "kl_smoothing"}}
+    assert set(ANCHOR_SECTIONS) == set(reads) == {"none", *ANCHOR_KINDS.names()}
+    for kind, cls in ANCHOR_SECTIONS.items():
+        assert set(cls.model_fields) - {"kind"} == reads[kind], kind
+
+
+def test_an_earlier_release_s_anchor_with_every_key_still_loads(tmp_path):
+    from tether.resolve import load_config
+
+    old = tmp_path / "config.yaml"
+    old.write_text("recipe: grpo\nalgo:\n  anchor: {kind: fixed, eta: 0.95, every: 10, kappa: 0.0, kl_smoothing: 0.9, "
+                   "dtype: policy}\n")
+    assert load_config(str(old)).algo.anchor.model_dump() == {"kind": "fixed", "dtype": "policy"}
+    flat = {"algo.anchor.kind": "ema", "algo.anchor.eta": 0.9, "algo.anchor.every": 10, "algo.anchor.kappa": 0.0,
+            "algo.anchor.kl_smoothing": 0.9, "algo.anchor.dtype": "policy"}
+    assert load_config(None, flat, recipe_name="ema_pg").algo.anchor.model_dump() == \
+        {"kind": "ema", "every": 10, "eta": 0.9}
+    with pytest.raises(ConfigError, match="algo.anchor.kappa is a key of algo.anchor.kind=kl_reset"):
+        load_config(None, {**flat, "algo.anchor.kappa": 0.3}, recipe_name="ema_pg")
+    c = load_config(None, {"algo.anchor": "reset", "algo.anchor.every": 3}, recipe_name="grpo")
+    assert c.algo.anchor.model_dump() == {"kind": "reset", "every": 3}

@@ -43,8 +43,8 @@ from torch import nn
 from . import distributed as dist
 from .algo.anchors import ANCHOR_KINDS
 
-# ``cfg`` below is the ``algo.anchor`` section (``tether.config.recipes.AnchorConfig``; the config sits above this
-# module, so it is read by its keys: kind, eta, every, kappa, kl_smoothing, dtype)
+# ``cfg`` below is the ``algo.anchor`` section (``tether.config.anchor``: a section per kind, each with the keys
+# its rule reads: ema eta and every, reset every, kl_reset kappa and kl_smoothing, fixed dtype)
 AnchorSection = Any
 
 

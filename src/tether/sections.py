@@ -26,7 +26,7 @@ class Section(BaseModel):
                               arbitrary_types_allowed=True, revalidate_instances="never")
 
     def __init__(self, *args: Any, **kw: Any):
-        """Keys by name, or the first ones by position in declaration order (``AnchorConfig("ema", eta=0.9)``)."""
+        """Keys by name, or the first ones by position in declaration order (``KLConfig("k3", beta=1e-3)``)."""
         names = list(type(self).model_fields)
         if len(args) > len(names):
             raise TypeError(f"{type(self).__name__} takes at most {len(names)} positional keys, got {len(args)}")

@@ -2,7 +2,7 @@
 
 Each rule is ``rule(anchor, params, step, token_kl) -> bool``: given the policy's tracked parameters
 after trainer step ``step`` it updates ``anchor.master`` (the anchor's tensors, one per parameter) in
-place and says whether it moved. ``anchor`` is any object with ``cfg`` (the ``AnchorConfig``),
+place and says whether it moved. ``anchor`` is any object with ``cfg`` (its ``algo.anchor`` section),
 ``master`` and ``kl_ma``: `tether.anchor.Anchor` holds the tensors, applies them and checkpoints them.
 
 | kind | rule (after trainer step ``n``) |

@@ -7,6 +7,8 @@ files, overrides, the registries' names) is `tether.resolve` (``load_config``, `
 One module per concern; every name is importable from ``tether.config``:
 
     recipes.py     the algo section (AlgoConfig), its validation, and the named recipes (RECIPES, recipe)
+    region.py      algo.region (a section per trust-region kind)
+    anchor.py      algo.anchor (a section per anchor kind)
     schema.py      the sections (pydantic models): data, rollout, train (with OptimizerConfig), run, eval; Config
     model.py       model (ModelConfig, DTYPES)
     agent.py       rollout.agent (single_turn | multi_turn with its env section; search is env.name=search)
@@ -29,6 +31,7 @@ from .agent import (
                     env_name,
                     env_of,
 )
+from .anchor import AnchorConfig
 from .engine import (
                     VLLM_DTYPES,
                     EngineConfig,
@@ -39,7 +42,7 @@ from .engine import (
 )
 from .model import DTYPES, ModelConfig
 from .overrides import apply_keys, coerce_value, flatten, parse_overrides, set_key
-from .recipes import RECIPES, AlgoConfig, AnchorConfig, KLConfig, describe, recipe
+from .recipes import RECIPES, AlgoConfig, KLConfig, describe, recipe
 from .schema import (
                     DEFAULT_RECIPE,
                     Config,

@@ -25,6 +25,14 @@ from ..algo.registry import unknown_choice
 from ..algo.trust_region import REGIONS, REINFORCE_ONLY_REGIONS, kl3_bounds
 from ..errors import ConfigError
 from ..sections import Section, default
+from .anchor import (
+    AnchorConfig,
+    EMAAnchorConfig,
+    FixedAnchorConfig,
+    IterativeAnchorConfig,
+    NoAnchorConfig,
+    anchor_mapping,
+)
 from .region import (
     CISPORegionConfig,
     DualRegionConfig,
@@ -39,7 +47,7 @@ from .region import (
 ANCHORS = ("none", *ANCHOR_KINDS.names())  # "none": no anchor and no KL term; the kinds: tether.algo.anchors
 PLACEMENTS = ("loss", "reward", "advantage")
 KL_SAMPLERS = ("pi_old", "mu")  # AlgoConfig.kl_sampler
-ANCHOR_DTYPES = ("policy", "bfloat16")  # AnchorConfig.dtype
+ANCHOR_DTYPES = ("policy", "bfloat16")  # algo.anchor.dtype (kind fixed)
 
 
 class KLConfig(Section):
@@ -66,26 +74,6 @@ class KLConfig(Section):
     documented bias)"""
 
 
-class AnchorConfig(Section):
-    """Which policy the KL term ties to, and how it moves (tether.anchor)."""
-
-    kind: str = "none"
-    """none (no KL) | fixed (initial policy; GRPO) | ema (EMA-PG) | iterative (= sampler; RPG) | reset (copy every
-    N) | kl_reset (copy when KL > kappa)"""
-    eta: float = 0.95
-    """ema: theta_a <- eta*theta_a + (1-eta)*theta (EMA-PG: 0.9-0.95)"""
-    every: int = 10
-    """ema, reset: update every N trainer steps (one rollout + its update; not optimizer steps; EMA-PG: 10)"""
-    kappa: float = 0.0
-    """kl_reset: reset when the moving average of the token KL exceeds kappa (> 0)"""
-    kl_smoothing: float = 0.9
-    """kl_reset: the moving average's factor m in kl_ma <- m*kl_ma + (1-m)*kl"""
-    dtype: str = "policy"
-    """fixed: the stored anchor's dtype. policy (the policy's) | bfloat16 (an fp32 policy's anchor held at half the
-    bytes, upcast for its forward pass only; the anchor is then the bf16-rounded initial policy:
-    tests/test_memory.py bounds the change of the KL and its gradient)"""
-
-
 class AlgoConfig(Section):
     """One point in the design space. Named recipes are instances; every field can be overridden."""
 
@@ -100,7 +88,8 @@ class AlgoConfig(Section):
     region: RegionConfig = Field(default_factory=RatioRegionConfig)
     """the trust region (tether.config.region: a section per kind, with the bounds it reads)"""
     kl: KLConfig = Field(default_factory=KLConfig)
-    anchor: AnchorConfig = Field(default_factory=AnchorConfig)
+    anchor: AnchorConfig = Field(default_factory=NoAnchorConfig)
+    """which policy the KL term ties to, and how it moves (tether.config.anchor: a section per kind)"""
     aggregation: str = "token-mean"
     """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm"""
     agg_max_len: int = 0
@@ -137,6 +126,11 @@ class AlgoConfig(Section):
     @classmethod
     def _region_shorthand(cls, v: Any) -> Any:
         return region_mapping(v)
+
+    @field_validator("anchor", mode="before")
+    @classmethod
+    def _anchor_shorthand(cls, v: Any) -> Any:
+        return anchor_mapping(v)
 
     def copy(self) -> "AlgoConfig":
         return copy.deepcopy(self)
@@ -287,24 +281,18 @@ def _kl_errors(cfg: AlgoConfig) -> list[str]:
 
 
 def _anchor_errors(cfg: AlgoConfig) -> list[str]:
-    """The anchor's ranges (eta in [0, 1), every >= 1, kappa > 0) and the anchor.* fields its kind does not read."""
+    """The anchor's ranges (eta in [0, 1), every >= 1, kappa > 0) and the stored dtype's choices (a key the kind
+    does not read cannot be set: each kind's section holds only its own, tether.config.anchor)."""
     errs: list[str] = []
-    a, d_anchor = cfg.anchor, AnchorConfig()
-    if a.kind == "ema" and not 0 <= a.eta < 1:
+    a = cfg.anchor
+    if hasattr(a, "eta") and not 0 <= a.eta < 1:
         errs.append(f"anchor.eta must be in [0, 1), got {a.eta}")
-    if a.kind in ("ema", "reset") and a.every < 1:
+    if hasattr(a, "every") and a.every < 1:
         errs.append(f"anchor.every must be >= 1, got {a.every}")
     if a.kind == "kl_reset" and not a.kappa > 0:
         errs.append("anchor 'kl_reset' needs anchor.kappa > 0")
-    used = {"ema": {"eta", "every"}, "reset": {"every"}, "kl_reset": {"kappa", "kl_smoothing"}}.get(a.kind, set())
-    for f in ("eta", "every", "kappa", "kl_smoothing"):
-        if f not in used and getattr(a, f) != getattr(d_anchor, f):
-            errs.append(f"anchor.{f} has no effect with anchor {a.kind!r}")
-    if a.dtype not in ANCHOR_DTYPES:
+    if hasattr(a, "dtype") and a.dtype not in ANCHOR_DTYPES:
         errs.append(unknown_choice("anchor.dtype", a.dtype, ANCHOR_DTYPES))
-    elif a.dtype != d_anchor.dtype and a.kind != "fixed":
-        errs.append(f"anchor.dtype={a.dtype} is for the fixed anchor only, not {a.kind!r} (an EMA accumulates in "
-                    "fp32; reset anchors copy the policy)")
     return errs
 
 
@@ -317,7 +305,7 @@ ATR_DELTA = 0.03
 
 def _grpo() -> AlgoConfig:
     return AlgoConfig(name="grpo", advantage="grpo", region=RatioRegionConfig(eps_low=0.2, eps_high=0.2),
-                      kl=KLConfig("k3", beta=1e-3), anchor=AnchorConfig("fixed"),
+                      kl=KLConfig("k3", beta=1e-3), anchor=FixedAnchorConfig(),
                       aggregation="seq-mean-token-mean")
 
 
@@ -327,7 +315,7 @@ def _rpg(variant: str, reinforce: bool) -> AlgoConfig:
     return AlgoConfig(name=f"rpg_{'reinforce_' if reinforce else ''}{variant}", advantage="group_mean",
                       surrogate="reinforce" if reinforce else "ratio", region=region,
                       kl=KLConfig(f"rpg_{variant}", beta=1e-4, placement=placement),
-                      anchor=AnchorConfig("iterative"), aggregation="token-mean")
+                      anchor=IterativeAnchorConfig(), aggregation="token-mean")
 
 
 RECIPES = {
@@ -343,16 +331,16 @@ RECIPES = {
     # EMA-PG (arXiv 2602.04417): EMA anchor, unbiased top-k reverse KL with k = 32, clip-higher.
     "ema_pg": lambda: AlgoConfig(name="ema_pg", region=RatioRegionConfig(eps_low=0.2, eps_high=0.28),
                                  kl=KLConfig("topk_rev", beta=1e-3, topk=32),
-                                 anchor=AnchorConfig("ema", eta=0.95, every=10), aggregation="token-mean"),
+                                 anchor=EMAAnchorConfig(eta=0.95, every=10), aggregation="token-mean"),
     # ATR-GRPO (arXiv 2602.05494): the KL3 trust region instead of the ratio clip; otherwise GRPO.
     "atr_grpo": lambda: AlgoConfig(name="atr_grpo", advantage="grpo", region=KL3RegionConfig(delta=ATR_DELTA),
-                                   kl=KLConfig("k3", beta=1e-3), anchor=AnchorConfig("fixed"),
+                                   kl=KLConfig("k3", beta=1e-3), anchor=FixedAnchorConfig(),
                                    aggregation="seq-mean-token-mean"),
     # REINFORCE++: batch-normalized advantage, PPO clip, k3 KL as a per-token reward penalty.
     "reinforce_pp": lambda: AlgoConfig(name="reinforce_pp", advantage="reinforce_pp",
                                        region=RatioRegionConfig(eps_low=0.2, eps_high=0.2),
                                        kl=KLConfig("k3", beta=1e-3, placement="reward"),
-                                       anchor=AnchorConfig("fixed"), aggregation="token-mean"),
+                                       anchor=FixedAnchorConfig(), aggregation="token-mean"),
     # CISPO (MiniMax-M1): no mask; REINFORCE with the truncated IS weight sg(min(rho, 1 + eps_high)).
     "cispo": lambda: AlgoConfig(name="cispo", surrogate="reinforce",
                                 region=CISPORegionConfig(eps_high=0.28), aggregation="token-mean"),

@@ -9,12 +9,12 @@ A region saved by an earlier release (config.yaml held all four bounds, whatever
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Tag
 
 from ..sections import Section
+from .migration import drop_unread_keys, kind_mapping
 
 
 class _Kind(Section):
@@ -123,33 +123,15 @@ _OLD_DEFAULTS = {"eps_low": 0.2, "eps_high": 0.2, "clip_c": 0.0, "delta": 0.0}
 
 
 def region_mapping(value: Any) -> Any:
-    """``algo.region`` given as a kind (``ratio``), a dataclass (`tether.algo.RegionConfig`) or an earlier release's
-    mapping of all four bounds: the mapping of its kind's section, a bound the kind does not read dropped when it
-    holds its old default (any other value stays, and is refused as the kind's unknown key)."""
-    if isinstance(value, str):
-        return {"kind": value}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    if not isinstance(value, dict):
-        return value
-    value = {"kind": "ratio", **value}
-    cls = REGION_KINDS.get(value["kind"])
-    if cls is None:
-        return value
-    return {k: v for k, v in value.items()
-            if k in cls.model_fields or k not in _OLD_DEFAULTS or v != _OLD_DEFAULTS[k]}
+    """``algo.region`` given as a kind, a dataclass (`tether.algo.RegionConfig`) or an earlier release's mapping of
+    all four bounds: its kind's mapping (`tether.config.migration.kind_mapping`)."""
+    return kind_mapping(value, REGION_KINDS, _OLD_DEFAULTS, "ratio")
 
 
 def drop_unread_bounds(vals: dict[str, Any], kind: str) -> dict[str, Any]:
-    """Dotted keys ``vals`` without the ``algo.region.<bound>`` keys that region ``kind`` (``vals``' own
-    ``algo.region.kind`` when it sets one) does not read and that hold their old default: an earlier release wrote
-    all four into every config.yaml, and setting one at that default never had an effect."""
-    given = vals.get("algo.region.kind", vals.get("algo.region"))
-    kind = given if isinstance(given, str) else given.get("kind", kind) if isinstance(given, dict) else kind
-    fields = REGION_KINDS.get(kind, OtherRegionConfig).model_fields
-    return {k: v for k, v in vals.items()
-            if not (k.startswith("algo.region.") and k[12:] in _OLD_DEFAULTS and k[12:] not in fields
-                    and v == _OLD_DEFAULTS[k[12:]])}
+    """Dotted keys ``vals`` without the ``algo.region.<bound>`` keys region ``kind`` does not read at their old
+    default (`tether.config.migration.drop_unread_keys`)."""
+    return drop_unread_keys(vals, "algo.region", REGION_KINDS, OtherRegionConfig, _OLD_DEFAULTS, kind)
 
 
 def _region_tag(value: Any) -> str:

@@ -1,0 +1,114 @@
+"""``algo.anchor``: which policy the KL term ties to and how it moves, a section chosen by its ``kind``, each kind
+with the keys it reads (tether.anchor builds it; tether.algo.anchors registers the kinds). A key another kind reads
+is refused by construction (``algo.anchor.kappa`` with ``kind: ema``); ``algo.anchor=ema`` is short for
+``algo.anchor.kind=ema``. A section saved by an earlier release (every kind's keys) is read back by
+`anchor_mapping` / `drop_unread_anchor_keys`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Tag
+
+from ..sections import Section
+from .migration import drop_unread_keys, kind_mapping
+
+
+class _Kind(Section):
+    kind: str
+    """the anchor (tether.anchor)"""
+
+
+class _Every(Section):
+    every: int = 10
+    """update every N trainer steps (one rollout + its update; not optimizer steps; EMA-PG: 10), >= 1"""
+
+
+class NoAnchorConfig(_Kind):
+    """``algo.anchor.kind=none``: no anchor, and no KL term."""
+
+    kind: Literal["none"] = "none"
+    """none"""
+
+
+class FixedAnchorConfig(_Kind):
+    """``algo.anchor.kind=fixed``: the initial policy, frozen (GRPO's reference)."""
+
+    kind: Literal["fixed"] = "fixed"
+    """fixed"""
+    dtype: str = "policy"
+    """the stored anchor's dtype: policy (the policy's) | bfloat16 (an fp32 policy's anchor held at half the bytes,
+    upcast for its forward pass only; the anchor is then the bf16-rounded initial policy: tests/test_memory.py bounds
+    the change of the KL and its gradient)"""
+
+
+class EMAAnchorConfig(_Every, _Kind):
+    """``algo.anchor.kind=ema``: an exponential moving average of the policy (EMA-PG)."""
+
+    kind: Literal["ema"] = "ema"
+    """ema"""
+    eta: float = 0.95
+    """theta_a <- eta*theta_a + (1-eta)*theta, 0 <= eta < 1 (EMA-PG: 0.9-0.95)"""
+
+
+class IterativeAnchorConfig(_Kind):
+    """``algo.anchor.kind=iterative``: the sampler pi_old itself (RPG); no copy of its own."""
+
+    kind: Literal["iterative"] = "iterative"
+    """iterative"""
+
+
+class ResetAnchorConfig(_Every, _Kind):
+    """``algo.anchor.kind=reset``: a copy of the policy, renewed every N steps."""
+
+    kind: Literal["reset"] = "reset"
+    """reset"""
+
+
+class KLResetAnchorConfig(_Kind):
+    """``algo.anchor.kind=kl_reset``: a copy of the policy, renewed when the moving average of the token KL exceeds
+    kappa."""
+
+    kind: Literal["kl_reset"] = "kl_reset"
+    """kl_reset"""
+    kappa: float = 0.0
+    """reset when the moving average of the token KL exceeds kappa (> 0)"""
+    kl_smoothing: float = 0.9
+    """the moving average's factor m in kl_ma <- m*kl_ma + (1-m)*kl"""
+
+
+class OtherAnchorConfig(KLResetAnchorConfig, EMAAnchorConfig, FixedAnchorConfig):
+    """An anchor kind registered in tether.algo.anchors.ANCHOR_KINDS by a user: every key, for it to read."""
+
+    kind: str
+    """its registered name"""
+
+
+#: kind -> its section (the kinds tether ships)
+ANCHOR_SECTIONS: dict[str, type[Section]] = {
+    c.model_fields["kind"].default: c for c in (NoAnchorConfig, FixedAnchorConfig, EMAAnchorConfig,
+                                                IterativeAnchorConfig, ResetAnchorConfig, KLResetAnchorConfig)}
+
+#: the keys every anchor carried before each kind had its own section, and their defaults then
+_OLD_DEFAULTS = {"eta": 0.95, "every": 10, "kappa": 0.0, "kl_smoothing": 0.9, "dtype": "policy"}
+
+
+def anchor_mapping(value: Any) -> Any:
+    """``algo.anchor`` given as a kind or an earlier release's mapping of every key: its kind's mapping."""
+    return kind_mapping(value, ANCHOR_SECTIONS, _OLD_DEFAULTS, "none")
+
+
+def drop_unread_anchor_keys(vals: dict[str, Any], kind: str) -> dict[str, Any]:
+    """Dotted keys ``vals`` without the ``algo.anchor.<key>`` keys anchor ``kind`` does not read at their old
+    default (`tether.config.migration.drop_unread_keys`)."""
+    return drop_unread_keys(vals, "algo.anchor", ANCHOR_SECTIONS, OtherAnchorConfig, _OLD_DEFAULTS, kind)
+
+
+def _anchor_tag(value: Any) -> str:
+    kind = value.get("kind", "none") if isinstance(value, dict) else getattr(value, "kind", "none")
+    return kind if kind in ANCHOR_SECTIONS else "other"
+
+
+AnchorConfig = Annotated[Union[tuple(Annotated[c, Tag(k)] for k, c in ANCHOR_SECTIONS.items())
+                               + (Annotated[OtherAnchorConfig, Tag("other")],)], Discriminator(_anchor_tag)]
