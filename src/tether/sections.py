@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError
 
 
 class Section(BaseModel):
@@ -121,6 +121,19 @@ def kind_of(cls: type) -> str | None:
     return None
 
 
+def chosen(kinds: dict[str, type], other: type, default_kind: str) -> Any:
+    """The type of a section chosen by its ``kind``: a discriminated union of one variant per entry of ``kinds``
+    (kind -> section class, each with ``kind: Literal[...]``) and ``other`` for any other kind (a user's registered
+    name); a mapping without ``kind`` is ``default_kind``'s."""
+    def tag(value: Any) -> str:
+        kind = value.get("kind", default_kind) if isinstance(value, dict) else getattr(value, "kind", default_kind)
+        return kind if kind in kinds else "other"
+
+    _TAGS.update(kinds)  # an error's location names the key, not the variant's tag
+    return typing.Annotated[typing.Union[tuple(typing.Annotated[c, Tag(k)] for k, c in kinds.items())
+                                         + (typing.Annotated[other, Tag("other")],)], Discriminator(tag)]
+
+
 def as_dict(section: Any) -> dict:
     """A plain dict of a section at every depth, with the keys users write (for YAML and logs)."""
     if isinstance(section, BaseModel):
@@ -161,5 +174,5 @@ def validation_problems(e: ValidationError, key: str, name: str) -> list[str]:
 # the tags pydantic adds to an error's location inside a chosen section (rollout.engine.vllm.dtype)
 _TAGS = {"hf", "vllm", "vllm_server", "other", "local", "remote", "function-after", "function-before", "function-plain"}
 
-__all__ = ["Section", "ValidationError", "annotation", "as_dict", "default", "doc", "field_for_key", "is_section",
-           "key_name", "keys_of", "kind_of", "optional", "replace", "validation_problems", "variants"]
+__all__ = ["Section", "ValidationError", "annotation", "as_dict", "chosen", "default", "doc", "field_for_key",
+           "is_section", "key_name", "keys_of", "kind_of", "optional", "replace", "validation_problems", "variants"]

@@ -7,11 +7,9 @@ is refused by construction (``algo.anchor.kappa`` with ``kind: ema``); ``algo.an
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
-from pydantic import Discriminator, Tag
-
-from ..sections import Section
+from ..sections import Section, chosen
 from .migration import drop_unread_keys, kind_mapping
 
 
@@ -105,10 +103,4 @@ def drop_unread_anchor_keys(vals: dict[str, Any], kind: str) -> dict[str, Any]:
     return drop_unread_keys(vals, "algo.anchor", ANCHOR_SECTIONS, OtherAnchorConfig, _OLD_DEFAULTS, kind)
 
 
-def _anchor_tag(value: Any) -> str:
-    kind = value.get("kind", "none") if isinstance(value, dict) else getattr(value, "kind", "none")
-    return kind if kind in ANCHOR_SECTIONS else "other"
-
-
-AnchorConfig = Annotated[Union[tuple(Annotated[c, Tag(k)] for k, c in ANCHOR_SECTIONS.items())
-                               + (Annotated[OtherAnchorConfig, Tag("other")],)], Discriminator(_anchor_tag)]
+AnchorConfig = chosen(ANCHOR_SECTIONS, OtherAnchorConfig, "none")

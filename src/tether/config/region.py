@@ -9,11 +9,9 @@ A region saved by an earlier release (config.yaml held all four bounds, whatever
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
-from pydantic import Discriminator, Tag
-
-from ..sections import Section
+from ..sections import Section, chosen
 from .migration import drop_unread_keys, kind_mapping
 
 
@@ -134,10 +132,4 @@ def drop_unread_bounds(vals: dict[str, Any], kind: str) -> dict[str, Any]:
     return drop_unread_keys(vals, "algo.region", REGION_KINDS, OtherRegionConfig, _OLD_DEFAULTS, kind)
 
 
-def _region_tag(value: Any) -> str:
-    kind = value.get("kind", "ratio") if isinstance(value, dict) else getattr(value, "kind", "ratio")
-    return kind if kind in REGION_KINDS else "other"
-
-
-RegionConfig = Annotated[Union[tuple(Annotated[c, Tag(k)] for k, c in REGION_KINDS.items())
-                               + (Annotated[OtherRegionConfig, Tag("other")],)], Discriminator(_region_tag)]
+RegionConfig = chosen(REGION_KINDS, OtherRegionConfig, "ratio")
