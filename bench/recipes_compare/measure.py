@@ -85,11 +85,11 @@ def token_kl_entropy(policy, initial, rb, *, micro: int = 2, chunk_size: int = 1
     import torch
 
     from tether.anchor import Anchor
-    from tether.config.recipes import AnchorConfig
+    from tether.config.anchor import FixedAnchorConfig
     from tether.logprobs import response_stats
     from tether.passes import exact_kl_sample
 
-    anchor = Anchor(AnchorConfig(kind="fixed"), initial)  # theta_0, the initial model's weights
+    anchor = Anchor(FixedAnchorConfig(), initial)  # theta_0, the initial model's weights
     kl_sum, ent_sum, n_tok = 0.0, 0.0, 0
     mode = policy.training
     policy.eval()
