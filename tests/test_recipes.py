@@ -210,3 +210,15 @@ def test_an_earlier_release_s_anchor_with_every_key_still_loads(tmp_path):
         load_config(None, {**flat, "algo.anchor.kappa": 0.3}, recipe_name="ema_pg")
     c = load_config(None, {"algo.anchor": "reset", "algo.anchor.every": 3}, recipe_name="grpo")
     assert c.algo.anchor.model_dump() == {"kind": "reset", "every": 3}
+
+
+def test_an_old_default_bound_is_dropped_against_the_kind_an_earlier_source_chose(tmp_path):
+    """The YAML file picks the kind by the shorthand (algo.region: kl3); an override then carries an earlier
+    release's default bound the kind does not read: dropped, as within one source."""
+    from tether.resolve import load_config
+
+    f = tmp_path / "c.yaml"
+    f.write_text("recipe: ema_pg\nalgo: {region: kl3, anchor: reset}\n")
+    c = load_config(str(f), {"algo.region.delta": 0.03, "algo.region.eps_low": 0.2, "algo.anchor.eta": 0.95})
+    assert c.algo.region.model_dump() == {"kind": "kl3", "delta": 0.03, "clip_c": 0.0}
+    assert c.algo.anchor.model_dump() == {"kind": "reset", "every": 10}

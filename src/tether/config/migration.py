@@ -4,6 +4,7 @@ is read in the new layout (`migrate_saved`: ``--resume``, ``tether eval --run``,
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 #: old dotted key -> its new dotted key
@@ -138,8 +139,6 @@ def kind_mapping(value: Any, kinds: dict[str, Any], old_defaults: dict[str, Any]
     """A chosen section given as its kind (``"ema"``), a dataclass, or an earlier release's mapping that held every
     kind's keys: the mapping of its kind's section (``kinds``: kind -> section class), a key the kind does not read
     dropped when it holds its old default (any other value stays, and is refused as an unknown key of the kind)."""
-    import dataclasses
-
     if isinstance(value, str):
         return {"kind": value}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -60,6 +60,8 @@ def add_agent_arguments(e) -> None:
     add_flags(g, EVAL_FLAGS["budgets"], EVAL_PRESET)
 
 
+#: --retriever (rollout.agent.env.retriever.kind)
+RETRIEVER_FLAG = next(f for f in EVAL_FLAGS["search"] if f.key == "rollout.agent.env.retriever.kind")
 #: the flags only the search agent reads (the budgets are multi_turn's too)
 SEARCH_ONLY = [*EVAL_FLAGS["search"], Flag("rollout.agent.env.max_turns", "--max-searches")]
 
@@ -157,7 +159,7 @@ def search_setup(args) -> tuple[list, RolloutPlan]:
     (``rollout.agent.env.*`` and its ``retriever`` from the flags), with its tools (the environment over the
     retriever, built and checked here)."""
     http = {k: v for k in ("url", "timeout", "retries") if (v := getattr(args, k, None)) not in (None, "")}
-    retriever = value(args, EVAL_FLAGS["search"][0], EVAL_PRESET)
+    retriever = value(args, RETRIEVER_FLAG, EVAL_PRESET)
     if http and retriever != "http":
         raise EvalError(" and ".join(f"--{k}" for k in http) + f" need{'s' * (len(http) == 1)} --retriever http")
     max_searches = SEARCH_MAX_TURNS - 1 if args.max_searches is None else args.max_searches

@@ -39,12 +39,10 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
             raise ConfigError(unknown_choice("task", task, TASK_PRESETS))
         for k, v in TASK_PRESETS[task].items():
             set_key(cfg, k, v)
-    # the recipe's region and anchor: keys their kinds do not read, at an earlier release's defaults, are dropped
-    region, anchor = cfg.algo.region.kind, cfg.algo.anchor.kind
     for source, vals in ((path or "config file", file_vals), ("override", overrides)):
-        vals = drop_unread_anchor_keys(drop_unread_bounds(vals, region), anchor)
-        region = vals["algo.region.kind"] if isinstance(vals.get("algo.region.kind"), str) else region
-        anchor = vals["algo.anchor.kind"] if isinstance(vals.get("algo.anchor.kind"), str) else anchor
+        # region and anchor keys their kind (the one vals set, else cfg's so far) does not read, at an earlier
+        # release's defaults, are dropped
+        vals = drop_unread_anchor_keys(drop_unread_bounds(vals, cfg.algo.region.kind), cfg.algo.anchor.kind)
         apply_keys(cfg, vals, source)
     # algo.name names the recipe, +custom when an algo.* key changed it (algo.name itself set by hand does not count,
     # nor the correction train.async.correction brings: a saved config, which holds it, resolves to the same name)
