@@ -97,8 +97,7 @@ def test_each_token_is_sampled_and_scored_by_its_segments_version(policy):
 
 
 @pytest.mark.parametrize("over,msg", [
-    ({"train.async.partial_rollout_tokens": -1}, "train.async.partial_rollout_tokens: Input should be greater than or "
-                                                 "equal to 0"),
+    ({"train.async.partial_rollout_tokens": -1}, "train.async.partial_rollout_tokens must be >= 0, got -1"),
     ({"train.async.max_staleness": 1, "train.async.partial_rollout_tokens": 8},
      "has no effect: a response has at most"),
     ({"train.async.max_staleness": 1, "train.async.partial_rollout_tokens": 4, "rollout.agent": "multi_turn"},

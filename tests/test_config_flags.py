@@ -99,7 +99,7 @@ def test_demos_flags_reach_the_environment_it_builds():
     assert keys["rollout.agent.env.retriever.passage_format"] == "search_r1"
 
 
-@pytest.mark.parametrize("over, needle", [({"eval.top_p": 1.5}, "eval.top_p: Input should be less than or equal to 1"),
+@pytest.mark.parametrize("over, needle", [({"eval.top_p": 1.5}, "eval.top_p must be in (0, 1], got 1.5"),
                                           ({"eval.top_p": 0.9}, "eval.top_p has no effect with eval.greedy=true")])
 def test_eval_top_p_is_a_checked_key(over, needle):
     from tether.errors import ConfigError

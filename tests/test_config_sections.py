@@ -46,24 +46,52 @@ def test_engine_keys_belong_to_their_kind():
     with pytest.raises(ConfigError, match="rollout.engine.share_prompt is a key of rollout.engine.kind=hf"):
         load_config(None, {"rollout.engine.kind": "vllm", "rollout.engine.share_prompt": False})
     # the kind first, whatever the order the keys come in (a YAML mapping, CLI overrides)
-    with pytest.raises(ConfigError, match="rollout.engine.dtype: Input should be 'auto', 'float32', 'bfloat16' or "
-                                          "'float16' .got 'fp8'."):
+    with pytest.raises(ConfigError, match="unknown rollout.engine.dtype 'fp8'. Valid choices: auto, float32, bfloat16, "
+                                          "float16"):
         load_config(None, {"rollout.engine.dtype": "fp8", "rollout.engine.kind": "vllm"})
 
 
 @pytest.mark.parametrize("key,value,msg", [
-    ("rollout.engine.prune_every", -1, "greater than or equal to 0"),
-    ("train.async.max_staleness", 0, "greater than or equal to 1"),
-    ("train.async.workers", 0, "greater than or equal to 1"),
-    ("train.async.worker_restarts", -1, "greater than or equal to 0"),
-    ("train.async.verify_logp_tol", 0, "greater than 0"),
-    ("train.async.partial_rollout_tokens", -2, "greater than or equal to 0"),
-    ("train.async.stale_batches", "maybe", "Input should be 'drop' or 'keep'"),
+    ("rollout.engine.prune_every", -1, "must be >= 0, got -1"),
+    ("train.async.max_staleness", 0, "must be >= 1, got 0"),
+    ("train.async.workers", 0, "must be >= 1, got 0"),
+    ("train.async.worker_restarts", -1, "must be >= 0, got -1"),
+    ("train.async.verify_logp_tol", 0, "must be > 0, got 0.0"),
+    ("train.async.partial_rollout_tokens", -2, "must be >= 0, got -2"),
+    ("train.lr", -1, "must be a finite number >= 0, got -1.0"),
+    ("train.lr_scale_floor", 1, "must be in [0, 1), got 1.0"),
+    ("rollout.top_p", 0, "must be in (0, 1], got 0.0"),
+    ("eval.every", -1, "must be >= 0, got -1"),
+    ("model.lora_dropout", 1.5, "must be in [0, 1), got 1.5"),
 ])
 def test_ranges_are_declared_with_the_key(key, value, msg):
-    with pytest.raises(ConfigError, match=f"override: {key}: Input should be {msg}" if "Input" not in msg
-                       else f"override: {key}: {msg}"):
+    """A value out of the range declared with its key is refused as it is set, in one phrasing for every key."""
+    with pytest.raises(ConfigError) as e:
         load_config(None, {key: value})
+    assert str(e.value) == f"override: {key} {msg}"
+
+
+@pytest.mark.parametrize("key,value,valid", [
+    ("train.async.stale_batches", "maybe", "drop, keep"),
+    ("train.schedule", "cosin", "constant, cosine, linear"),
+    ("train.lr_scale", "es", "none, ess, seq_ess"),
+    ("rollout.prompt_overflow", "truncat", "error, truncate"),
+    ("model.dtype", "float8", "float32, fp32, bfloat16, bf16, float16, fp16"),
+])
+def test_choices_are_declared_with_the_key(key, value, valid):
+    """A value not among the choices declared with its key (a Literal) is refused as it is set, with a did-you-mean
+    when one is close."""
+    with pytest.raises(ConfigError, match=f"override: unknown {key} {value!r}.* Valid choices: {valid}$"):
+        load_config(None, {key: value})
+
+
+def test_the_reference_shows_each_declared_range():
+    from tether.resolve.reference import reference
+
+    rows = {ln.split("`")[1]: ln for ln in reference().splitlines() if ln.startswith("| `")}
+    assert rows["rollout.top_p"].endswith("Range: in (0, 1] |")
+    assert rows["train.lr"].endswith("Range: a finite number >= 0 |")
+    assert "Range" not in rows["train.seed"]
 
 
 def test_async_shorthand_and_off():
@@ -211,7 +239,7 @@ def test_agent_shorthand_and_kind_choose_the_section():
     ({"rollout.agent.env.name": "search", "rollout.agent.env.retriever.kind": "http"},
      "needs rollout.agent.env.retriever.url"),
     ({"rollout.agent.env.name": "nope_env"}, "unknown rollout.agent.env.name 'nope_env'"),
-    ({"rollout.agent.env.max_context": 0}, "rollout.agent.env.max_context: Input should be greater than or equal to 1"),
+    ({"rollout.agent.env.max_context": 0}, "rollout.agent.env.max_context must be >= 1, got 0"),
 ])
 def test_agent_cross_field_rules(over, msg):
     with pytest.raises(ConfigError, match=msg):

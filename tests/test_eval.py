@@ -226,9 +226,13 @@ def test_greedy_settings_are_checked(work, tiny):
 
 @pytest.mark.parametrize("flags,msg", [(["--n", "0"], "--n must be >= 1, got 0"),
                                        (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
-                                       (["--temperature", "-1"], "--temperature must be >= 0, got -1.0")])
+                                       (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+                                       (["--limit", "0"], "--limit must be >= 1, got 0"),
+                                       (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+                                       (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 1, got -3")])
 def test_cli_sampling_errors_name_the_option(flags, msg, tmp_path, capsys):
-    """The CLI's sampling checks name its options (--n, --top-p), before any file or model is read."""
+    """The CLI's sampling checks name its options (--n, --top-p), before any file or model is read; each flag's
+    range is its key's declared one."""
     from tether.cli import main
 
     assert main(["eval", "--model", str(tmp_path / "none"), "--benchmarks", "gsm8k", *flags]) == 2

@@ -62,8 +62,8 @@ def test_observation_format_reaches_the_agent(tok, fmt):
 
 
 def test_observation_format_is_validated():
-    with pytest.raises(ConfigError, match=r"rollout.agent.env.retriever.passage_format: Input should be 'search_r1' "
-                                          r"or 'clean' \(got 'search-r1'\)"):
+    with pytest.raises(ConfigError, match=r"unknown rollout.agent.env.retriever.passage_format 'search-r1'. Did "
+                                          r"you mean 'search_r1'\? Valid choices: search_r1, clean"):
         load_config(None, {"rollout.agent.env.retriever.passage_format": "search-r1"}, task="search")
     with pytest.raises(ConfigError, match="rollout.agent.env.retriever only applies with "
                                           "rollout.agent.env.name=search"):

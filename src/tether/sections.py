@@ -11,6 +11,7 @@ validators never need to know which section they hold. Imports only pydantic (ev
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from typing import Any
@@ -149,30 +150,94 @@ def replace(section: Any, **changes: Any) -> Any:
     return dataclasses.replace(section, **changes)
 
 
-def validation_problems(e: ValidationError, key: str, name: str) -> list[str]:
-    """One line per problem of a pydantic ``ValidationError`` raised by assigning field ``name``, each naming the
-    dotted key at fault (``key`` is the key the user wrote for ``name``)."""
+def validation_problems(e: ValidationError, key: str, name: str, section: Any = None) -> list[str]:
+    """One line per problem of a pydantic ``ValidationError`` raised by assigning field ``name`` of ``section``, each
+    naming the dotted key at fault (``key`` is the key the user wrote for ``name``). A value out of its declared range
+    or not among its choices is said in one phrasing for every key: ``train.lr must be a finite number >= 0, got -1``,
+    ``unknown rollout.prompt_overflow 'truncat'. Did you mean 'truncate'? Valid choices: error, truncate``."""
     out = []
     for err in e.errors():
         loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and p in _TAGS)]
         if loc and loc[0] == name:
             loc = loc[1:]
         where = ".".join([key, *loc])
-        ctx = err.get("ctx") or {}
+        ctx, value = err.get("ctx") or {}, err.get("input")
+        info = _field_at(section, err["loc"]) if section is not None else None
         if err["type"] in ("union_tag_invalid", "union_tag_not_found"):  # pydantic names its discriminator callable
             tag = ctx.get("tag")
             out.append(f"{where}: " + (f"unknown kind {tag!r}; " if tag is not None else "no kind given; ")
                        + f"expected one of: {ctx.get('expected_tags')}")
-            continue
-        shown = repr(err.get("input"))
-        got = (f" (got {shown})" if not isinstance(err.get("input"), (dict, type(None))) and shown not in err["msg"]
-               else "")
-        out.append(f"{where}: {err['msg']}{got}")
+        elif err["type"] in _RANGE_ERRORS and info is not None and isinstance(value, (int, float)):
+            out.append(f"{where} must be {range_text(info)}, got {value!r}")
+        elif err["type"] == "literal_error" and info is not None and choices(info.annotation):
+            out.append(unknown_value(where, value, choices(info.annotation)))
+        elif err["type"] == "value_error":  # a field validator's own sentence ("must be two numbers in [0, 1)")
+            out.append(f"{where} {err['msg'].removeprefix('Value error, ')}")
+        else:
+            shown = repr(value)
+            got = f" (got {shown})" if not isinstance(value, (dict, type(None))) and shown not in err["msg"] else ""
+            out.append(f"{where}: {err['msg']}{got}")
     return out
+
+
+_RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number")
+
+
+def range_text(info: Any) -> str:
+    """A field's declared range in words (``a finite number >= 0``, ``in (0, 1]``), from its ``Field`` constraints
+    (``info``: its pydantic FieldInfo); "" for a field without one."""
+    bounds = {type(m).__name__.lower(): getattr(m, type(m).__name__.lower()) for m in info.metadata
+              if type(m).__name__ in ("Ge", "Gt", "Le", "Lt")}
+    finite = any(getattr(m, "allow_inf_nan", True) is False for m in info.metadata)
+    low = next(((op, bounds[op]) for op in ("ge", "gt") if op in bounds), None)
+    high = next(((op, bounds[op]) for op in ("le", "lt") if op in bounds), None)
+    if low and high:
+        text = f"in {'[' if low[0] == 'ge' else '('}{low[1]}, {high[1]}{']' if high[0] == 'le' else ')'}"
+    elif low or high:
+        op, bound = low or high
+        text = f"{dict(ge='>=', gt='>', le='<=', lt='<')[op]} {bound}"
+    else:
+        text = ""
+    return ("a finite number" + (" " + text if text else "")) if finite else text
+
+
+def choices(tp: Any) -> tuple | None:
+    """The values of a ``Literal`` type (a key's choices), None for another type."""
+    return typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None
+
+
+def unknown_value(key: str, value: Any, valid: Any) -> str:
+    """The error for a value not among ``valid``: a did-you-mean, and every valid choice."""
+    valid = [str(v) for v in valid]
+    close = difflib.get_close_matches(str(value), valid, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"unknown {key} {value!r}.{hint} Valid choices: {', '.join(valid)}"
+
+
+def _field_at(section: Any, loc: tuple) -> Any:
+    """The FieldInfo of the field at pydantic location ``loc`` under ``section`` (a variant's tag in ``loc`` picks
+    the kind; a list index stays on its field), or None."""
+    cls = section if isinstance(section, type) else type(section)
+    info, options = None, [cls]
+    for part in loc:
+        if isinstance(part, int) or part.startswith("function-"):  # a list's item, a validator's wrapper
+            continue
+        if len(options) > 1:  # a chosen section: this part is the variant's tag
+            options = [c for c in options if kind_of(c) == part] or [c for c in options if kind_of(c) is None]
+            continue
+        if not options or not (isinstance(options[0], type) and issubclass(options[0], BaseModel)):
+            return None
+        field = field_for_key(options[0], part)
+        if field is None:
+            return None
+        info = options[0].model_fields[field]
+        options = variants(info.annotation)
+    return info
 
 
 # the tags pydantic adds to an error's location inside a chosen section (rollout.engine.vllm.dtype)
 _TAGS = {"hf", "vllm", "vllm_server", "other", "local", "remote", "function-after", "function-before", "function-plain"}
 
 __all__ = ["Section", "ValidationError", "annotation", "as_dict", "chosen", "default", "doc", "field_for_key",
-           "is_section", "key_name", "keys_of", "kind_of", "optional", "replace", "validation_problems", "variants"]
+           "is_section", "key_name", "keys_of", "kind_of", "optional", "range_text", "choices", "replace",
+           "unknown_value", "validation_problems", "variants"]

@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from ..sections import annotation, default, doc, field_for_key, variants
+from ..sections import ValidationError, annotation, default, doc, field_for_key, validation_problems, variants
 
 #: ``tether eval``'s preset (`EVAL_PRESET`): its defaults that differ from the in-run evaluation's and the rollout
 #: section's, and why (docs/config.md prints this)
@@ -145,6 +145,22 @@ def given(args: argparse.Namespace, flags: Sequence[Flag]) -> dict[str, Any]:
     return {f.key: getattr(args, f.dest) for f in flags if getattr(args, f.dest, None) is not None}
 
 
+def flag_problems(args: argparse.Namespace, flags: Sequence[Flag]) -> list[str]:
+    """The flags given whose value is outside the type, range or choices declared with their key, one line each
+    naming the flag as the key would be named (``--n must be >= 1, got 0``)."""
+    out = []
+    for f in flags:
+        v = getattr(args, f.dest, None)
+        if v is None:
+            continue
+        section, name = field_at(f.key)
+        try:
+            section.__pydantic_validator__.validate_assignment(section.model_construct(), name, v)
+        except ValidationError as e:
+            out += validation_problems(e, f.name, name, section)
+    return out
+
+
 def value(args: argparse.Namespace, f: Flag, preset: Mapping[str, Any]) -> Any:
     """A flag's value: given, else the default it states."""
     v = getattr(args, f.dest, None)
@@ -168,4 +184,4 @@ def flag_table() -> str:
 
 
 __all__ = ["DEMOS_FLAGS", "DEMOS_PRESET", "DEMOS_PRESET_WHY", "EVAL_FLAGS", "EVAL_PRESET", "EVAL_PRESET_WHY", "Flag",
-           "add_flags", "field_at", "flag_table", "given", "stated_default", "value"]
+           "add_flags", "field_at", "flag_problems", "flag_table", "given", "stated_default", "value"]

@@ -3,6 +3,10 @@ section of both ``tether train`` and ``tether sft``)."""
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
 from ..sections import Section
 
 #: Name under which the embedded model is selected in `ModelConfig.name`.
@@ -18,17 +22,23 @@ class ModelConfig(Section):
     """"smollm2" (embedded default) | "organism" (built on first use, docs/organism.md) | hub id | local dir | path
     to .gguf | a tether run directory (tether sft / tether train: the policy of its newest checkpoint) or
     RUN/checkpoints/step-N"""
-    dtype: str = "float32"
-    """parameter dtype: float32 | bfloat16 | float16"""
+    dtype: Literal[DTYPES] = "float32"
+    """parameter dtype: float32 | bfloat16 | float16 (or fp32, bf16, fp16; any case)"""
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _any_case(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v
+
     device: str = "cpu"
     """cpu | cuda | cuda:N | auto (cuda if available, else cpu)"""
     gradient_checkpointing: bool = False
     """recompute activations in backward (saves memory, costs ~30% time)"""
-    lora_r: int = 0
+    lora_r: int = Field(0, ge=0)
     """0 = full fine-tuning; >0 = LoRA via peft with this rank"""
-    lora_alpha: int = 16
+    lora_alpha: int = Field(16, gt=0)
     """LoRA scaling numerator (scale = alpha / r)"""
-    lora_dropout: float = 0.0
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
     """dropout on the LoRA branch input"""
     lora_target_modules: list[str] | str = "all-linear"
     """peft target_modules ("all-linear" = every linear but lm_head)"""

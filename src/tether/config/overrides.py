@@ -143,7 +143,7 @@ def _assign(obj, name: str, value: Any, full: str) -> None:
     try:
         setattr(obj, name, value)
     except ValidationError as e:
-        raise ConfigError("; ".join(validation_problems(e, full, name))) from None
+        raise ConfigError("; ".join(validation_problems(e, full, name, obj))) from None
 
 
 def unknown_key(obj, full: str, prefix: str) -> str:

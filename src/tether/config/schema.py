@@ -6,10 +6,11 @@ Sections nest by what they configure: ``rollout.engine`` and ``rollout.agent`` a
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator
 
+from ..algo.correction import LR_SCALES
 from ..sections import Section, as_dict
 from .agent import AgentConfig, SingleTurnAgentConfig, agent_shorthand
 from .engine import EngineConfig, HFEngineConfig, engine_shorthand
@@ -18,6 +19,8 @@ from .recipes import AlgoConfig, recipe
 from .train_async import AsyncConfig, async_shorthand
 
 DEFAULT_RECIPE = "ema_pg"
+#: ``train.schedule``: the learning rate after warm-up (tether.schedule)
+Schedule = Literal["constant", "cosine", "linear"]
 
 
 class DataConfig(Section):
@@ -50,11 +53,11 @@ class DataConfig(Section):
     reward: str = "auto"
     """auto (the task's own) | a registered reward | a user's module:function / path.py:function
     (docs/extending.md)"""
-    reward_timeout: float = 10.0
+    reward_timeout: float = Field(10.0, ge=0, allow_inf_nan=False)
     """user rewards (module:function, path.py:function) run in a worker process, at most this many seconds per
     call: a call that runs longer is stopped, scores 0 and counts in reward_errors (0 = no limit, the reward
     runs in the trainer process, as the built-in rewards always do)"""
-    format_weight: float = 0.0
+    format_weight: float = Field(0.0, allow_inf_nan=False)
     """reward += format_weight when the answer is in the requested format (0 = correctness only, the default: a 0.2
     bonus was gamed by responses of repeated "####" lines that collect it without a correct answer, see
     docs/results.md)"""
@@ -88,29 +91,29 @@ class RolloutConfig(Section):
     def _agent_shorthand(cls, v: Any) -> Any:
         return agent_shorthand(v)
 
-    prompts_per_step: int = 6
+    prompts_per_step: int = Field(6, ge=1)
     """prompts per trainer step"""
-    n: int = 8
+    n: int = Field(8, ge=1)
     """samples per prompt (the group size G; 8 makes fewer groups all-wrong, which carry no signal)"""
-    temperature: float = 0.7
+    temperature: float = Field(0.7, gt=0, allow_inf_nan=False)
     """sampling temperature; log-probs are taken at the same temperature (0.7: at 1.0 SmolLM2-135M is right about
     4x less often than greedily, so most groups carry no signal)"""
-    top_p: float = 1.0
+    top_p: float = Field(1.0, gt=0, le=1)
     """nucleus sampling (1 = off)"""
-    top_k: int = 0
+    top_k: int = Field(0, ge=0)
     """top-k sampling (0 = off)"""
-    max_new_tokens: int = 64
+    max_new_tokens: int = Field(64, ge=1)
     """response length cap; longer responses are truncated (multi-turn agent: the cap of each policy turn)"""
-    prompt_overflow: str = "error"
+    prompt_overflow: Literal["error", "truncate"] = "error"
     """a prompt of more than (the model's context - max_new_tokens) tokens (multi-turn agent: more than
     rollout.agent.env.max_context - 1, each turn being cut to the room left): error (a GenerationError naming the
     example and the lengths; dataset rows are checked before the first step) | truncate (keep its last tokens; warns
     once)"""
-    min_new_tokens: int = 0
+    min_new_tokens: int = Field(0, ge=0)
     """EOS is banned before this many new tokens (0 = off; benchmarks use it for fixed-length decoding)"""
     stop: list = Field(default_factory=list)
     """stop strings; the response ends right after one (the held-out evaluations during training stop at them too)"""
-    batch_size: int = 32
+    batch_size: int = Field(32, ge=1)
     """sequences per generate call (engine=hf; vLLM schedules a whole step's batch itself) and per held-out
     evaluation call (either engine)"""
     reuse_kv: bool = True
@@ -120,9 +123,9 @@ class RolloutConfig(Section):
     caching off)"""
     dynamic_sampling: bool = False
     """DAPO: drop groups whose rewards are all equal and refill with new prompts"""
-    max_refill_rounds: int = 3
+    max_refill_rounds: int = Field(3, ge=0)
     """dynamic_sampling: at most this many extra generation rounds per step"""
-    overlong_buffer_frac: float = 0.0
+    overlong_buffer_frac: float = Field(0.0, ge=0, le=1)
     """DAPO soft overlong penalty: linear penalty over the last frac of max_new_tokens (0 = off)"""
     overlong_penalty: float = 1.0
     """overlong_buffer_frac > 0: penalty at (and beyond) max_new_tokens"""
@@ -134,52 +137,60 @@ class OptimizerConfig(Section):
     """AdamW and its learning-rate schedule: the ``train`` keys ``tether train`` and ``tether sft`` share (both
     sections derive from this one, so each key means the same in both; tether.optim, tether.schedule)."""
 
-    lr: float = 1e-5
+    lr: float = Field(1e-5, ge=0, allow_inf_nan=False)
     """AdamW learning rate, >= 0 (0: no update, a baseline); set on --resume, it applies from the next step"""
-    weight_decay: float = 0.0
+    weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     """AdamW weight decay"""
     betas: list = Field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas"""
-    warmup_steps: int = 0
+    """AdamW betas, two numbers in [0, 1)"""
+
+    @field_validator("betas")
+    @classmethod
+    def _two_betas(cls, v: list) -> list:
+        if len(v) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v):
+            raise ValueError(f"must be two numbers in [0, 1), got {v!r}")
+        return v
+
+    warmup_steps: int = Field(0, ge=0)
     """linear warm-up, in optimizer steps"""
-    schedule: str = "constant"
+    schedule: Schedule = "constant"
     """constant | cosine | linear (after warm-up, to 0 at the last optimizer step). The LR never jumps on --resume:
     when train.steps (or the schedule) changes, the decay is re-laid from the multiplier reached to 0 at the new
     end; a run already decayed to 0 cannot be extended except with constant (train.lr)"""
-    grad_clip: float = 1.0
+    grad_clip: float = Field(1.0, ge=0, allow_inf_nan=False)
     """max global grad norm (0 = off)"""
 
 
 class TrainConfig(OptimizerConfig):
     """Optimization: the update over one rollout batch (the optimizer's keys first, `OptimizerConfig`)."""
 
-    steps: int = 10
+    steps: int = Field(10, ge=1)
     """trainer steps (rollout + update); the default run, with its held-out evaluation before and after, fits 20
     minutes on 2 CPU cores. Raised on --resume it extends the run (see train.schedule)"""
-    lr_scale: str = "none"
+    lr_scale: Literal[LR_SCALES] = "none"
     """none | ess | seq_ess: scale each optimizer step's LR by the effective sample size of the importance weights
     pi_old/mu of its mini-batch (VCPO), lr_step = lr_sched * clip((ESS/N)^p, lr_scale_floor, 1), ESS/N = (sum
     w)^2 / (N sum w^2) of the tokens' r_t (ess) or the responses' prod_t r_t (seq_ess); logged as lr_scale (lr
     stays the scheduled LR). Needs the engine's log-probs (train.async.max_staleness >= 1, or rollout.engine=vllm):
     with neither, mu = pi_old and ESS/N = 1, so it is an error (docs/async.md)"""
-    lr_scale_floor: float = 0.0
+    lr_scale_floor: float = Field(0.0, ge=0, lt=1)
     """lr_scale ess / seq_ess: the smallest multiplier, in [0, 1) (0 = none: one dominant weight in N takes the
     step down to (1/N)^p)"""
-    lr_scale_power: float = 1.0
+    lr_scale_power: float = Field(1.0, gt=0, le=1)
     """lr_scale ess / seq_ess: p in (0, 1]; 1 scales the step with the effective batch, 0.5 is VCPO's square-root
     rule for Adam"""
-    epochs: int = 1
+    epochs: int = Field(1, ge=1)
     """passes over each rollout batch (> 1 makes the update off-policy)"""
-    mini_batches: int = 1
+    mini_batches: int = Field(1, ge=1)
     """optimizer steps per epoch; each sees 1/mini_batches of the batch"""
-    micro_batch_size: int = 8
+    micro_batch_size: int = Field(8, ge=1)
     """sequences per forward/backward (gradient accumulation)"""
-    micro_batch_tokens: int = 0
+    micro_batch_tokens: int = Field(0, ge=0)
     """a token budget per forward/backward in place of micro_batch_size (0 = off: rows): each mini-batch's rows
     sorted by length (a group's rows kept together under share_prompt), a micro-batch takes rows while rows x
     its padded length (longest prompt + longest response; the sum of lengths under packing) stays within it, a
     longer row alone; the no-grad passes take twice it. Same gradient; less padding (pad_frac)"""
-    logprob_chunk: int = 1024
+    logprob_chunk: int = Field(1024, ge=1)
     """tokens per chunk in the log-prob engine (peak memory ~ chunk x vocab)"""
     share_prompt: bool = True
     """forward each group's prompt once per micro-batch and reuse its KV cache for the G responses (exact; off
@@ -223,10 +234,18 @@ class OutputsConfig(Section):
     """a fresh run into a non-empty run.output_dir first deletes the run there (config, logs, checkpoints: only what
     tether wrote, a run of the same command); false refuses it (CLI: --overwrite; needs run.output_dir; not with
     --resume)"""
-    save_every: int = 10
+    save_every: int = Field(10, ge=0)
     """checkpoint every N trainer steps (0 = only at the end)"""
     keep_checkpoints: int = 2
-    """keep the newest N checkpoints (-1 = keep every checkpoint)"""
+    """keep the newest N checkpoints, >= 1 (-1 = keep every checkpoint)"""
+
+    @field_validator("keep_checkpoints")
+    @classmethod
+    def _keep(cls, v: int) -> int:
+        if v < 1 and v != -1:
+            raise ValueError(f"must be >= 1 (or -1 = keep every checkpoint), got {v}")
+        return v
+
     progress: bool = True
     """a progress bar with the live reward and KL (tether sft: the live loss)"""
     plot: bool = True
@@ -245,9 +264,9 @@ class RunConfig(OutputsConfig):
     final_checkpoint: bool = True
     """write a checkpoint after the last step (false: the final weights stay in memory only, e.g. for a benchmark
     that evaluates them in process; a stop signal still writes one)"""
-    log_samples: int = 2
+    log_samples: int = Field(2, ge=0)
     """prompts/responses per step written to samples.jsonl"""
-    exact_kl_samples: int = 1
+    exact_kl_samples: int = Field(1, ge=0)
     """responses per step whose exact full-vocabulary KL to the anchor is logged (0 = off; an anchor with its own
     weights: not anchor.kind none or iterative)"""
 
@@ -261,22 +280,22 @@ class EvalConfig(Section):
     """evaluate the initial policy before the first trainer step (fresh runs; logged at step 0)"""
     after: bool = True
     """evaluate after the last trainer step; the run then prints the accuracy before -> after"""
-    every: int = 0
+    every: int = Field(0, ge=0)
     """also evaluate every N trainer steps (0 = only before / after)"""
     benchmarks: list = Field(default_factory=lambda: ["auto"])
     """auto (the training task's held-out set: arithmetic -> its test split, gsm8k -> GSM8K test; other tasks have
     none, and nothing is evaluated) | arithmetic | gsm8k | math500 | ... | a file"""
-    limit: int = 100
+    limit: int = Field(100, ge=1)
     """problems per benchmark (100: a standard error of about 4-5 points on accuracy)"""
-    n: int = 1
+    n: int = Field(1, ge=1)
     """samples per problem"""
     greedy: bool = True
     """temperature 0 (n must be 1); false samples at eval.temperature"""
-    temperature: float = 1.0
-    """greedy=false: sampling temperature"""
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    """greedy=false: sampling temperature (0: greedy)"""
     top_p: float = Field(1.0, gt=0, le=1)
     """greedy=false: nucleus sampling mass (1.0 = off)"""
-    max_new_tokens: int = 256
+    max_new_tokens: int = Field(256, ge=1)
     """response length cap during evaluation"""
     anchor: bool = False
     """also evaluate the anchor (fixed / ema / reset / kl_reset), as eval_anchor/..."""

@@ -7,11 +7,13 @@ same in both; the optimizer keys are ``tether train``'s (`tether.config.schema.O
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from ..sections import Section
 from .model import ModelConfig
-from .schema import OptimizerConfig, OutputsConfig
+from .schema import OptimizerConfig, OutputsConfig, Schedule
 
 OVERFLOW = ("error", "truncate")
 BATCHING = ("padded", "length_grouped", "packed")
@@ -25,13 +27,13 @@ class SFTDataConfig(Section):
     """the training rows, a JSONL file (CLI: --data); required"""
     val_path: str = ""
     """validation rows, a JSONL file in the same formats ("" = none; see data.val_fraction)"""
-    val_fraction: float = 0.0
+    val_fraction: float = Field(0.0, ge=0, lt=1)
     """hold out this fraction of the training rows for validation, chosen with train.seed (0 = none; not with
     data.val_path)"""
-    max_length: int = 0
+    max_length: int = Field(0, ge=0)
     """tokens per conversation, everything from the first system / user token to the last assistant turn's end (0 =
     the model's context, max_position_embeddings)"""
-    overflow: str = "error"
+    overflow: Literal[OVERFLOW] = "error"
     """a conversation longer than data.max_length: error (names the file and line; raised before the first step) |
     truncate (keep its first data.max_length tokens; it must still hold a trained token)"""
 
@@ -40,28 +42,28 @@ class SFTTrainConfig(OptimizerConfig):
     """Optimization: AdamW on the mean negative log-likelihood of the trained tokens of each batch (the optimizer's
     keys are ``tether train``'s, `OptimizerConfig`, first; its schedule is cosine)."""
 
-    epochs: int = 1
+    epochs: int = Field(1, ge=1)
     """passes over the training rows (with train.steps = 0); raised on --resume it extends the run"""
-    steps: int = 0
+    steps: int = Field(0, ge=0)
     """optimizer steps (0 = train.epochs passes); > 0 trains exactly this many, reshuffling at each pass over the
     rows (not with train.epochs); raised on --resume it extends the run"""
-    batch_size: int = 16
+    batch_size: int = Field(16, ge=1)
     """conversations per optimizer step (the last batch of a pass may be smaller)"""
-    micro_batch_size: int = 4
+    micro_batch_size: int = Field(4, ge=1)
     """conversations per forward / backward (gradient accumulation); the loss is divided by the trained tokens of
     the whole batch, so the gradient does not depend on it"""
-    batching: str = "padded"
+    batching: Literal[BATCHING] = "padded"
     """which conversations share a batch and how they are laid out: padded (random batches, each micro-batch padded
     to its longest) | length_grouped (batches of similar lengths: less padding, but a batch's contents correlate
     with length) | packed (random batches, each micro-batch concatenated without padding, positions restarting
     per conversation; checked against the padded forward at the start)"""
-    schedule: str = "cosine"
+    schedule: Schedule = "cosine"
     """constant | cosine | linear (after warm-up, to 0 at the last step); as for tether train, the LR never jumps
     when --resume extends the run"""
-    val_every: int = 0
+    val_every: int = Field(0, ge=0)
     """also compute the validation loss every N steps (0 = before the first step and after the last only; needs
     data.val_path or data.val_fraction)"""
-    logprob_chunk: int = 1024
+    logprob_chunk: int = Field(1024, ge=1)
     """tokens per chunk of the loss's log-softmax (peak memory ~ chunk x vocab)"""
     seed: int = 0
     """seeds the validation split, the order of the rows and initialization"""
@@ -71,7 +73,7 @@ class SFTRunConfig(OutputsConfig):
     """Outputs: run directory, checkpoints, logs (``tether train``'s ``run`` keys, `OutputsConfig`, with a
     checkpoint every 100 steps)."""
 
-    save_every: int = 100
+    save_every: int = Field(100, ge=0)
     """checkpoint every N steps (0 = only at the end); the last step always writes one"""
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 from .. import __version__
 from ..agents.build import RolloutPlan
 from ..config import apply_keys
-from ..config.flags import EVAL_FLAGS, EVAL_PRESET, add_flags, value
+from ..config.flags import EVAL_FLAGS, EVAL_PRESET, add_flags, flag_problems, value
 from ..errors import ConfigError, EvalError, OutputError
 from ..metrics import json_safe, write_json_atomic, write_text_atomic
 from ..models import DTYPES
@@ -181,6 +181,8 @@ def _eval_settings(args) -> EvalSettings:
     """The sampling settings of the command line (the flags given, else `EVAL_PRESET`'s and the keys' defaults),
     checked (and the other numeric / device options) before anything is loaded."""
     flag = {f.dest: f for f in EVAL_FLAGS["sampling"]}
+    for problem in flag_problems(args, EVAL_FLAGS["sampling"]):  # each flag's range, declared with its key
+        raise EvalError(problem)
     v = {k: value(args, f, EVAL_PRESET) for k, f in flag.items()}
     greedy = bool(v["greedy"])
     if greedy and args.n is not None and args.n > 1:
@@ -190,11 +192,6 @@ def _eval_settings(args) -> EvalSettings:
     temperature = 0.0 if greedy else float(v["temperature"])
     n, temperature = check_sampling(n, temperature, v["top_p"], greedy, flag="--")
     greedy = greedy or temperature == 0
-    for k in ("max_new_tokens", "batch_size"):
-        if v[k] < 1:
-            raise EvalError(f"--{k.replace('_', '-')} must be >= 1")
-    if v["limit"] is not None and v["limit"] < 1:
-        raise EvalError("--limit must be >= 1")
     args.limit = v["limit"]
     if str(args.dtype).lower() not in DTYPES:
         raise EvalError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPES)}")

@@ -17,7 +17,7 @@ from ..config.schema import Config
 from ..envs import ENVS
 from ..rollout import ENGINES
 from ..search.retrievers import RETRIEVERS
-from ..sections import annotation, doc, key_name, keys_of, kind_of, variants
+from ..sections import annotation, doc, key_name, keys_of, kind_of, range_text, variants
 from ..sections import default as field_default  # this module has its own default / optional
 from ..sections import optional as is_optional
 from ..tasks.registry import TASKS
@@ -53,7 +53,8 @@ def section_keys(prefix: str, section: type) -> list[tuple[str, object, str]]:
         key = prefix + key_name(section, name)
         if not text:
             raise AssertionError(f"config key {key} has no docstring at its declaration")
-        out.append((key, _default(section, name), text))
+        limits = range_text(section.model_fields[name]) if hasattr(section, "model_fields") else ""
+        out.append((key, _default(section, name), f"{text}. Range: {limits}" if limits else text))
     return out
 
 

@@ -4,16 +4,14 @@ tables (`sft_reference`)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Optional
 
-from ..algo.registry import unknown_choice
 from ..config.overrides import apply_keys, flatten
-from ..config.sft import BATCHING, OVERFLOW, SFTConfig, SFTDataConfig
+from ..config.sft import SFTConfig, SFTDataConfig
 from ..userio import read_yaml_mapping
 from .reference import keys, section_tables
-from .validate import check_checkpoints, check_model, check_optimizer, check_outputs, raise_problems
+from .validate import check_model, check_optimizer, check_outputs, raise_problems
 
 
 def load_sft_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] = None) -> SFTConfig:
@@ -27,8 +25,7 @@ def load_sft_config(path: Optional[str] = None, overrides: Optional[dict[str, An
 
 def check_sft(cfg: SFTConfig) -> SFTConfig:
     """Every problem of a resolved SFT config at once (a key without effect is one, too)."""
-    raise_problems(_check_data(cfg.data) + _check_train(cfg) + check_model(cfg.model) + check_outputs(cfg.run)
-                   + check_checkpoints(cfg.run))
+    raise_problems(_check_data(cfg.data) + _check_train(cfg) + check_model(cfg.model) + check_outputs(cfg.run))
     return cfg
 
 
@@ -40,33 +37,18 @@ def _check_data(d: SFTDataConfig) -> list[str]:
         p = getattr(d, key)
         if p and not Path(p).expanduser().is_file():
             errs.append(f"data.{key}: {p} {'is not a file' if Path(p).expanduser().exists() else 'does not exist'}")
-    if not (math.isfinite(d.val_fraction) and 0 <= d.val_fraction < 1):
-        errs.append(f"data.val_fraction must be in [0, 1), got {d.val_fraction!r}")
-    elif d.val_fraction > 0 and d.val_path:
+    if d.val_fraction > 0 and d.val_path:
         errs.append("data.val_fraction and data.val_path both choose the validation rows: set one")
-    if d.max_length < 0:
-        errs.append(f"data.max_length must be >= 0 (0 = the model's context), got {d.max_length}")
-    if d.overflow not in OVERFLOW:
-        errs.append(unknown_choice("data.overflow", d.overflow, OVERFLOW))
     return errs
 
 
 def _check_train(cfg: SFTConfig) -> list[str]:
     t, errs = cfg.train, []
-    for k in ("epochs", "batch_size", "micro_batch_size", "logprob_chunk"):
-        if getattr(t, k) < 1:
-            errs.append(f"train.{k} must be >= 1, got {getattr(t, k)}")
-    if t.steps < 0:
-        errs.append(f"train.steps must be >= 0 (0 = train.epochs passes over the rows), got {t.steps}")
-    elif t.steps > 0 and t.epochs != 1:
+    if t.steps > 0 and t.epochs != 1:
         errs.append(f"train.steps={t.steps} and train.epochs={t.epochs} both set the length of the run: set one")
     if t.micro_batch_size > t.batch_size >= 1:
         errs.append(f"train.micro_batch_size={t.micro_batch_size} exceeds train.batch_size={t.batch_size}")
-    if t.batching not in BATCHING:
-        errs.append(unknown_choice("train.batching", t.batching, BATCHING))
-    if t.val_every < 0:
-        errs.append(f"train.val_every must be >= 0, got {t.val_every}")
-    elif t.val_every > 0 and not (cfg.data.val_path or cfg.data.val_fraction > 0):
+    if t.val_every > 0 and not (cfg.data.val_path or cfg.data.val_fraction > 0):
         errs.append("train.val_every has no effect without validation rows (data.val_path or data.val_fraction)")
     return errs + check_optimizer(t, t.steps, "train.steps")
 

@@ -7,17 +7,15 @@ micro-batches, asynchronous training) are in `tether.resolve.validate_train`.
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
-from typing import Any
 
 from ..agents import AGENTS
 from ..algo.objectives import uses_sampler_logp
 from ..algo.registry import is_spec, unknown_choice
 from ..anchor import ANCHOR_KINDS
 from ..config.agent import RetrieverConfig, env_of
-from ..config.model import DTYPES, ModelConfig
+from ..config.model import ModelConfig
 from ..config.recipes import validate
 from ..config.schema import Config, DataConfig, EvalConfig, RolloutConfig, RunConfig
 from ..envs import ENVS
@@ -78,20 +76,16 @@ def _check_data(cfg: Config) -> list[str]:
             users = [TASKS.meta(n)["prefix"] + "<name>" for n in TASKS if TASKS.meta(n)["options"]]
             errs.append(f"data.options only applies to data.task={' or '.join(users)}")
         errs.extend(meta["check"](cfg) if meta["check"] else [])
-    if not (d.reward_timeout >= 0 and d.reward_timeout != float("inf")):
-        errs.append(f"data.reward_timeout must be >= 0 seconds (0 = no limit), got {d.reward_timeout}")
-    elif d.reward_timeout != dd.reward_timeout and (d.reward == "auto" or not is_spec(d.reward)):
+    if d.reward_timeout != dd.reward_timeout and (d.reward == "auto" or not is_spec(d.reward)):
         errs.append("data.reward_timeout only applies to a user reward (data.reward=module:function or "
                     "path.py:function); the built-in rewards run in the trainer process")
     return errs
 
 
 def _check_rollout_choices(cfg: Config) -> list[str]:
-    """rollout.prompt_overflow, the engine (and its options) and the agent (a name in tether.agents.AGENTS
+    """The engine (and its options) and the agent (a name in tether.agents.AGENTS
     or a user's module:function)."""
     r, errs = cfg.rollout, []
-    if r.prompt_overflow not in ("error", "truncate"):
-        errs.append(unknown_choice("rollout.prompt_overflow", r.prompt_overflow, ("error", "truncate")))
     if r.engine.kind not in ENGINES:
         errs.append(unknown_choice("rollout.engine.kind", r.engine.kind, ENGINES))
     errs.extend(_check_engine(cfg))
@@ -169,19 +163,14 @@ def _check_verifiers(e, p: str, cfg: Config) -> list[str]:
 
 
 def _check_rollout_values(cfg: Config) -> list[str]:
-    """rollout.*: lengths, DAPO's refill and overlong options, sizes."""
+    """rollout.*: lengths, DAPO's refill and overlong options (their ranges are declared with the keys)."""
     r, dr, errs = cfg.rollout, RolloutConfig(), []
-    if not 0 <= r.min_new_tokens <= r.max_new_tokens:
-        errs.append(f"rollout.min_new_tokens must be in [0, rollout.max_new_tokens], got {r.min_new_tokens}")
+    if r.min_new_tokens > r.max_new_tokens:
+        errs.append(f"rollout.min_new_tokens must be <= rollout.max_new_tokens, got {r.min_new_tokens}")
     if not r.dynamic_sampling and r.max_refill_rounds != dr.max_refill_rounds:
         errs.append("rollout.max_refill_rounds only applies with rollout.dynamic_sampling=true")
     if r.overlong_buffer_frac == 0 and r.overlong_penalty != dr.overlong_penalty:
         errs.append("rollout.overlong_penalty only applies with rollout.overlong_buffer_frac > 0")
-    if not 0 <= r.overlong_buffer_frac <= 1:
-        errs.append("rollout.overlong_buffer_frac must be in [0, 1]")
-    for k in ("prompts_per_step", "n", "max_new_tokens", "batch_size"):
-        if getattr(r, k) < 1:
-            errs.append(f"rollout.{k} must be >= 1")
     if r.agent.kind == "multi_turn":  # the environment sets stops; lengths are per turn
         for k, why in (("overlong_buffer_frac", "measures a response against rollout.max_new_tokens, which a "
                         "multi-turn agent caps each turn with, not the episode (set it to 0)"),
@@ -193,18 +182,14 @@ def _check_rollout_values(cfg: Config) -> list[str]:
 
 
 def _check_eval(cfg: Config) -> list[str]:
-    """eval.*: keys without effect while evaluation is off; otherwise sizes, sampling and benchmarks."""
+    """eval.*: keys without effect while evaluation is off; otherwise sampling and benchmarks."""
     d, e, de, errs = cfg.data, cfg.eval, EvalConfig(), []
-    if e.every < 0:
-        errs.append(f"eval.every must be >= 0, got {e.every}")
     if not (e.before or e.after or e.every):
         for k in ("benchmarks", "limit", "n", "greedy", "temperature", "top_p", "max_new_tokens", "anchor"):
             if getattr(e, k) != getattr(de, k):
                 errs.append(f"eval.{k} has no effect while evaluation is off (eval.before=false, eval.after=false, "
                             f"eval.every=0)")
     else:
-        if e.limit < 1 or e.n < 1 or e.max_new_tokens < 1:
-            errs.append("eval.limit, eval.n and eval.max_new_tokens must be positive")
         if e.greedy and e.n != 1:
             errs.append("eval.greedy=true gives n identical samples; set eval.n=1 or eval.greedy=false")
         for k in ("temperature", "top_p"):
@@ -230,9 +215,7 @@ def _check_run(cfg: Config) -> list[str]:
     an anchor with its own weights."""
     errs = check_outputs(cfg.run)
     n, kind = cfg.run.exact_kl_samples, cfg.algo.anchor.kind
-    if n < 0:
-        errs.append(f"run.exact_kl_samples must be >= 0 (0 = off), got {n}")
-    elif n and n != RunConfig().exact_kl_samples and not _anchor_has_weights(kind):
+    if n and n != RunConfig().exact_kl_samples and not _anchor_has_weights(kind):
         errs.append(f"run.exact_kl_samples logs the exact KL to the anchor, and anchor.kind={kind} has no anchor "
                     f"pass (none: no anchor; iterative: the anchor is the sampler); set it to 0 or leave it out")
     return errs
@@ -258,71 +241,34 @@ def check_outputs(run) -> list[str]:
     return errs
 
 
-def check_checkpoints(run) -> list[str]:
-    """``run.save_every`` and ``run.keep_checkpoints`` (of a training run or an SFT run)."""
-    errs = []
-    if run.save_every < 0:
-        errs.append(f"run.save_every must be >= 0 (0 = only at the end), got {run.save_every}")
-    if run.keep_checkpoints < 1 and run.keep_checkpoints != -1:
-        errs.append(f"run.keep_checkpoints must be >= 1 (or -1 = keep every checkpoint), got {run.keep_checkpoints}")
-    return errs
-
-
 def _check_values(cfg: Config) -> list[str]:
-    """Ranges of single values that would otherwise fail late (at the model load, or mid-run):
-    optimizer, sampling, model, LoRA, checkpointing and reward settings."""
-    r, t, errs = cfg.rollout, cfg.train, []
+    """What the keys' declared types and ranges cannot say: the warm-up against the run's length, the model's device
+    and LoRA keys, the reward's spec."""
+    t, errs = cfg.train, []
     errs.extend(check_optimizer(t, t.steps * t.epochs * t.mini_batches,
                                 "train.steps x train.epochs x train.mini_batches"))
-    if not (math.isfinite(r.temperature) and r.temperature > 0):
-        errs.append(f"rollout.temperature must be a finite number > 0 (training samples; log-probs are taken at "
-                    f"the same temperature), got {r.temperature!r}")
-    if not 0 < r.top_p <= 1:
-        errs.append(f"rollout.top_p must be in (0, 1] (1 = off), got {r.top_p!r}")
-    if r.top_k < 0:
-        errs.append(f"rollout.top_k must be >= 0 (0 = off), got {r.top_k}")
     errs.extend(check_model(cfg.model))
-    errs.extend(check_checkpoints(cfg.run))
-    if not math.isfinite(cfg.data.format_weight):
-        errs.append(f"data.format_weight must be a finite number, got {cfg.data.format_weight!r}")
     errs.extend(_check_reward_spec(cfg.data.reward))
     return errs
 
 
 def check_optimizer(t, total: int, total_is: str) -> list[str]:
-    """AdamW and LR-schedule keys shared by training and SFT runs (``t``: their ``train`` section);
-    ``total`` optimizer steps (0: not known yet), which ``total_is`` names, bound the warm-up."""
+    """The warm-up against the run's ``total`` optimizer steps (0: not known yet), which ``total_is`` names (the
+    optimizer keys training and SFT runs share, ``t``: their ``train`` section; each key's own range is declared
+    with it, `tether.config.schema.OptimizerConfig`)."""
     errs = []
-    if t.schedule not in ("constant", "cosine", "linear"):
-        errs.append(f"unknown train.schedule {t.schedule!r}. Valid choices: constant, cosine, linear")
-    if not (math.isfinite(t.lr) and t.lr >= 0):  # 0 is allowed: a no-update baseline (noise floor of a comparison)
-        errs.append(f"train.lr must be a finite number >= 0, got {t.lr!r}")
-    if not (math.isfinite(t.weight_decay) and t.weight_decay >= 0):
-        errs.append(f"train.weight_decay must be a finite number >= 0, got {t.weight_decay!r}")
-    if len(t.betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in t.betas):
-        errs.append(f"train.betas must be two numbers in [0, 1), got {t.betas!r}")
-    if not (math.isfinite(t.grad_clip) and t.grad_clip >= 0):
-        errs.append(f"train.grad_clip must be a finite number >= 0 (0 = off), got {t.grad_clip!r}")
-    if t.warmup_steps < 0:
-        errs.append(f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
-    elif t.warmup_steps > total > 0:
+    if t.warmup_steps > total > 0:
         errs.append(f"train.warmup_steps={t.warmup_steps} exceeds the run's {total} optimizer steps "
                     f"({total_is}): the LR would never reach train.lr")
     return errs
 
 
 def check_model(m: ModelConfig) -> list[str]:
-    """The model section's dtype, device and LoRA keys."""
+    """The model section's device and LoRA keys (the dtype and the LoRA ranges are declared with the keys)."""
     errs = []
-    if str(m.dtype).lower() not in DTYPES:
-        errs.append(unknown_choice("model.dtype", m.dtype, DTYPES))
     errs.extend(check_device(m.device))
     errs.extend(_check_lora(m))
     return errs
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def check_device(device: str, key: str = "model.device") -> list[str]:
@@ -355,18 +301,12 @@ def check_device(device: str, key: str = "model.device") -> list[str]:
 
 
 def _check_lora(m: ModelConfig) -> list[str]:
-    """The LoRA keys: ranges, and no lora_* setting without LoRA (model.lora_r=0)."""
+    """The LoRA keys: no lora_* setting without LoRA (model.lora_r=0), and a target to adapt."""
     errs, dm = [], ModelConfig()
-    if m.lora_r < 0:
-        errs.append(f"model.lora_r must be >= 0 (0 = full fine-tuning), got {m.lora_r}")
-    if m.lora_r <= 0:
+    if m.lora_r == 0:
         errs += [f"model.{k} only applies with model.lora_r > 0 (LoRA)"
                  for k in ("lora_alpha", "lora_dropout", "lora_target_modules") if getattr(m, k) != getattr(dm, k)]
         return errs
-    if m.lora_alpha <= 0:
-        errs.append(f"model.lora_alpha must be > 0, got {m.lora_alpha}")
-    if not 0 <= m.lora_dropout < 1:
-        errs.append(f"model.lora_dropout must be in [0, 1), got {m.lora_dropout!r}")
     targets = m.lora_target_modules
     names = [targets] if isinstance(targets, str) else list(targets)
     if not names or not all(isinstance(x, str) and x.strip() for x in names):
