@@ -9,6 +9,7 @@ sum_t pg_t(y) w_t(y); its exact expectation under pi_vllm is sum_y pi_vllm(y) lo
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from tether.algo import LossInputs, RegionConfig, compute_loss, loss_needs
 from tether.algo.correction import correction_weights
 from tether.config.recipes import RECIPES, AlgoConfig, recipe, validate
 from tether.errors import ConfigError
+from tether.resolve import load_config
 
 pytestmark = pytest.mark.usefixtures("float64")
 V = 3
@@ -185,16 +187,20 @@ def test_composes_with_every_recipe(name):
 
 
 @pytest.mark.parametrize("over,msg", [
-    ({"tis_cap": 0.5}, "tis_cap must be 0"),
-    ({"tis_cap": -1.0}, "tis_cap must be 0"),
-    ({"tis_cap": 2.0, "tis_mode": "seq"}, "unknown tis_mode"),
-    ({"tis_mode": "sequence"}, "tis_mode has no effect"),
+    ({"tis_cap": 0.5}, "override: algo.tis_cap must be 0 (off) or >= 1"),
+    ({"tis_cap": -1.0}, "override: algo.tis_cap must be 0 (off) or >= 1"),
+    ({"tis_cap": 2.0, "tis_mode": "seq"}, "override: unknown algo.tis_mode 'seq'"),
 ])
-def test_validation(over, msg):
+def test_each_key_is_typed(over, msg):
+    """A value outside its key's declared range or choices is refused as it is set."""
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        load_config(None, {f"algo.{k}": v for k, v in over.items()}, recipe_name="dapo")
+
+
+def test_validation():
     cfg = recipe("dapo")
-    for k, v in over.items():
-        setattr(cfg, k, v)
-    with pytest.raises(ConfigError, match=msg):
+    cfg.tis_mode = "sequence"
+    with pytest.raises(ConfigError, match="tis_mode has no effect"):
         validate(cfg)
 
 

@@ -8,6 +8,7 @@ floats, from the definitions (not from the code under test).
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from tether.algo import LossInputs, RegionConfig, compute_loss
 from tether.algo.correction import Masks, correction_weights
 from tether.config.recipes import describe, recipe, validate
 from tether.errors import ConfigError
+from tether.resolve import load_config
 
 pytestmark = pytest.mark.usefixtures("float64")
 
@@ -250,18 +252,26 @@ def test_compute_loss_reports_the_metrics_and_needs_the_engine_logprobs():
 
 
 @pytest.mark.parametrize("over,msg", [
-    ({"mask_token_low": 1.0}, "mask_token_low must be 0"),
-    ({"mask_token_high": 0.9}, "mask_token_high must be 0"),
-    ({"mask_seq_high": 1.0}, "mask_seq_high must be 0"),
-    ({"mask_geo": -2.0}, "mask_geo must be 0"),
-    ({"mask_kl": "k4"}, "unknown mask_kl 'k4'"),
+    ({"mask_token_low": 1.0}, "algo.mask_token_low must be in [0, 1), got 1.0"),
+    ({"mask_token_high": 0.9}, "algo.mask_token_high must be 0 (off) or > 1"),
+    ({"mask_seq_high": 1.0}, "algo.mask_seq_high must be 0 (off) or > 1"),
+    ({"mask_geo": -2.0}, "algo.mask_geo must be 0 (off) or > 1"),
+    ({"mask_kl": "k4"}, "unknown algo.mask_kl 'k4'"),
+    ({"mask_opsm": -0.1}, "algo.mask_opsm must be >= 0, got -0.1"),
+    ({"kl_sampler": "behaviour"}, "unknown algo.kl_sampler 'behaviour'"),
+])
+def test_each_key_is_typed(over, msg):
+    """A value outside its key's declared range or choices is refused as it is set."""
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        load_config(None, {f"algo.{k}": v for k, v in over.items()}, recipe_name="dapo")
+
+
+@pytest.mark.parametrize("over,msg", [
     ({"mask_kl": "k3"}, "needs mask_kl_max > 0"),
     ({"mask_kl_max": 0.1}, "mask_kl_max has no effect"),
-    ({"mask_opsm": -0.1}, "mask_opsm must be 0"),
     ({"tis_cap": 2.0, "mask_token_high": 2.0}, "set tis_cap=inf for masked IS"),
     ({"tis_cap": 3.0, "tis_mode": "sequence", "mask_seq_high": 2.0}, "set tis_cap=inf for masked IS"),
     ({"mask_geo": 2.0, "tis_mode": "sequence"}, "tis_mode has no effect"),
-    ({"kl_sampler": "behaviour"}, "unknown kl_sampler"),
     ({"kl_sampler": "mu"}, "kl_sampler 'mu' has no effect"),
 ])
 def test_validation(over, msg):

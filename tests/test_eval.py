@@ -226,7 +226,8 @@ def test_greedy_settings_are_checked(work, tiny):
 
 @pytest.mark.parametrize("flags,msg", [(["--n", "0"], "--n must be >= 1, got 0"),
                                        (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
-                                       (["--temperature", "-1"], "--temperature must be a finite number >= 0, got -1.0"),
+                                       (["--temperature", "-1"],
+                                        "--temperature must be a finite number >= 0, got -1.0"),
                                        (["--limit", "0"], "--limit must be >= 1, got 0"),
                                        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
                                        (["--max-new-tokens", "-3"], "--max-new-tokens must be >= 1, got -3")])

@@ -6,6 +6,7 @@ from tether.algo import RegionConfig
 from tether.config.anchor import EMAAnchorConfig, FixedAnchorConfig
 from tether.config.recipes import RECIPES, AlgoConfig, KLConfig, recipe, validate
 from tether.errors import ConfigError
+from tether.resolve import load_config
 
 SPEC = {  # ALGORITHMS.md section 6
     "grpo": ("grpo", "ratio", "k3", "fixed"),
@@ -222,3 +223,27 @@ def test_an_old_default_bound_is_dropped_against_the_kind_an_earlier_source_chos
     c = load_config(str(f), {"algo.region.delta": 0.03, "algo.region.eps_low": 0.2, "algo.anchor.eta": 0.95})
     assert c.algo.region.model_dump() == {"kind": "kl3", "delta": 0.03, "clip_c": 0.0}
     assert c.algo.anchor.model_dump() == {"kind": "reset", "every": 10}
+
+
+@pytest.mark.parametrize("key,value,msg", [
+    ("algo.anchor.eta", 1.0, "algo.anchor.eta must be in [0, 1), got 1.0"),
+    ("algo.anchor.every", 0, "algo.anchor.every must be >= 1, got 0"),
+    ("algo.region.eps_low", 1.0, "algo.region.eps_low must be in [0, 1), got 1.0"),
+    ("algo.region.eps_high", -0.1, "algo.region.eps_high must be >= 0, got -0.1"),
+    ("algo.region.clip_c", 0.5, "algo.region.clip_c must be > 1 or 0 (off), got 0.5"),
+    ("algo.kl.topk", -1, "algo.kl.topk must be >= 0, got -1"),
+    ("algo.kl.beta", -1e-3, "algo.kl.beta must be a finite number >= 0, got -0.001"),
+    ("algo.kl.placement", "los", "unknown algo.kl.placement 'los'. Did you mean 'loss'? Valid choices: loss, reward, "
+                                 "advantage"),
+])
+def test_algo_keys_are_typed(key, value, msg):
+    """The algorithm's ranges and fixed choices are declared with its keys (the anchor's, the region's and the KL
+    term's sections): a value outside them is refused as it is set, naming the key."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, {key: value}, recipe_name="ema_pg")
+    assert str(e.value) == f"override: {msg}"
+
+
+def test_anchor_dtype_is_a_choice():
+    with pytest.raises(ConfigError, match=r"unknown algo.anchor.dtype 'fp16'.* Valid choices: policy, bfloat16$"):
+        load_config(None, {"algo.anchor.dtype": "fp16"}, recipe_name="grpo")

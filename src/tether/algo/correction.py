@@ -296,11 +296,3 @@ def lr_scale(ess: Tensor, floor: float = 0.0, power: float = 1.0) -> Tensor:
     """
     return torch.as_tensor(ess, dtype=torch.float64).pow(power).clamp(min=floor, max=1.0)
 
-
-def check_correction(cap: float, mode: str) -> Optional[str]:
-    """An error message for an invalid (cap, mode), or None. cap 0 = no IS weight; otherwise cap >= 1."""
-    if mode not in TIS_MODES:
-        return f"unknown tis_mode {mode!r}. Valid choices: {', '.join(TIS_MODES)}"
-    if cap != 0 and not cap >= 1:
-        return f"tis_cap must be 0 (off) or >= 1 (a cap below 1 down-weights every on-policy token), got {cap}"
-    return None

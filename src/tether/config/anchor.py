@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import Field
+
 from ..sections import Section, chosen
 from .migration import drop_unread_keys, kind_mapping
+
+#: algo.anchor.dtype (kind fixed)
+ANCHOR_DTYPES = ("policy", "bfloat16")
 
 
 class _Kind(Section):
@@ -19,7 +24,7 @@ class _Kind(Section):
 
 
 class _Every(Section):
-    every: int = 10
+    every: int = Field(10, ge=1)
     """update every N trainer steps (one rollout + its update; not optimizer steps; EMA-PG: 10), >= 1"""
 
 
@@ -35,7 +40,7 @@ class FixedAnchorConfig(_Kind):
 
     kind: Literal["fixed"] = "fixed"
     """fixed"""
-    dtype: str = "policy"
+    dtype: Literal[ANCHOR_DTYPES] = "policy"
     """the stored anchor's dtype: policy (the policy's) | bfloat16 (an fp32 policy's anchor held at half the bytes,
     upcast for its forward pass only; the anchor is then the bf16-rounded initial policy: tests/test_memory.py bounds
     the change of the KL and its gradient)"""
@@ -46,7 +51,7 @@ class EMAAnchorConfig(_Every, _Kind):
 
     kind: Literal["ema"] = "ema"
     """ema"""
-    eta: float = 0.95
+    eta: float = Field(0.95, ge=0, lt=1)
     """theta_a <- eta*theta_a + (1-eta)*theta, 0 <= eta < 1 (EMA-PG: 0.9-0.95)"""
 
 
@@ -70,9 +75,9 @@ class KLResetAnchorConfig(_Kind):
 
     kind: Literal["kl_reset"] = "kl_reset"
     """kl_reset"""
-    kappa: float = 0.0
-    """reset when the moving average of the token KL exceeds kappa (> 0)"""
-    kl_smoothing: float = 0.9
+    kappa: float = Field(0.0, ge=0)
+    """reset when the moving average of the token KL exceeds kappa (> 0: the kind needs it set)"""
+    kl_smoothing: float = Field(0.9, ge=0, lt=1)
     """the moving average's factor m in kl_ma <- m*kl_ma + (1-m)*kl"""
 
 

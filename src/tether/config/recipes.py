@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from ..algo.advantages import ADVANTAGES
 from ..algo.aggregation import AGGREGATIONS
 from ..algo.anchors import ANCHOR_KINDS
-from ..algo.correction import KL_REJECT, check_correction
+from ..algo.correction import KL_REJECT, TIS_MODES
 from ..algo.kl import EXACT_ESTIMATORS, KL_ESTIMATORS, RPG_ESTIMATORS, TOPK_ESTIMATORS
 from ..algo.objectives import SURROGATES
 from ..algo.registry import unknown_choice
@@ -47,7 +47,6 @@ from .region import (
 ANCHORS = ("none", *ANCHOR_KINDS.names())  # "none": no anchor and no KL term; the kinds: tether.algo.anchors
 PLACEMENTS = ("loss", "reward", "advantage")
 KL_SAMPLERS = ("pi_old", "mu")  # AlgoConfig.kl_sampler
-ANCHOR_DTYPES = ("policy", "bfloat16")  # algo.anchor.dtype (kind fixed)
 
 
 class KLConfig(Section):
@@ -57,19 +56,19 @@ class KLConfig(Section):
     """none | k1 | k2 | k3 | k3pp | k4 | k5 | exact_rev | exact_fwd | topk_rev | topk_fwd | topk_*_centered
     (per-sample gradient 0 at the anchor) | topk_*_legacy | grpo_k3 | grpo_k3_corrected | rpg_fkl | rpg_rkl |
     rpg_ufkl | rpg_urkl"""
-    beta: float = 0.0
+    beta: float = Field(0.0, ge=0, allow_inf_nan=False)
     """KL coefficient (> 0 whenever estimator != none)"""
-    placement: str = "loss"
+    placement: Literal[PLACEMENTS] = "loss"
     """loss: + beta*KL in the loss | reward: per-token penalty-to-go in the advantage | advantage: RPG's A' = A -
     beta*C_KL (rpg_rkl/rpg_urkl)"""
-    topk: int = 32
+    topk: int = Field(32, ge=0)
     """top-k estimators: head size k (EMA-PG: 32); 0 = pure sampled tail; >= |V| = exact"""
     truncated: bool = False
     """top-k estimators: drop the tail, KL over the head only (a biased, distillation-style KL)"""
-    s_min: float = 0.0
+    s_min: float = Field(0.0, ge=0)
     """sampled and top-k estimators (their sampled tail; not with truncated): lower clip of s = sg(pi/pi_old) (0 =
     none; a documented bias)"""
-    s_max: float = 0.0
+    s_max: float = Field(0.0, ge=0)
     """sampled and top-k estimators (their sampled tail; not with truncated): upper clip of s (0 = none; a
     documented bias)"""
 
@@ -92,17 +91,25 @@ class AlgoConfig(Section):
     """which policy the KL term ties to, and how it moves (tether.config.anchor: a section per kind)"""
     aggregation: str = "token-mean"
     """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm"""
-    agg_max_len: int = 0
+    agg_max_len: int = Field(0, ge=0)
     """seq-mean-token-sum-norm: the fixed length L (0 = the rollout's max_new_tokens)"""
     tis_cap: float = 0.0
     """rollout correction (tether.algo.correction) for an engine that reports its log-probs (vLLM, async workers):
     tokens drawn by mu, r_t = pi_old/mu, pi_old recomputed by the trainer; the pg term is weighted by w_t = W_t
     * M_t. W: the IS weight, truncated at C (TIS); inf = untruncated (tis_mode token + a ratio region = AReaL's
     decoupled PPO); 0 = no IS weight; else >= 1. M: the mask_* below (each 0/none = off)"""
-    tis_mode: str = "token"
+
+    @field_validator("tis_cap")
+    @classmethod
+    def _off_or_at_least_one(cls, v: float) -> float:
+        if v != 0 and not v >= 1:
+            raise ValueError(f"must be 0 (off) or >= 1 (a cap below 1 down-weights every on-policy token), got {v}")
+        return v
+
+    tis_mode: Literal[TIS_MODES] = "token"
     """tis_cap > 0: token (W_t = min(r_t, C)) | sequence (W = min(prod_t r_t, C) on the whole response; exact IS as
     C -> inf) | mask (token, and responses whose geometric-mean ratio exceeds C are masked)"""
-    mask_token_low: float = 0.0
+    mask_token_low: float = Field(0.0, ge=0, lt=1)
     """mask tokens with r_t < a, 0 < a < 1 (IcePop's alpha: 0.5)"""
     mask_token_high: float = 0.0
     """mask tokens with r_t > b > 1 (token MIS's cap, with tis_cap inf; IcePop's beta: 5)"""
@@ -110,15 +117,23 @@ class AlgoConfig(Section):
     """mask responses with prod_t r_t > C > 1 (sequence MIS, with tis_mode sequence)"""
     mask_geo: float = 0.0
     """mask responses whose geometric-mean ratio exp(mean_t log r_t) is outside [1/C, C], C > 1"""
-    mask_kl: str = "none"
+
+    @field_validator("mask_token_high", "mask_seq_high", "mask_geo")
+    @classmethod
+    def _off_or_above_one(cls, v: float) -> float:
+        if v != 0 and not v > 1:
+            raise ValueError(f"must be 0 (off) or > 1 (a bound <= 1 masks on-policy samples), got {v}")
+        return v
+
+    mask_kl: Literal[("none", *KL_REJECT)] = "none"
     """none | k1 | k2 | k3: mask responses whose mean_t k_t, an estimate of KL(mu, pi_old) = E_mu[log mu/pi_old],
     exceeds mask_kl_max (k1 = -log r, k2 = (log r)^2/2, k3 = r - 1 - log r)"""
-    mask_kl_max: float = 0.0
+    mask_kl_max: float = Field(0.0, ge=0)
     """mask_kl: the threshold (> 0)"""
-    mask_opsm: float = 0.0
+    mask_opsm: float = Field(0.0, ge=0)
     """OPSM (DeepSeek-V3.2): delta > 0; mask the A < 0 tokens of responses whose mean_t log(mu/pi) > delta, pi the
     current policy (detached)"""
-    kl_sampler: str = "pi_old"
+    kl_sampler: Literal[KL_SAMPLERS] = "pi_old"
     """pi_old | mu: the distribution the KL term's sampling weights (s, rho, c of tether.algo.kl) divide by; mu
     (the engine's log-probs) keeps RPG's KL gradients exact when mu != pi_old"""
 
@@ -167,32 +182,21 @@ def _top_level_errors(cfg: AlgoConfig) -> list[str]:
 
 
 def _correction_errors(cfg: AlgoConfig) -> list[str]:
-    """The rollout correction's ranges (tis_cap, mask_*), and settings that have no effect."""
-    bad = check_correction(cfg.tis_cap, cfg.tis_mode)
-    errs = [bad] if bad else []
-    if not bad and cfg.tis_cap == 0 and cfg.tis_mode != default(AlgoConfig, "tis_mode"):
+    """The rollout correction's settings that have no effect or contradict each other (each key's own range is
+    declared with it)."""
+    errs = []
+    if cfg.tis_cap == 0 and cfg.tis_mode != default(AlgoConfig, "tis_mode"):
         errs.append("tis_mode has no effect while tis_cap is 0 (no IS weight)")
-    if cfg.mask_token_low and not 0 < cfg.mask_token_low < 1:
-        errs.append(f"mask_token_low must be 0 (off) or in (0, 1) (IcePop: 0.5), got {cfg.mask_token_low}")
-    for f in ("mask_token_high", "mask_seq_high", "mask_geo"):
-        if getattr(cfg, f) and not getattr(cfg, f) > 1:
-            errs.append(f"{f} must be 0 (off) or > 1 (a bound <= 1 masks on-policy samples), got {getattr(cfg, f)}")
-    if cfg.mask_kl not in ("none", *KL_REJECT):
-        errs.append(unknown_choice("mask_kl", cfg.mask_kl, ["none", *KL_REJECT]))
-    elif cfg.mask_kl != "none" and not cfg.mask_kl_max > 0:
+    if cfg.mask_kl != "none" and not cfg.mask_kl_max > 0:
         errs.append(f"mask_kl {cfg.mask_kl!r} needs mask_kl_max > 0")
     if cfg.mask_kl == "none" and cfg.mask_kl_max:
         errs.append("mask_kl_max has no effect while mask_kl is 'none'")
-    if cfg.mask_opsm < 0:
-        errs.append(f"mask_opsm must be 0 (off) or a threshold delta > 0, got {cfg.mask_opsm}")
     for f, mode in (("mask_token_high", "token"), ("mask_seq_high", "sequence")):
         b = getattr(cfg, f)
         if b and cfg.tis_mode == mode and math.isfinite(cfg.tis_cap) and 0 < b <= cfg.tis_cap:
             errs.append(f"tis_cap {cfg.tis_cap:g} truncates nothing that {f} {b:g} does not mask; "
                         "set tis_cap=inf for masked IS")
-    if cfg.kl_sampler not in KL_SAMPLERS:
-        errs.append(unknown_choice("kl_sampler", cfg.kl_sampler, KL_SAMPLERS))
-    elif cfg.kl_sampler == "mu" and not _kl_has_sampling_weight(cfg):
+    if cfg.kl_sampler == "mu" and not _kl_has_sampling_weight(cfg):
         errs.append(f"kl_sampler 'mu' has no effect: the KL term ({cfg.kl.estimator!r}, placement "
                     f"{cfg.kl.placement!r}{', truncated' if cfg.kl.truncated else ''}) has no sampling weight")
     return errs
@@ -209,8 +213,8 @@ def _kl_has_sampling_weight(cfg: AlgoConfig) -> bool:
 
 
 def _region_errors(cfg: AlgoConfig) -> list[str]:
-    """An unknown trust region and out-of-range bounds (a bound the kind does not read cannot be set: each kind's
-    section holds only its own, tether.config.region)."""
+    """An unknown trust region, a kind's bound left unset, a region for the other surrogate (a bound the kind does
+    not read cannot be set, and each bound's range is declared with it: tether.config.region)."""
     errs: list[str] = []
     r = cfg.region
     if r.kind not in REGIONS:
@@ -218,15 +222,10 @@ def _region_errors(cfg: AlgoConfig) -> list[str]:
     clip_c, delta = getattr(r, "clip_c", 0.0), getattr(r, "delta", 0.0)
     if r.kind in ("dual", "rpg_clip") and not clip_c > 1:
         errs.append(f"trust region {r.kind!r} needs region.clip_c > 1 (RPG uses 3)")
-    if clip_c and not clip_c > 1:
-        errs.append(f"region.clip_c must be > 1 or 0 (off), got {clip_c}")
     if r.kind in ("kl3", "tv", "binary_kl") and not delta > 0:
         errs.append(f"trust region {r.kind!r} needs region.delta > 0")
     if r.kind in REINFORCE_ONLY_REGIONS and cfg.surrogate != "reinforce":
         errs.append(f"trust region {r.kind!r} is defined for surrogate 'reinforce', got {cfg.surrogate!r}")
-    lo, hi = getattr(r, "eps_low", 0.0), getattr(r, "eps_high", 0.0)
-    if not (0 <= lo < 1 and hi >= 0):
-        errs.append(f"need 0 <= region.eps_low < 1 and region.eps_high >= 0, got {lo}, {hi}")
     return errs
 
 
@@ -256,8 +255,6 @@ def _kl_errors(cfg: AlgoConfig) -> list[str]:
         if a.kind == "none":
             errs.append(f"kl.estimator {k.estimator!r} needs an anchor; choose anchor.kind from: "
                         + ", ".join(x for x in ANCHORS if x != "none"))
-        if k.placement not in PLACEMENTS:
-            errs.append(unknown_choice("KL placement", k.placement, PLACEMENTS))
         if k.placement == "advantage" and k.estimator not in ("rpg_rkl", "rpg_urkl"):
             errs.append("kl.placement 'advantage' (RPG-Style Clip's A') needs kl.estimator rpg_rkl or rpg_urkl")
         if k.placement == "reward" and k.estimator in RPG_ESTIMATORS and cfg.surrogate == "reinforce":
@@ -266,8 +263,6 @@ def _kl_errors(cfg: AlgoConfig) -> list[str]:
             for f in ("topk", "truncated"):
                 if getattr(k, f) != getattr(d_kl, f):
                     errs.append(f"kl.{f} only applies to top-k estimators ({', '.join(TOPK_ESTIMATORS)})")
-        elif k.topk < 0:
-            errs.append(f"kl.topk must be >= 0, got {k.topk}")
         if k.truncated and k.estimator.endswith("_centered"):
             errs.append(f"kl.truncated drops the tail, and {k.estimator!r}'s baseline is unbiased only with it (the "
                         f"head alone would not have the truncated KL's gradient); use {k.estimator[:-9]!r}")
@@ -281,19 +276,10 @@ def _kl_errors(cfg: AlgoConfig) -> list[str]:
 
 
 def _anchor_errors(cfg: AlgoConfig) -> list[str]:
-    """The anchor's ranges (eta in [0, 1), every >= 1, kappa > 0) and the stored dtype's choices (a key the kind
-    does not read cannot be set: each kind's section holds only its own, tether.config.anchor)."""
-    errs: list[str] = []
+    """kl_reset's threshold, which the kind needs set (a key the kind does not read cannot be set, and each key's
+    range is declared with it: tether.config.anchor)."""
     a = cfg.anchor
-    if hasattr(a, "eta") and not 0 <= a.eta < 1:
-        errs.append(f"anchor.eta must be in [0, 1), got {a.eta}")
-    if hasattr(a, "every") and a.every < 1:
-        errs.append(f"anchor.every must be >= 1, got {a.every}")
-    if a.kind == "kl_reset" and not a.kappa > 0:
-        errs.append("anchor 'kl_reset' needs anchor.kappa > 0")
-    if hasattr(a, "dtype") and a.dtype not in ANCHOR_DTYPES:
-        errs.append(unknown_choice("anchor.dtype", a.dtype, ANCHOR_DTYPES))
-    return errs
+    return ["anchor 'kl_reset' needs anchor.kappa > 0"] if a.kind == "kl_reset" and not a.kappa > 0 else []
 
 
 # ---------------------------------------------------------------- named recipes

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import Field, field_validator
+
 from ..sections import Section, chosen
 from .migration import drop_unread_keys, kind_mapping
 
@@ -21,9 +23,9 @@ class _Kind(Section):
 
 
 class _Interval(Section):
-    eps_low: float = 0.2
+    eps_low: float = Field(0.2, ge=0, lt=1)
     """the ratio interval's lower bound is 1 - eps_low, 0 <= eps_low < 1"""
-    eps_high: float = 0.2
+    eps_high: float = Field(0.2, ge=0)
     """the ratio interval's upper bound is 1 + eps_high, >= 0 (DAPO's clip-higher: 0.28)"""
 
 
@@ -31,10 +33,17 @@ class _DualCap(Section):
     clip_c: float = 0.0
     """for A < 0, no gradient once rho > clip_c (the dual clip; > 1, RPG uses 3; 0 = off)"""
 
+    @field_validator("clip_c")
+    @classmethod
+    def _off_or_above_one(cls, v: float) -> float:
+        if v != 0 and not v > 1:
+            raise ValueError(f"must be > 1 or 0 (off), got {v}")
+        return v
+
 
 class _Radius(Section):
-    delta: float = 0.0
-    """the divergence radius, > 0"""
+    delta: float = Field(0.0, ge=0)
+    """the divergence radius, > 0 (the kinds that read it need it set)"""
 
 
 class NoRegionConfig(_Kind):
@@ -101,7 +110,7 @@ class CISPORegionConfig(_Kind):
 
     kind: Literal["cispo"] = "cispo"
     """cispo"""
-    eps_high: float = 0.2
+    eps_high: float = Field(0.2, ge=0)
     """the weight's cap is 1 + eps_high, >= 0 (MiniMax-M1: 0.28)"""
 
 
