@@ -63,6 +63,8 @@ def test_engine_keys_belong_to_their_kind():
     ("rollout.top_p", 0, "must be in (0, 1], got 0.0"),
     ("eval.every", -1, "must be >= 0, got -1"),
     ("model.lora_dropout", 1.5, "must be in [0, 1), got 1.5"),
+    ("eval.benchmarks", [], "must hold at least 1 item(s), got []"),
+    ("model.lora_target_modules", [], "must name at least one module (or 'all-linear'), got []"),
 ])
 def test_ranges_are_declared_with_the_key(key, value, msg):
     """A value out of the range declared with its key is refused as it is set, in one phrasing for every key."""

@@ -171,6 +171,8 @@ def validation_problems(e: ValidationError, key: str, name: str, section: Any = 
             out.append(f"{where} must be {range_text(info)}, got {value!r}")
         elif err["type"] == "literal_error" and info is not None and choices(info.annotation):
             out.append(unknown_value(where, value, choices(info.annotation)))
+        elif err["type"] == "too_short":
+            out.append(f"{where} must hold at least {ctx.get('min_length')} item(s), got {value!r}")
         elif err["type"] == "value_error":  # a field validator's own sentence ("must be two numbers in [0, 1)")
             out.append(f"{where} {err['msg'].removeprefix('Value error, ')}")
         else:

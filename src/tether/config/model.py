@@ -42,6 +42,14 @@ class ModelConfig(Section):
     """dropout on the LoRA branch input"""
     lora_target_modules: list[str] | str = "all-linear"
     """peft target_modules ("all-linear" = every linear but lm_head)"""
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _names_a_module(cls, v: list[str] | str) -> list[str] | str:
+        names = [v] if isinstance(v, str) else list(v)
+        if not names or not all(x.strip() for x in names):
+            raise ValueError(f"must name at least one module (or 'all-linear'), got {v!r}")
+        return v
     cache_dir: str | None = None
     """cache for dequantized GGUF models; default $TETHER_CACHE or ~/.cache/tether"""
     trust_remote_code: bool = False

@@ -282,7 +282,7 @@ class EvalConfig(Section):
     """evaluate after the last trainer step; the run then prints the accuracy before -> after"""
     every: int = Field(0, ge=0)
     """also evaluate every N trainer steps (0 = only before / after)"""
-    benchmarks: list = Field(default_factory=lambda: ["auto"])
+    benchmarks: list = Field(default_factory=lambda: ["auto"], min_length=1)
     """auto (the training task's held-out set: arithmetic -> its test split, gsm8k -> GSM8K test; other tasks have
     none, and nothing is evaluated) | arithmetic | gsm8k | math500 | ... | a file"""
     limit: int = Field(100, ge=1)

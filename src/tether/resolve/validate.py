@@ -197,9 +197,7 @@ def _check_eval(cfg: Config) -> list[str]:
                 errs.append(f"eval.{k} has no effect with eval.greedy=true")
         if e.anchor and not _anchor_has_weights(cfg.algo.anchor.kind):
             errs.append(f"eval.anchor=true needs an anchor with its own weights, not {cfg.algo.anchor.kind!r}")
-        if not e.benchmarks:
-            errs.append("eval.benchmarks is empty")
-        elif not eval_benchmarks(cfg) and (e.every or e.benchmarks != de.benchmarks):
+        if not eval_benchmarks(cfg) and (e.every or e.benchmarks != de.benchmarks):
             errs.append(f"eval.benchmarks=auto: data.task={d.task!r} has no held-out set tether knows "
                         f"(auto knows {', '.join(HELD_OUT)}); name the benchmarks, e.g. eval.benchmarks=[gsm8k]")
     return errs
@@ -301,16 +299,11 @@ def check_device(device: str, key: str = "model.device") -> list[str]:
 
 
 def _check_lora(m: ModelConfig) -> list[str]:
-    """The LoRA keys: no lora_* setting without LoRA (model.lora_r=0), and a target to adapt."""
+    """The LoRA keys: no lora_* setting without LoRA (model.lora_r=0)."""
     errs, dm = [], ModelConfig()
     if m.lora_r == 0:
         errs += [f"model.{k} only applies with model.lora_r > 0 (LoRA)"
                  for k in ("lora_alpha", "lora_dropout", "lora_target_modules") if getattr(m, k) != getattr(dm, k)]
-        return errs
-    targets = m.lora_target_modules
-    names = [targets] if isinstance(targets, str) else list(targets)
-    if not names or not all(isinstance(x, str) and x.strip() for x in names):
-        errs.append(f"model.lora_target_modules must name at least one module (or 'all-linear'), got {targets!r}")
     return errs
 
 
