@@ -239,8 +239,10 @@ def test_bf16_anchor_config_is_for_a_fixed_anchor_of_an_fp32_policy(tiny_model_d
 
     with pytest.raises(ConfigError, match="algo.anchor.dtype is a key of algo.anchor.kind=fixed"):  # by construction
         load_config(None, {"algo.anchor.dtype": "bfloat16"}, recipe_name="ema_pg")
-    with pytest.raises(ConfigError, match="Valid choices: policy, bfloat16"):
-        validate(AlgoConfig(anchor=FixedAnchorConfig(dtype="float16"), **_k3()))
+    with pytest.raises(ConfigError, match="unknown algo.anchor.dtype 'float16'.* Valid choices: policy, bfloat16"):
+        load_config(None, {"algo.anchor.kind": "fixed", "algo.anchor.dtype": "float16"}, recipe_name="grpo")
+    with pytest.raises(ValueError, match="'policy' or 'bfloat16'"):  # a section built in Python: its own type
+        FixedAnchorConfig(dtype="float16")
     with pytest.raises(ValueError, match="would change nothing"):
         Anchor(FixedAnchorConfig(dtype="bfloat16"), _tiny_policy(tiny_model_dir).to(torch.bfloat16))
 
