@@ -17,9 +17,9 @@ import pytest
 import tether.config
 import tether.resolve
 from helpers import DIGITS, tiny_config
-from tether.config import Config, ConfigError, coerce_value, flatten, parse_overrides, to_dict
+from tether.config import Config, ConfigError, flatten, parse_overrides, to_dict
 from tether.resolve import load_config, reference, save_config
-from tether.sections import Section
+from tether.sections import Section, user_value
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "config.md"
@@ -166,19 +166,40 @@ def test_parse_overrides_reads_yaml_scalars():
 
 
 @pytest.mark.parametrize("value,tp,want", [
-    (None, Optional[str], None), ("none", Optional[str], None), (3, Optional[int], 3), ("3", Optional[int], 3),
+    (None, Optional[str], None), ("none", Optional[str], None), (3, Optional[int], 3), ("3", Optional[int], "3"),
     (True, Optional[bool], True), ("x", Union[int, str], "x"), (3, Union[int, str], 3), ("3", Union[int, str], "3"),
     (2.0, Union[float, str], 2.0), ("q_proj", Union[list, str], "q_proj"), (["a"], Union[list, str], ["a"]),
+    ("1e3", int, 1000), ("1.5e0", int, "1.5e0"), (7, str, "7"), ("a,b", list, ["a", "b"]), (("a",), list, ["a"]),
 ])
-def test_coerce_keeps_a_value_of_a_declared_type(value, tp, want):
-    got = coerce_value(value, tp, "k")
+def test_a_value_as_written_keeps_a_value_of_a_declared_type(value, tp, want):
+    """``sections.user_value`` reads what YAML and ``key=value`` give (none, comma lists, 1e3, a number for a string)
+    and leaves the rest to pydantic."""
+    got = user_value(value, tp)
     assert got == want and type(got) is type(want)
 
 
-@pytest.mark.parametrize("value,tp", [(True, Optional[int]), (False, Optional[float]), (True, int), (True, str)])
-def test_coerce_never_takes_a_bool_for_a_number_or_a_string(value, tp):
-    with pytest.raises(ConfigError):
-        coerce_value(value, tp, "k")
+@pytest.mark.parametrize("key,value,msg", [("train.steps", True, "train.steps: expected an integer, got True"),
+                                           ("train.lr", False, "train.lr: expected a number, got False"),
+                                           ("data.system_prompt", True, "data.system_prompt: expected a string"),
+                                           ("train.steps", 2.5, "train.steps: expected an integer, got 2.5")])
+def test_never_a_bool_for_a_number_or_a_string(key, value, msg):
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        load_config(None, {key: value})
+
+
+def test_one_parse_names_the_source_of_each_problem(tmp_path):
+    """The layers are parsed once: a problem names the file or the override its key came from."""
+    y = tmp_path / "c.yaml"
+    y.write_text("train:\n  lr: -1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(y), {"rollout.top_p": 2})
+    lines = str(e.value).splitlines()
+    assert lines[0] == "2 problems:" and lines[1:] == [  # in the sections' order
+        "  - override: rollout.top_p must be in (0, 1], got 2.0",
+        f"  - {y}: train.lr must be a finite number >= 0, got -1.0"]
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(y))}: train.lr must be"):
+        load_config(str(y), {})
+    assert load_config(str(y), {"train.lr": 1e-5}).train.lr == 1e-5  # a later layer wins before anything validates
 
 
 # ---------------------------------------------------------------- resolution
@@ -197,10 +218,10 @@ def test_unknown_task_is_a_config_error():
 
 
 def test_problems_of_several_sections_are_listed_in_section_order():
-    """Every value outside its declared type or range at once (as the keys are set), then every rule across keys
-    at once, section by section."""
+    """Every value outside its declared type or range at once (the one parse), then every rule across keys at once,
+    section by section."""
     cross = {"data.difficulty": 9, "rollout.agent.kind": "multi_turn", "rollout.agent.env.retriever.topk": 5}
-    ranged = {"rollout.batch_size": 0, "train.steps": 0, "eval.every": -1, "train.lr": -1}
+    ranged = {"rollout.batch_size": 0, "train.lr": -1, "train.steps": 0, "eval.every": -1}  # the sections' order
     with pytest.raises(ConfigError) as e:
         load_config(None, cross | ranged)
     lines = str(e.value).splitlines()
@@ -246,7 +267,7 @@ def test_every_name_callers_import_is_re_exported():
         "DEFAULT_RECIPE", "DataConfig", "RolloutConfig", "TrainConfig", "RunConfig", "EvalConfig",
         "HELD_OUT", "eval_benchmarks", "evaluating", "Config", "RECIPE_TRAINER_DEFAULTS", "TASK_PRESETS", "to_dict",
         "parse_overrides", "read_yaml_mapping", "load_config", "check", "check_device", "VLLM_DTYPES",
-        "save_config", "reference", "ConfigError", "AlgoConfig", "ModelConfig", "coerce_value", "flatten", "set_key"}
+        "save_config", "reference", "ConfigError", "AlgoConfig", "ModelConfig", "flatten", "set_key"}
     missing = sorted(n for n in config if not hasattr(tether.config, n))
     missing += sorted(n for n in resolve if not hasattr(tether.resolve, n))
     missing += sorted(n for n in old_public if not hasattr(tether.config, n) and not hasattr(tether.resolve, n))

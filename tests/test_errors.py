@@ -123,7 +123,7 @@ def test_several_problems_stay_one_per_line(capsys, tmp_path):
     error = assert_clean_error(rc, err, "override: 3 problems:")
     problems = error.splitlines()[1:]
     assert len(problems) == 3 and all(p.startswith("  - ") for p in problems), error
-    assert [p.split()[1] for p in problems] == ["train.lr", "rollout.top_p", "run.keep_checkpoints"]
+    assert [p.split()[1] for p in problems] == ["rollout.top_p", "train.lr", "run.keep_checkpoints"]  # sections' order
 
 
 def test_real_cli_config_problem_exits_2_before_any_work(tmp_path):

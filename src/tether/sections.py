@@ -16,7 +16,8 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationError, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 
 class Section(BaseModel):
@@ -36,6 +37,49 @@ class Section(BaseModel):
                 raise TypeError(f"{type(self).__name__}: key {name!r} given by position and by name")
             kw[name] = value
         super().__init__(**kw)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _as_written(cls, value: Any, info: ValidationInfo) -> Any:
+        return user_value(value, cls.model_fields[info.field_name].annotation)
+
+
+def user_value(value: Any, tp: Any) -> Any:
+    """A value as a user writes it (YAML, ``key=value``) for a field of type ``tp``, before pydantic validates it:
+    ``none`` / ``null`` is None for an optional key; a comma-separated string is a list for a list key
+    (``eval.benchmarks=gsm8k,math500``); a number is its text for a string key; ``1e3`` is 1000 for an integer key;
+    and a bool is never taken for a number (YAML reads ``steps: yes`` as true, and ``int(True)`` is 1)."""
+    if typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    union = typing.get_origin(tp) is typing.Union or isinstance(tp, types.UnionType)
+    args = typing.get_args(tp) if union else (tp,)
+    if type(None) in args and isinstance(value, str) and value.lower() in ("none", "null"):
+        return None
+    plain = [a for a in args if a is not type(None)]
+    if len(plain) != 1:  # a union of plain types: pydantic keeps a value that has one of them
+        return value
+    t = plain[0]
+    if isinstance(value, bool) and t in (int, float):
+        raise PydanticCustomError(f"{t.__name__}_type", "a bool for a number")
+    if t is float and isinstance(value, (int, str)) and not isinstance(value, bool):  # YAML reads 1e-5 as text
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if t is int and isinstance(value, str) and "e" in value.lower():
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return int(number) if number.is_integer() else value
+    if t is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if (typing.get_origin(t) or t) is list:
+        if isinstance(value, str) and not value.strip().startswith("["):
+            return [v for v in value.split(",") if v]
+        if isinstance(value, tuple):
+            return list(value)
+    return value
 
 
 def is_section(value: Any) -> bool:
@@ -157,10 +201,10 @@ def validation_problems(e: ValidationError, key: str, name: str, section: Any = 
     ``unknown rollout.prompt_overflow 'truncat'. Did you mean 'truncate'? Valid choices: error, truncate``."""
     out = []
     for err in e.errors():
-        loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and p in _TAGS)]
+        loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and (p in _TAGS or p.startswith("function-")))]
         if loc and loc[0] == name:
             loc = loc[1:]
-        where = ".".join([key, *loc])
+        where = ".".join([key, *loc] if key else loc)
         ctx, value = err.get("ctx") or {}, err.get("input")
         info = _field_at(section, err["loc"]) if section is not None else None
         if err["type"] in ("union_tag_invalid", "union_tag_not_found"):  # pydantic names its discriminator callable
@@ -171,6 +215,8 @@ def validation_problems(e: ValidationError, key: str, name: str, section: Any = 
             out.append(f"{where} must be {range_text(info)}, got {value!r}")
         elif err["type"] == "literal_error" and info is not None and choices(info.annotation):
             out.append(unknown_value(where, value, choices(info.annotation)))
+        elif err["type"] in _TYPE_ERRORS:
+            out.append(f"{where}: expected {_TYPE_ERRORS[err['type']]}, got {value!r}")
         elif err["type"] == "too_short":
             out.append(f"{where} must hold at least {ctx.get('min_length')} item(s), got {value!r}")
         elif err["type"] == "value_error":  # a field validator's own sentence ("must be two numbers in [0, 1)")
@@ -182,6 +228,10 @@ def validation_problems(e: ValidationError, key: str, name: str, section: Any = 
     return out
 
 
+# pydantic's errors for a value of another type, and what the key expected
+_TYPE_ERRORS = {"int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+                "float_type": "a number", "float_parsing": "a number", "string_type": "a string (quote it in YAML)",
+                "bool_type": "true/false", "bool_parsing": "true/false", "list_type": "a list"}
 _RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number")
 
 
@@ -238,7 +288,7 @@ def _field_at(section: Any, loc: tuple) -> Any:
 
 
 # the tags pydantic adds to an error's location inside a chosen section (rollout.engine.vllm.dtype)
-_TAGS = {"hf", "vllm", "vllm_server", "other", "local", "remote", "function-after", "function-before", "function-plain"}
+_TAGS = {"hf", "vllm", "vllm_server", "single_turn", "multi_turn", "other", "local", "remote"}
 
 __all__ = ["Section", "ValidationError", "annotation", "as_dict", "chosen", "default", "doc", "field_for_key",
            "is_section", "key_name", "keys_of", "kind_of", "optional", "range_text", "choices", "replace",

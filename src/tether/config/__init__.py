@@ -41,7 +41,7 @@ from .engine import (
                     VLLMServerEngineConfig,
 )
 from .model import DTYPES, ModelConfig
-from .overrides import apply_keys, coerce_value, flatten, parse_overrides, set_key
+from .overrides import apply_keys, flatten, parse, parse_overrides, set_key
 from .recipes import RECIPES, AlgoConfig, KLConfig, describe, recipe
 from .schema import (
                     DEFAULT_RECIPE,
@@ -61,6 +61,6 @@ __all__ = [
     "VLLMEngineConfig", "VLLMServerEngineConfig", "RECIPES", "VLLM_DTYPES", "AlgoConfig", "AnchorConfig", "Config",
     "KLConfig", "describe", "recipe", "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "OptimizerConfig",
     "RolloutConfig", "RunConfig", "AgentConfig", "EnvConfig", "MultiTurnAgentConfig", "OtherAgentConfig",
-    "RetrieverConfig", "SingleTurnAgentConfig", "env_name", "env_of", "TrainConfig", "apply_keys", "coerce_value",
+    "RetrieverConfig", "SingleTurnAgentConfig", "env_name", "env_of", "TrainConfig", "apply_keys", "parse",
     "flatten", "parse_overrides", "set_key", "to_dict",
 ]

@@ -1,20 +1,19 @@
-"""Setting config keys by dotted name: ``key=value`` overrides, and the flattened YAML file.
-
-A value is converted to the declared type of its field (``coerce_value``); an unknown key is an error
-with a did-you-mean (``set_key``).
-"""
+"""One parse of a config: the dotted keys of its layers (presets, the flattened YAML file, ``key=value``
+overrides) set into one nested mapping, checked by name as they are set (``set_key``: an unknown key is an error with
+a did-you-mean), and validated once by the sections' own types (``parse``; a value as users write it is read by
+`tether.sections.user_value`)."""
 
 from __future__ import annotations
 
+import copy
 import difflib
-import types
-import typing
-from typing import Any
+from typing import Any, Callable, Optional, Sequence
 
 from ..errors import ConfigError
 from ..sections import (
     ValidationError,
     annotation,
+    as_dict,
     field_for_key,
     key_name,
     keys_of,
@@ -27,123 +26,143 @@ from ..userio import loads_yaml
 from .migration import moved_key
 
 
-def coerce_value(value: Any, tp: Any, key: str) -> Any:
-    """Convert a YAML/CLI value to the field's declared type.
-
-    A bool is never taken for a number or a string (YAML reads ``steps: true`` or ``name: no``
-    as booleans, and ``int(True)`` is 1); a bool key takes true/false, yes/no, on/off or 0/1.
-    """
-    origin = typing.get_origin(tp)
-    if origin is typing.Union or isinstance(tp, types.UnionType):
-        args = typing.get_args(tp)
-        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
-            return None
-        args = [a for a in args if a is not type(None)]
-        for a in args:  # a value that already has one of the types stays as it is
-            plain = typing.get_origin(a) or a
-            # a non-bool value of a plain type, or a bool for a bool (a bool is an int, but never taken for one)
-            if ((isinstance(plain, type) and isinstance(value, plain) and not isinstance(value, bool))
-                    or (a is bool and isinstance(value, bool))):
-                return value
-        args = sorted(args, key=lambda a: a is str)  # otherwise convert, trying str last
-        for a in args:
+def parse(cls: type, base: Any, layers: Sequence[tuple[str, dict[str, Any]]],
+          prepare: Optional[Callable[[dict[str, Any], dict], dict[str, Any]]] = None) -> Any:
+    """One parse: the dotted keys of each layer (``(source, {key: value})``: a preset, the config file, the
+    overrides; later layers win) set into one nested mapping over ``base`` (a section of type ``cls``, or its
+    mapping), then ``cls.model_validate`` once. Every key is checked by name as it is set (an unknown key is an
+    error with a did-you-mean; a key of the earlier flat layout names its new place; a key of another kind names
+    the kinds that read it), every value by its declared type when the whole is validated; each problem names the
+    source its key came from, and all of them come at once. ``prepare(vals, tree)``, if given, rewrites a layer's
+    keys against the mapping built so far (`tether.resolve.load_config` drops an earlier release's unread keys)."""
+    tree = as_dict(base) if not isinstance(base, dict) else copy.deepcopy(base)
+    origin: dict[str, str] = {}
+    problems: list[tuple[str, str]] = []  # (source, problem)
+    for source, vals in layers:
+        vals = prepare(vals, tree) if prepare else vals
+        moved = [moved_key(k) for k in vals if moved_key(k)]
+        if moved:
+            many = f"{len(moved)} keys of the earlier flat layout:\n  - " + "\n  - ".join(moved)
+            raise ConfigError(f"{source}: " + (moved[0] if len(moved) == 1 else many))
+        # a section's choice first: its kind, or the section given whole (rollout.engine=vllm before its dtype)
+        first = {k for k in vals if k.endswith(".kind") or any(o.startswith(k + ".") for o in vals)}
+        for k, v in sorted(vals.items(), key=lambda kv: kv[0] not in first):
             try:
-                return coerce_value(value, a, key)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{key}: {value!r} is not a valid {tp}")
-    if tp in (list, typing.List) or origin in (list, typing.List):
-        if isinstance(value, str):
-            value = yaml_value(key, value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return list(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.lower() in ("true", "1", "yes", "on")
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
-    if isinstance(value, bool) and tp in _TYPE_NAMES:  # bool is an int subclass: int(True) would be 1
-        raise ConfigError(f"{key}: expected {_TYPE_NAMES[tp]}, got {value!r}")
-    if tp is int:
-        try:
-            if isinstance(value, float) and not value.is_integer():
-                raise ValueError
-            if not isinstance(value, str):
-                return int(value)
-            return int(float(value)) if "e" in value.lower() else int(value)
-        except (TypeError, ValueError, OverflowError):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-    if tp is float:
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
-    if tp is str:
-        if value is None or isinstance(value, (dict, list)):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return str(value)
-    return value
+                set_key(tree, cls, k, v)
+                origin[k] = source
+            except ConfigError as e:  # a key refused by name is left out; the others are still validated
+                problems.append((source, str(e)))
+    try:
+        parsed = cls.model_validate(tree)
+    except ValidationError as e:
+        problems += [(_source(p, origin), p) for p in validation_problems(e, "", "", cls)]
+    if problems:  # every problem at once, each naming its key and where the key came from
+        raise ConfigError(_listed(problems))
+    return parsed
 
 
-# how coerce_value names the expected type when it gets a bool
-_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string (quote it in YAML)"}
+def apply_keys(cfg: Any, vals: dict[str, Any], source: str) -> Any:
+    """``cfg`` (a section) with the dotted keys ``vals`` set (``source`` names them in errors), parsed once: a new
+    section; ``cfg`` is not changed."""
+    return parse(type(cfg), cfg, [(source, vals)])
 
 
-def set_key(obj, dotted: str, value: Any, prefix: str = "") -> None:
-    """Set the dotted key ``dotted`` of section ``obj`` to ``value`` (converted to the key's declared type and
-    validated). A key of a section chosen by its kind (``rollout.engine.dtype``) needs that kind; ``kind`` itself
-    replaces the section by a fresh one of the new kind; a key of an optional section that is off
-    (``train.async.workers`` while ``train.async`` is none) turns it on with its defaults. Unknown keys are a
-    ConfigError with a did-you-mean, naming the key's new place if it is a key of the earlier flat layout."""
+def kind_at(tree: dict, dotted: str) -> Any:
+    """The kind of the chosen section at ``dotted`` in a mapping being built (its ``kind``, or its shorthand)."""
+    value: Any = tree
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value.get("kind") if isinstance(value, dict) else value
+
+
+def _source(problem: str, origin: dict[str, str]) -> str:
+    """Where the key a validation problem names was set (the longest key set that is the key, a section above it,
+    or a key under it), else "config"."""
+    key = problem.removeprefix("unknown ").split(" ")[0].rstrip(":")
+    hits = [k for k in origin if key == k or key.startswith(k + ".") or k.startswith(key + ".")]
+    return origin[max(hits, key=len)] if hits else "config"
+
+
+def _listed(lines: list[tuple[str, str]]) -> str:
+    """``(source, problem)`` lines as one message: under the source when they share one."""
+    sources = {s for s, _ in lines}
+    if len(lines) == 1:
+        return f"{lines[0][0]}: {lines[0][1]}"
+    if len(sources) == 1:
+        return f"{lines[0][0]}: {len(lines)} problems:\n  - " + "\n  - ".join(p for _, p in lines)
+    return f"{len(lines)} problems:\n  - " + "\n  - ".join(f"{s}: {p}" for s, p in lines)
+
+
+def set_key(tree: dict, cls: type, dotted: str, value: Any, prefix: str = "") -> None:
+    """Set the dotted key ``dotted`` in ``tree``, the mapping of a section of type ``cls`` (its value is checked
+    when the whole is validated). A key of a section chosen by its kind (``rollout.engine.dtype``) needs that kind;
+    ``kind`` itself replaces the section by a fresh one of the new kind; a key of an optional section that is off
+    (``train.async.workers`` while ``train.async`` is none) turns it on with its defaults; a section's shorthand
+    (``rollout.engine=vllm``) is expanded before a key is set under it. An unknown key is a ConfigError with a
+    did-you-mean, naming the key's new place if it is a key of the earlier flat layout."""
     head, _, rest = dotted.partition(".")
     full = prefix + head
-    name = field_for_key(obj, head)
+    name = field_for_key(cls, head)
     if name is None:
-        raise ConfigError(unknown_key(obj, full, prefix))
-    tp = annotation(obj, name)
+        raise ConfigError(unknown_key(cls, full, prefix))
+    key = key_name(cls, name)
+    tp = annotation(cls, name)
     choices = variants(tp)
     if not choices:  # a plain value
         if rest:
             raise ConfigError(f"{full!r} is not a section (cannot set {prefix + dotted!r})")
-        _assign(obj, name, coerce_value(value, tp, full), full)
+        tree[key] = value
         return
-    cur = getattr(obj, name)
+    cur = tree.get(key)
     if not rest:
-        if isinstance(value, dict) and cur is not None and not ("kind" in value and len(choices) > 1):
+        if isinstance(value, dict) and isinstance(cur, dict) and not (
+                "kind" in value and len(choices) > 1 and value["kind"] != cur.get("kind")):
+            variant = _variant(choices, cur)
             for k, v in sorted(value.items(), key=lambda kv: str(kv[0]) != "kind"):
-                set_key(cur, str(k), v, full + ".")
+                set_key(cur, _variant(choices, cur) if str(k) != "kind" else variant, str(k), v, full + ".")
             return
         if value is None or isinstance(value, (dict, str, int, float)) and (len(choices) > 1 or optional(tp)):
-            _assign(obj, name, value, full)  # a whole section: the shorthand or the mapping, validated
+            tree[key] = value  # a whole section: the shorthand or the mapping, expanded by the field's validators
             return
         raise ConfigError(f"{full!r} is a section; set its keys ({full}.<key>=...) or give a mapping")
-    if cur is None:  # an optional section that is off: on, with its defaults
-        _assign(obj, name, {}, full)
-        cur = getattr(obj, name)
-    key, _, _ = rest.partition(".")
-    if key == "kind" and len(choices) > 1 and "." not in rest:
-        if value != getattr(cur, "kind", None):
-            _assign(obj, name, {"kind": value}, full)
+    if not isinstance(cur, dict):  # off (an optional section: on, with its defaults), or a shorthand to expand
+        cur = tree[key] = _expanded(cls, name, cur, full)
+    sub = rest.partition(".")[0]
+    if sub == "kind" and len(choices) > 1 and "." not in rest:
+        if value != cur.get("kind"):
+            tree[key] = {"kind": value}
         return
-    if field_for_key(cur, key) is None and len(choices) > 1:
-        owners = [k for c in choices if field_for_key(c, key) is not None and (k := kind_of(c))]
+    variant = _variant(choices, cur)
+    if field_for_key(variant, sub) is None and len(choices) > 1:
+        owners = [k for c in choices if field_for_key(c, sub) is not None and (k := kind_of(c))]
         if owners:
-            raise ConfigError(f"{full}.{key} is a key of {full}.kind={' or '.join(map(str, owners))}, and {full}.kind "
-                              f"is {getattr(cur, 'kind', None)!r}: set {full}.kind={owners[0]} first (or give "
-                              f"{full} as a mapping with its kind)")
-    set_key(cur, rest, value, full + ".")
+            raise ConfigError(f"{full}.{sub} is a key of {full}.kind={' or '.join(map(str, owners))}, and {full}.kind "
+                              f"is {cur.get('kind')!r}: set {full}.kind={owners[0]} first (or give {full} as a "
+                              f"mapping with its kind)")
+    set_key(cur, variant, rest, value, full + ".")
 
 
-def _assign(obj, name: str, value: Any, full: str) -> None:
-    """``setattr`` with pydantic's validation, whose errors become a ConfigError naming the key."""
+def _variant(choices: list[type], mapping: dict) -> type:
+    """The section class of a chosen section's ``mapping``: the variant of its kind, else the one for any other kind
+    (a user's registered kind), else the only one."""
+    if len(choices) == 1:
+        return choices[0]
+    kind = mapping.get("kind")
+    return next((c for c in choices if kind_of(c) == kind), None) or next(
+        (c for c in choices if kind_of(c) is None), choices[0])
+
+
+def _expanded(cls: type, name: str, value: Any, full: str) -> dict:
+    """The mapping of field ``name``'s section given as ``value`` (None: an optional section off, now on with its
+    defaults; a shorthand such as ``vllm`` or ``1``: what the field's validators make of it)."""
+    if value is None:
+        return {}
     try:
-        setattr(obj, name, value)
+        section = getattr(cls.__pydantic_validator__.validate_assignment(cls.model_construct(), name, value), name)
     except ValidationError as e:
-        raise ConfigError("; ".join(validation_problems(e, full, name, obj))) from None
+        raise ConfigError("; ".join(validation_problems(e, full, name, cls))) from None
+    return section.model_dump(by_alias=True, exclude_unset=True) | (
+        {"kind": section.kind} if "kind" in type(section).model_fields else {})
 
 
 def unknown_key(obj, full: str, prefix: str) -> str:
@@ -157,28 +176,6 @@ def unknown_key(obj, full: str, prefix: str) -> str:
     close = difflib.get_close_matches(head, names, n=1)
     hint = f" Did you mean {prefix + close[0]!r}?" if close else ""
     return f"unknown config key {full!r}.{hint} Valid keys here: {', '.join(prefix + n for n in names)}"
-
-
-def apply_keys(cfg, vals: dict[str, Any], source: str) -> None:
-    """Set every dotted key of ``vals`` on ``cfg`` (``source`` names where they come from in errors: the config
-    file, or "override"). The ``kind`` of a chosen section is set before its other keys, whatever their order;
-    keys of the earlier flat layout are refused together, one line each naming its new place, and so are the other
-    keys at fault."""
-    moved = [moved_key(k) for k in vals if moved_key(k)]
-    if moved:
-        many = f"{len(moved)} keys of the earlier flat layout:\n  - " + "\n  - ".join(moved)
-        raise ConfigError(f"{source}: " + (moved[0] if len(moved) == 1 else many))
-    # a section's choice first: its kind, or the section given whole (rollout.engine=vllm before rollout.engine.dtype)
-    first = {k for k in vals if k.endswith(".kind") or any(o.startswith(k + ".") for o in vals)}
-    errs = []
-    for k, v in sorted(vals.items(), key=lambda kv: kv[0] not in first):
-        try:
-            set_key(cfg, k, v)
-        except ConfigError as e:
-            errs.append(str(e))
-    if errs:  # every key at fault at once, each naming itself
-        raise ConfigError(f"{source}: " + (errs[0] if len(errs) == 1 else f"{len(errs)} problems:\n  - "
-                                           + "\n  - ".join(errs)))
 
 
 #: keys whose value is a mapping kept whole (data.options, rollout.agent.env.options), not a section

@@ -171,7 +171,7 @@ def engine_setup(args, cfg) -> None:
         return
     value = loads_yaml(args.engine, "--engine", EvalError)
     try:
-        apply_keys(cfg, {"rollout.engine": value}, "--engine")
+        cfg.rollout = apply_keys(cfg, {"rollout.engine": value}, "--engine").rollout
         check(cfg)
     except ConfigError as e:
         raise EvalError(str(e)) from None

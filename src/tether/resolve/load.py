@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from ..algo.registry import unknown_choice
 from ..config.anchor import drop_unread_anchor_keys
-from ..config.overrides import apply_keys, flatten, set_key
+from ..config.overrides import flatten, kind_at, parse
 from ..config.recipes import RECIPES, recipe
 from ..config.region import drop_unread_bounds
 from ..config.schema import DEFAULT_RECIPE, Config
@@ -31,19 +31,19 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
     overrides.pop("recipe", None)
     if name not in RECIPES:
         raise ConfigError(unknown_choice("recipe", name, RECIPES))
-    cfg = Config(recipe=name, algo=recipe(name))
-    for k, v in RECIPE_TRAINER_DEFAULTS.get(name, {}).items():
-        set_key(cfg, k, v)
-    if task is not None:
-        if task not in TASK_PRESETS:
-            raise ConfigError(unknown_choice("task", task, TASK_PRESETS))
-        for k, v in TASK_PRESETS[task].items():
-            set_key(cfg, k, v)
-    for source, vals in ((path or "config file", file_vals), ("override", overrides)):
-        # region and anchor keys their kind (the one vals set, else cfg's so far) does not read, at an earlier
-        # release's defaults, are dropped
-        vals = drop_unread_anchor_keys(drop_unread_bounds(vals, cfg.algo.region.kind), cfg.algo.anchor.kind)
-        apply_keys(cfg, vals, source)
+    if task is not None and task not in TASK_PRESETS:
+        raise ConfigError(unknown_choice("task", task, TASK_PRESETS))
+
+    def unread_dropped(vals: dict[str, Any], tree: dict) -> dict[str, Any]:
+        """Region and anchor keys their kind (the one vals set, else the one so far) does not read, at an earlier
+        release's defaults, dropped."""
+        return drop_unread_anchor_keys(drop_unread_bounds(vals, kind_at(tree, "algo.region")),
+                                       kind_at(tree, "algo.anchor"))
+
+    layers = [(f"recipe {name}'s trainer defaults", RECIPE_TRAINER_DEFAULTS.get(name, {})),
+              (f"task {task}'s preset", TASK_PRESETS[task] if task is not None else {}),
+              (path or "config file", file_vals), ("override", overrides)]
+    cfg = parse(Config, Config(recipe=name, algo=recipe(name)), layers, unread_dropped)
     # algo.name names the recipe, +custom when an algo.* key changed it (algo.name itself set by hand does not count,
     # nor the correction train.async.correction brings: a saved config, which holds it, resolves to the same name)
     cfg = apply_async_correction(cfg)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from ..config.overrides import apply_keys, flatten
+from ..config.overrides import flatten, parse
 from ..config.sft import SFTConfig, SFTDataConfig
 from ..userio import read_yaml_mapping
 from .reference import keys, section_tables
@@ -16,11 +16,9 @@ from .validate import check_model, check_optimizer, check_outputs, raise_problem
 
 def load_sft_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] = None) -> SFTConfig:
     """Resolve an SFTConfig: field defaults -> YAML file -> overrides, then check it (`check_sft`)."""
-    cfg = SFTConfig()
     file_vals = flatten(read_yaml_mapping(path)) if path else {}
-    for source, vals in ((path or "config file", file_vals), ("override", dict(overrides or {}))):
-        apply_keys(cfg, vals, source)
-    return check_sft(cfg)
+    return check_sft(parse(SFTConfig, SFTConfig(), [(path or "config file", file_vals),
+                                                    ("override", dict(overrides or {}))]))
 
 
 def check_sft(cfg: SFTConfig) -> SFTConfig:
