@@ -82,6 +82,12 @@ def user_value(value: Any, tp: Any) -> Any:
     return value
 
 
+def validate_field(cls: type, name: str, value: Any) -> Any:
+    """``value`` validated as field ``name`` of section class ``cls`` alone (its type, range and validators; the
+    other fields at their defaults); raises pydantic's ValidationError."""
+    return getattr(cls.__pydantic_validator__.validate_assignment(cls.model_construct(), name, value), name)
+
+
 def is_section(value: Any) -> bool:
     """Whether ``value`` is a section (a `Section`, or a dataclass such as `tether.algo.RegionConfig`)."""
     return isinstance(value, Section) or (dataclasses.is_dataclass(value) and not isinstance(value, type))
@@ -292,4 +298,4 @@ _TAGS = {"hf", "vllm", "vllm_server", "single_turn", "multi_turn", "other", "loc
 
 __all__ = ["Section", "ValidationError", "annotation", "as_dict", "chosen", "default", "doc", "field_for_key",
            "is_section", "key_name", "keys_of", "kind_of", "optional", "range_text", "choices", "replace",
-           "unknown_value", "validation_problems", "variants"]
+           "unknown_value", "validate_field", "validation_problems", "variants"]

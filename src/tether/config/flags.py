@@ -15,7 +15,16 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
-from ..sections import ValidationError, annotation, default, doc, field_for_key, validation_problems, variants
+from ..sections import (
+    ValidationError,
+    annotation,
+    default,
+    doc,
+    field_for_key,
+    validate_field,
+    validation_problems,
+    variants,
+)
 
 #: ``tether eval``'s preset (`EVAL_PRESET`): its defaults that differ from the in-run evaluation's and the rollout
 #: section's, and why (docs/config.md prints this)
@@ -155,7 +164,7 @@ def flag_problems(args: argparse.Namespace, flags: Sequence[Flag]) -> list[str]:
             continue
         section, name = field_at(f.key)
         try:
-            section.__pydantic_validator__.validate_assignment(section.model_construct(), name, v)
+            validate_field(section, name, v)
         except ValidationError as e:
             out += validation_problems(e, f.name, name, section)
     return out

@@ -19,6 +19,7 @@ from ..sections import (
     keys_of,
     kind_of,
     optional,
+    validate_field,
     validation_problems,
     variants,
 )
@@ -117,9 +118,9 @@ def set_key(tree: dict, cls: type, dotted: str, value: Any, prefix: str = "") ->
     if not rest:
         if isinstance(value, dict) and isinstance(cur, dict) and not (
                 "kind" in value and len(choices) > 1 and value["kind"] != cur.get("kind")):
-            variant = _variant(choices, cur)
+            variant = _variant(choices, cur)  # the mapping's kind, if it names one, is cur's: the variant stays
             for k, v in sorted(value.items(), key=lambda kv: str(kv[0]) != "kind"):
-                set_key(cur, _variant(choices, cur) if str(k) != "kind" else variant, str(k), v, full + ".")
+                set_key(cur, variant, str(k), v, full + ".")
             return
         if value is None or isinstance(value, (dict, str, int, float)) and (len(choices) > 1 or optional(tp)):
             tree[key] = value  # a whole section: the shorthand or the mapping, expanded by the field's validators
@@ -158,7 +159,7 @@ def _expanded(cls: type, name: str, value: Any, full: str) -> dict:
     if value is None:
         return {}
     try:
-        section = getattr(cls.__pydantic_validator__.validate_assignment(cls.model_construct(), name, value), name)
+        section = validate_field(cls, name, value)
     except ValidationError as e:
         raise ConfigError("; ".join(validation_problems(e, full, name, cls))) from None
     return section.model_dump(by_alias=True, exclude_unset=True) | (
