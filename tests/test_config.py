@@ -61,12 +61,14 @@ def every_key() -> set[str]:
         VLLMServerEngineConfig,
     )
     from tether.config.anchor import OtherAnchorConfig
+    from tether.config.kl import OtherKLConfig
     from tether.config.region import OtherRegionConfig
 
     keys = set(leaf_keys())
-    keys |= {"rollout.engine", "rollout.agent", "train.async", "algo.region", "algo.anchor"}  # chosen sections too
+    keys |= {"rollout.engine", "rollout.agent", "train.async", "algo.region", "algo.anchor", "algo.kl"}  # chosen too
     keys |= set(leaf_keys(OtherRegionConfig(kind="my.module:Region"), "algo.region."))
     keys |= set(leaf_keys(OtherAnchorConfig(kind="my_anchor"), "algo.anchor."))
+    keys |= set(leaf_keys(OtherKLConfig(estimator="my_kl"), "algo.kl."))
     keys |= set(leaf_keys(MultiTurnAgentConfig(env=EnvConfig(retriever=RetrieverConfig())), "rollout.agent."))
     keys |= {"rollout.agent.env.retriever"}
     keys |= set(leaf_keys(VLLMEngineConfig(), "rollout.engine."))

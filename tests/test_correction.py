@@ -16,7 +16,8 @@ import torch
 
 from tether.algo import LossInputs, RegionConfig, compute_loss, loss_needs
 from tether.algo.correction import correction_weights
-from tether.config.recipes import RECIPES, AlgoConfig, recipe, validate
+from tether.config.kl import kl_config
+from tether.config.recipes import RECIPES, recipe, validate
 from tether.errors import ConfigError
 from tether.resolve import load_config
 
@@ -167,8 +168,8 @@ def test_composes_with_every_recipe(name):
     kw = dict(logp=logp, mask=mask, adv=torch.randn(B, generator=g), old_logp=old, max_len=T,
               ref_logp=(old + 0.2 * torch.randn(B, T, generator=g)).clamp(max=-1e-3))
     base = recipe(name)
-    if base.kl.estimator in ("topk_rev", "topk_fwd") or base.kl.estimator.startswith("topk"):
-        base.kl.estimator, base.kl.topk = "k3", AlgoConfig().kl.topk  # head inputs are not the point here
+    if base.kl.estimator.startswith("topk"):
+        base.kl = kl_config("k3", beta=base.kl.beta)  # head inputs are not the point here
     on = base.copy()
     on.tis_cap = 2.0
     validate(on)

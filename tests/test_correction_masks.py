@@ -16,6 +16,7 @@ import torch
 from test_correction import V, grads, make, token_logp  # the enumeration helpers (one copy)
 from tether.algo import LossInputs, RegionConfig, compute_loss
 from tether.algo.correction import Masks, correction_weights
+from tether.config.kl import kl_config
 from tether.config.recipes import describe, recipe, validate
 from tether.errors import ConfigError
 from tether.resolve import load_config
@@ -289,7 +290,7 @@ def test_kl_sampler_mu_needs_a_sampling_weight():
         with pytest.raises(ConfigError, match=msg):
             validate(_with(recipe(name), kl_sampler="mu"))
     cfg = _with(recipe("grpo"), kl_sampler="mu")
-    cfg.kl.estimator = "exact_rev"
+    cfg.kl = kl_config("exact_rev", beta=cfg.kl.beta)
     with pytest.raises(ConfigError, match="'exact_rev'"):
         validate(cfg)
 

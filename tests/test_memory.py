@@ -248,8 +248,8 @@ def test_bf16_anchor_config_is_for_a_fixed_anchor_of_an_fp32_policy(tiny_model_d
 
 
 def _k3():
-    from tether.config.recipes import KLConfig
-    return {"kl": KLConfig("k3", beta=0.04)}
+    from tether.config import kl_config
+    return {"kl": kl_config("k3", beta=0.04)}
 
 
 def test_bf16_anchor_trains_and_checkpoints(bm, workdir, tiny_model_dir, tmp_path, one_thread):

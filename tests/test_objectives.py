@@ -19,7 +19,8 @@ from tether.algo import LossInputs, RegionConfig, compute_loss, loss_needs
 from tether.algo.aggregation import aggregate
 from tether.algo.kl import KL_ESTIMATORS, KLInputs, KLOptions, rpg_score_coef
 from tether.config.anchor import FixedAnchorConfig
-from tether.config.recipes import AlgoConfig, KLConfig, recipe
+from tether.config.kl import kl_config
+from tether.config.recipes import AlgoConfig, recipe
 
 pytestmark = pytest.mark.usefixtures("float64")
 V, L = 3, 2
@@ -152,7 +153,7 @@ def test_rpg_recipes_full_and_reinforce_forms_have_equal_gradients(variant):
 def test_compute_loss_equals_manual_composition():
     """loss = aggregate(-A*rho (masked) + beta*KL) with every piece computed by hand."""
     b = random_batch(1)
-    cfg = AlgoConfig(region=RegionConfig("ratio", 0.2, 0.28), kl=KLConfig("k3", beta=0.1),
+    cfg = AlgoConfig(region=RegionConfig("ratio", 0.2, 0.28), kl=kl_config("k3", beta=0.1),
                      anchor=FixedAnchorConfig(), aggregation="seq-mean-token-mean")
     out = compute_loss(cfg, LossInputs(**b))
     logp, old, ref, mask, adv = b["logp"], b["old_logp"], b["ref_logp"], b["mask"], b["adv"][:, None]
@@ -170,7 +171,7 @@ def test_compute_loss_equals_manual_composition():
 
 def test_kl_in_reward_is_penalty_to_go():
     b = random_batch(2)
-    cfg = AlgoConfig(region=RegionConfig("none"), kl=KLConfig("k1", beta=0.5, placement="reward"),
+    cfg = AlgoConfig(region=RegionConfig("none"), kl=kl_config("k1", beta=0.5, placement="reward"),
                      anchor=FixedAnchorConfig(), aggregation="token-mean")
     out = compute_loss(cfg, LossInputs(**b))
     logp, old, ref, mask = b["logp"], b["old_logp"], b["ref_logp"], b["mask"]
@@ -187,7 +188,7 @@ def test_kl_in_reward_is_penalty_to_go():
 def test_on_policy_none_old_equals_detached_logp():
     b = random_batch(3)
     cfg = recipe("ema_pg")
-    cfg.kl = KLConfig("k3", beta=1e-3)
+    cfg.kl = kl_config("k3", beta=1e-3)
     b2 = dict(b, old_logp=None)
     b3 = dict(b, old_logp=b["logp"].detach())
     o2, o3 = compute_loss(cfg, LossInputs(**b2)), compute_loss(cfg, LossInputs(**b3))
@@ -295,7 +296,7 @@ def test_loss_needs_reads_the_registries():
     want = {"sampled": None, "sampler_topk": "sampler", "anchor_topk": "anchor", "full_vocab": "all"}
     for est in KL_ESTIMATORS.names():
         cfg = recipe("grpo")
-        cfg.kl = KLConfig(estimator=est, beta=0.1, topk=8)
+        cfg.kl = kl_config(est, beta=0.1, **({"topk": 8} if "topk" in est else {}))  # only the top-k ones read k
         n = loss_needs(cfg, vocab)
         assert n.head == want[KL_ESTIMATORS.meta(est)["inputs"]], est
         assert n.k == {None: 0, "sampler": 8, "anchor": 8, "all": vocab}[n.head], est
@@ -304,7 +305,7 @@ def test_loss_needs_reads_the_registries():
     assert loss_needs(recipe("dapo"), vocab) == loss_needs(recipe("dapo"), 7)
     assert not loss_needs(recipe("dapo"), vocab).ref_logp  # no KL term: no anchor pass
     cfg = recipe("grpo")
-    cfg.kl = KLConfig(estimator="topk_fwd", beta=0.1, topk=500)
+    cfg.kl = kl_config(estimator="topk_fwd", beta=0.1, topk=500)
     assert loss_needs(cfg, vocab).k == vocab  # k is capped at the vocabulary
 
 

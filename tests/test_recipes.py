@@ -4,7 +4,9 @@ import pytest
 
 from tether.algo import RegionConfig
 from tether.config.anchor import EMAAnchorConfig, FixedAnchorConfig
-from tether.config.recipes import RECIPES, AlgoConfig, KLConfig, recipe, validate
+from tether.config.kl import kl_config
+from tether.config.overrides import apply_keys
+from tether.config.recipes import RECIPES, AlgoConfig, recipe, validate
 from tether.errors import ConfigError
 from tether.resolve import load_config
 
@@ -52,37 +54,64 @@ def test_unknown_recipe_lists_choices():
         recipe("grpoo")
 
 
-@pytest.mark.parametrize("mutate,msg", [
-    (lambda c: setattr(c, "anchor", "none"), "needs an anchor; choose anchor.kind from"),
-    (lambda c: setattr(c.kl, "estimator", "topk_ref"), "Did you mean 'topk_rev'"),
-    (lambda c: setattr(c.kl, "beta", 0.0), "needs kl.beta > 0"),
-    (lambda c: setattr(c, "advantage", "gae"), "unknown advantage 'gae'"),
-    (lambda c: setattr(c.kl, "placement", "advantage"), "needs kl.estimator rpg_rkl or rpg_urkl"),
-    (lambda c: (setattr(c.kl, "estimator", "topk_rev_centered"), setattr(c.kl, "truncated", True)),
-     "use 'topk_rev'"),
-    (lambda c: (setattr(c.kl, "truncated", True), setattr(c.kl, "s_max", 2.0)), "which kl.truncated=true drops"),
-    (lambda c: (setattr(c, "advantage", "rloo"), setattr(c, "adv_eps", 1e-3)), "adv_eps has no effect"),
+@pytest.mark.parametrize("keys,msg", [
+    ({"anchor": "none"}, "needs an anchor; choose anchor.kind from"),
+    ({"kl.estimator": "topk_ref"}, "Did you mean 'topk_rev'"),
+    ({"kl.beta": 0.0}, "needs kl.beta > 0"),
+    ({"advantage": "gae"}, "unknown advantage 'gae'"),
+    ({"kl.placement": "advantage"}, "needs kl.estimator rpg_rkl or rpg_urkl"),
+    ({"kl.estimator": "topk_rev_centered", "kl.truncated": True}, "use 'topk_rev'"),
+    ({"kl.truncated": True, "kl.s_max": 2.0}, "which kl.truncated=true drops"),
+    ({"advantage": "rloo", "adv_eps": 1e-3}, "adv_eps has no effect"),
 ])
-def test_bad_combinations_are_errors(mutate, msg):
-    c = recipe("ema_pg")
-    mutate(c)
+def test_bad_combinations_are_errors(keys, msg):
+    c = apply_keys(recipe("ema_pg"), keys, "test")
     with pytest.raises(ConfigError, match=msg):
         validate(c)
 
 
 def test_ineffective_options_without_kl():
-    c = recipe("dapo")
-    c.kl.beta = 0.1
-    with pytest.raises(ConfigError, match="kl.beta is set but kl.estimator is 'none'"):
-        validate(c)
+    with pytest.raises(ConfigError, match="test: kl.beta is set but algo.kl.estimator is 'none'; pick an estimator"):
+        apply_keys(recipe("dapo"), {"kl.beta": 0.1}, "test")
     c = recipe("dapo")
     c.anchor = EMAAnchorConfig()
     with pytest.raises(ConfigError, match="has no effect without a KL term"):
         validate(c)
-    c = recipe("grpo")
-    c.kl.topk = 8
-    with pytest.raises(ConfigError, match="only applies to top-k"):
-        validate(c)
+
+
+@pytest.mark.parametrize("recipe_name,keys,msg", [
+    ("grpo", {"algo.kl.topk": 8}, "algo.kl.topk is a key of algo.kl.estimator=topk_rev or "),
+    ("grpo", {"algo.kl.truncated": True}, "algo.kl.truncated is a key of algo.kl.estimator=topk_rev or "),
+    ("rpg_fkl", {"algo.kl.s_max": 2.0}, "algo.kl.s_max is a key of algo.kl.estimator=k1 or "),
+    ("dapo", {"algo.kl.placement": "reward"}, "algo.kl.placement is a key of algo.kl.estimator=k1 or "),
+])
+def test_a_key_the_estimator_does_not_read_is_refused(recipe_name, keys, msg):
+    """algo.kl is a section per family of estimators: a key another family reads cannot be set (no "has no effect"
+    table), and the error names the estimators that read it."""
+    with pytest.raises(ConfigError, match=f"override: {msg}"):
+        load_config(None, keys, recipe_name=recipe_name)
+
+
+def test_changing_the_estimator_keeps_the_keys_it_reads():
+    """algo.kl.estimator switches the family and keeps beta and placement (a recipe's k3 at beta 1e-3 becomes a
+    top-k term at the same beta); the keys the new family reads but the old did not start at their defaults; an
+    earlier release's config, with every key, loads (the unread keys at their old defaults dropped)."""
+    c = load_config(None, {"algo.kl.estimator": "topk_fwd"}, recipe_name="reinforce_pp")
+    assert c.algo.kl.model_dump() == {"estimator": "topk_fwd", "beta": 1e-3, "placement": "reward", "topk": 32,
+                                      "truncated": False, "s_min": 0.0, "s_max": 0.0}
+    c = load_config(None, {"algo.kl": {"estimator": "exact_fwd", "beta": 0.1}}, recipe_name="ema_pg")
+    assert c.algo.kl.model_dump() == {"estimator": "exact_fwd", "beta": 0.1, "placement": "loss"}
+    old = {"algo.kl.estimator": "k3", "algo.kl.beta": 0.01, "algo.kl.placement": "loss", "algo.kl.topk": 32,
+           "algo.kl.truncated": False, "algo.kl.s_min": 0.0, "algo.kl.s_max": 0.0}  # a saved run's, flattened
+    assert load_config(None, old, recipe_name="grpo").algo.kl == kl_config("k3", beta=0.01)
+    with pytest.raises(ConfigError, match="algo.kl.topk is a key of"):  # not at its old default: it meant something
+        load_config(None, {**old, "algo.kl.topk": 8}, recipe_name="grpo")
+
+
+def test_every_estimator_has_one_family():
+    from tether.algo import KL_ESTIMATORS
+    from tether.config.kl import KL_SECTIONS
+    assert set(KL_SECTIONS) == {"none", *KL_ESTIMATORS.names()}
 
 
 def test_region_surrogate_compatibility():
@@ -98,7 +127,7 @@ def test_region_surrogate_compatibility():
 def test_every_registered_estimator_validates_with_an_anchor():
     from tether.algo import KL_ESTIMATORS
     for est in KL_ESTIMATORS:
-        validate(AlgoConfig(kl=KLConfig(est, beta=0.01), anchor=FixedAnchorConfig()))
+        validate(AlgoConfig(kl=kl_config(est, beta=0.01), anchor=FixedAnchorConfig()))
 
 
 def test_algo_layer_imports_only_torch():

@@ -163,25 +163,42 @@ def optional(tp: Any) -> bool:
         type(None) in typing.get_args(tp)
 
 
-def kind_of(cls: type) -> str | None:
-    """A chosen section's ``kind`` (the literal its ``kind`` key takes), None for a section without one."""
-    if isinstance(cls, type) and issubclass(cls, BaseModel) and "kind" in cls.model_fields:
-        tp = cls.model_fields["kind"].annotation
+def choice_key(cls: type) -> str:
+    """The key that chooses a chosen section's variant: ``kind``, or the one its class names (``algo.kl``:
+    ``estimator``, a class variable ``choice_key``)."""
+    return getattr(cls, "choice_key", "kind")
+
+
+def kinds_of(cls: type) -> tuple:
+    """The values of a chosen section's choice key (the literals its ``kind`` takes; ``algo.kl``'s families:
+    several estimators), () for a section without one or the variant of any other kind."""
+    if isinstance(cls, type) and issubclass(cls, BaseModel) and choice_key(cls) in cls.model_fields:
+        tp = cls.model_fields[choice_key(cls)].annotation
         if typing.get_origin(tp) is typing.Literal:
-            return typing.get_args(tp)[0]
-    return None
+            return typing.get_args(tp)
+    return ()
+
+
+def kind_of(cls: type) -> str | None:
+    """A chosen section's ``kind`` (the first literal its choice key takes; its tag in the union), None for a section
+    without one."""
+    return next(iter(kinds_of(cls)), None)
 
 
 def chosen(kinds: dict[str, type], other: type, default_kind: str) -> Any:
-    """The type of a section chosen by its ``kind``: a discriminated union of one variant per entry of ``kinds``
-    (kind -> section class, each with ``kind: Literal[...]``) and ``other`` for any other kind (a user's registered
-    name); a mapping without ``kind`` is ``default_kind``'s."""
+    """The type of a section chosen by its ``kind`` (or the class's `choice_key`): a discriminated union of one
+    variant per section class of ``kinds`` (kind -> section class, each with ``kind: Literal[...]``; several kinds may
+    share a class) and ``other`` for any other kind (a user's registered name); a mapping without the key is
+    ``default_kind``'s."""
+    key = choice_key(other)
+
     def tag(value: Any) -> str:
-        kind = value.get("kind", default_kind) if isinstance(value, dict) else getattr(value, "kind", default_kind)
-        return kind if kind in kinds else "other"
+        kind = value.get(key, default_kind) if isinstance(value, dict) else getattr(value, key, default_kind)
+        return kind_of(kinds[kind]) if isinstance(kind, str) and kind in kinds else "other"
 
     _TAGS.update(kinds)  # an error's location names the key, not the variant's tag
-    return typing.Annotated[typing.Union[tuple(typing.Annotated[c, Tag(k)] for k, c in kinds.items())
+    classes = list(dict.fromkeys(kinds.values()))
+    return typing.Annotated[typing.Union[tuple(typing.Annotated[c, Tag(kind_of(c))] for c in classes)
                                          + (typing.Annotated[other, Tag("other")],)], Discriminator(tag)]
 
 
@@ -296,6 +313,6 @@ def _field_at(section: Any, loc: tuple) -> Any:
 # the tags pydantic adds to an error's location inside a chosen section (rollout.engine.vllm.dtype)
 _TAGS = {"hf", "vllm", "vllm_server", "single_turn", "multi_turn", "other", "local", "remote"}
 
-__all__ = ["Section", "ValidationError", "annotation", "as_dict", "chosen", "default", "doc", "field_for_key",
-           "is_section", "key_name", "keys_of", "kind_of", "optional", "range_text", "choices", "replace",
-           "unknown_value", "validate_field", "validation_problems", "variants"]
+__all__ = ["Section", "ValidationError", "annotation", "as_dict", "choice_key", "chosen", "default", "doc",
+           "field_for_key", "is_section", "key_name", "keys_of", "kind_of", "kinds_of", "optional", "range_text",
+           "choices", "replace", "unknown_value", "validate_field", "validation_problems", "variants"]

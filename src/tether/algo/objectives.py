@@ -7,7 +7,7 @@ Per token, with A the (baselined) advantage and rho = pi/pi_old:
 
 Tokens the trust region rejects keep their value but lose their gradient (``rho`` or
 ``log pi`` is detached there), which gives exactly the gradient of
-``min(rho A, clip_C(rho) A)``. The KL enters in one of three places (``KLConfig.placement``):
+``min(rho A, clip_C(rho) A)``. The KL enters in one of three places (``algo.kl.placement``):
 
     loss       loss += beta * KL_term                        (GRPO, EMA-PG)
     reward     A_t  -= beta * sum_{s >= t} sg(KL_s)          (per-token penalty-to-go; REINFORCE++)
@@ -201,7 +201,7 @@ def compute_loss(cfg, inputs: LossInputs) -> LossOut:
 
 def _kl_terms(cfg, inp: LossInputs, logp: Tensor, old: Tensor, adv: Tensor,
               mask: Tensor) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
-    """The KL term in its ``KLConfig.placement``: returns ``(adv, kl_tok, kl_val)``.
+    """The KL term in its ``algo.kl.placement``: returns ``(adv, kl_tok, kl_val)``.
 
         loss       kl_tok = KL_t (value + exact-form gradient; the RPG REINFORCE form: its score
                    coefficient x log pi, same gradient), added to the loss as beta * kl_tok
@@ -226,8 +226,9 @@ def _kl_terms(cfg, inp: LossInputs, logp: Tensor, old: Tensor, adv: Tensor,
                        head_logp=_masked(inp.head_logp, mask), head_ref_logp=_masked(inp.head_ref_logp, mask),
                        in_head=inp.in_head, full_logp=_masked(inp.full_logp, mask),
                        full_ref_logp=_masked(inp.full_ref_logp, mask))
-        opt = KLOptions(s_min=kl_cfg.s_min, s_max=kl_cfg.s_max if kl_cfg.s_max > 0 else math.inf,
-                        truncated=kl_cfg.truncated)
+        s_max = getattr(kl_cfg, "s_max", 0.0)  # a family without a clipped weight or a head has neither key
+        opt = KLOptions(s_min=getattr(kl_cfg, "s_min", 0.0), s_max=s_max if s_max > 0 else math.inf,
+                        truncated=getattr(kl_cfg, "truncated", False))
         kl_full = KL_ESTIMATORS[kl_cfg.estimator](kin, opt)  # [B, T] value + exact-form gradient
         kl_val = kl_full.detach()
         if kl_cfg.placement == "loss":

@@ -9,6 +9,7 @@ One module per concern; every name is importable from ``tether.config``:
     recipes.py     the algo section (AlgoConfig), its validation, and the named recipes (RECIPES, recipe)
     region.py      algo.region (a section per trust-region kind)
     anchor.py      algo.anchor (a section per anchor kind)
+    kl.py          algo.kl (a section per family of KL estimators, chosen by algo.kl.estimator)
     schema.py      the sections (pydantic models): data, rollout, train (with OptimizerConfig), run, eval; Config
     model.py       model (ModelConfig, DTYPES)
     agent.py       rollout.agent (single_turn | multi_turn with its env section; search is env.name=search)
@@ -16,7 +17,7 @@ One module per concern; every name is importable from ``tether.config``:
     train_async.py train.async (none | max_staleness, workers, ...)
     sft.py         tether sft's sections (SFTConfig)
     flags.py       entry points' flags generated from the sections (tether eval, tether demos) and their presets
-    overrides.py   dotted keys: key=value parsing, type coercion, setting, flattening
+    overrides.py   dotted keys: key=value parsing, setting into one mapping, one parse, flattening
     migration.py   keys of the earlier flat layout: their one-line "moved to" errors, saved runs read anew
 """
 
@@ -40,9 +41,10 @@ from .engine import (
                     VLLMEngineConfig,
                     VLLMServerEngineConfig,
 )
+from .kl import KLConfig, kl_config
 from .model import DTYPES, ModelConfig
 from .overrides import apply_keys, flatten, parse, parse_overrides, set_key
-from .recipes import RECIPES, AlgoConfig, KLConfig, describe, recipe
+from .recipes import RECIPES, AlgoConfig, describe, recipe
 from .schema import (
                     DEFAULT_RECIPE,
                     Config,
@@ -59,7 +61,8 @@ from .train_async import AsyncConfig
 __all__ = [
     "DEFAULT_RECIPE", "DTYPES", "AsyncConfig", "EngineConfig", "HFEngineConfig", "OtherEngineConfig",
     "VLLMEngineConfig", "VLLMServerEngineConfig", "RECIPES", "VLLM_DTYPES", "AlgoConfig", "AnchorConfig", "Config",
-    "KLConfig", "describe", "recipe", "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "OptimizerConfig",
+    "KLConfig", "kl_config", "describe", "recipe", "ConfigError", "DataConfig", "EvalConfig", "ModelConfig",
+    "OptimizerConfig",
     "RolloutConfig", "RunConfig", "AgentConfig", "EnvConfig", "MultiTurnAgentConfig", "OtherAgentConfig",
     "RetrieverConfig", "SingleTurnAgentConfig", "env_name", "env_of", "TrainConfig", "apply_keys", "parse",
     "flatten", "parse_overrides", "set_key", "to_dict",

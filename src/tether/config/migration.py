@@ -135,18 +135,20 @@ def _without_local_transport(flat: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in flat.items() if k not in retired}
 
 
-def kind_mapping(value: Any, kinds: dict[str, Any], old_defaults: dict[str, Any], default_kind: str) -> Any:
+def kind_mapping(value: Any, kinds: dict[str, Any], old_defaults: dict[str, Any], default_kind: str,
+                 key: str = "kind") -> Any:
     """A chosen section given as its kind (``"ema"``), a dataclass, or an earlier release's mapping that held every
-    kind's keys: the mapping of its kind's section (``kinds``: kind -> section class), a key the kind does not read
-    dropped when it holds its old default (any other value stays, and is refused as an unknown key of the kind)."""
+    kind's keys: the mapping of its kind's section (``kinds``: kind -> section class; ``key``: the key that chooses
+    it), a key the kind does not read dropped when it holds its old default (any other value stays, and is refused
+    as an unknown key of the kind)."""
     if isinstance(value, str):
-        return {"kind": value}
+        return {key: value}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = dataclasses.asdict(value)
     if not isinstance(value, dict):
         return value
-    value = {"kind": default_kind, **value}
-    cls = kinds.get(value["kind"])
+    value = {key: default_kind, **value}
+    cls = kinds.get(value[key])
     if cls is None:
         return value
     return {k: v for k, v in value.items()
@@ -154,12 +156,13 @@ def kind_mapping(value: Any, kinds: dict[str, Any], old_defaults: dict[str, Any]
 
 
 def drop_unread_keys(vals: dict[str, Any], prefix: str, kinds: dict[str, Any], other: Any,
-                     old_defaults: dict[str, Any], kind: str) -> dict[str, Any]:
+                     old_defaults: dict[str, Any], kind: str, key: str = "kind") -> dict[str, Any]:
     """Dotted keys ``vals`` without the ``<prefix>.<key>`` keys that the section's kind (``vals``' own
-    ``<prefix>.kind`` when it sets one, else ``kind``) does not read and that hold their old default: an earlier
-    release wrote every kind's keys into each config.yaml, and setting one at that default never had an effect."""
-    given = vals.get(f"{prefix}.kind", vals.get(prefix))
-    kind = given if isinstance(given, str) else given.get("kind", kind) if isinstance(given, dict) else kind
+    ``<prefix>.kind``, or its ``key``, when it sets one, else ``kind``) does not read and that hold their old
+    default: an earlier release wrote every kind's keys into each config.yaml, and setting one at that default never
+    had an effect."""
+    given = vals.get(f"{prefix}.{key}", vals.get(prefix))
+    kind = given if isinstance(given, str) else given.get(key, kind) if isinstance(given, dict) else kind
     fields = kinds.get(kind, other).model_fields
     n = len(prefix) + 1
     return {k: v for k, v in vals.items()

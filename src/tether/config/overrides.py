@@ -14,10 +14,11 @@ from ..sections import (
     ValidationError,
     annotation,
     as_dict,
+    choice_key,
     field_for_key,
     key_name,
     keys_of,
-    kind_of,
+    kinds_of,
     optional,
     validate_field,
     validation_problems,
@@ -46,7 +47,7 @@ def parse(cls: type, base: Any, layers: Sequence[tuple[str, dict[str, Any]]],
             many = f"{len(moved)} keys of the earlier flat layout:\n  - " + "\n  - ".join(moved)
             raise ConfigError(f"{source}: " + (moved[0] if len(moved) == 1 else many))
         # a section's choice first: its kind, or the section given whole (rollout.engine=vllm before its dtype)
-        first = {k for k in vals if k.endswith(".kind") or any(o.startswith(k + ".") for o in vals)}
+        first = {k for k in vals if k.endswith(CHOICE_KEYS) or any(o.startswith(k + ".") for o in vals)}
         for k, v in sorted(vals.items(), key=lambda kv: kv[0] not in first):
             try:
                 set_key(tree, cls, k, v)
@@ -62,18 +63,23 @@ def parse(cls: type, base: Any, layers: Sequence[tuple[str, dict[str, Any]]],
     return parsed
 
 
+#: the keys that choose a section's variant (`tether.sections.choice_key`), set before the keys under them
+CHOICE_KEYS = (".kind", ".estimator")
+
+
 def apply_keys(cfg: Any, vals: dict[str, Any], source: str) -> Any:
     """``cfg`` (a section) with the dotted keys ``vals`` set (``source`` names them in errors), parsed once: a new
     section; ``cfg`` is not changed."""
     return parse(type(cfg), cfg, [(source, vals)])
 
 
-def kind_at(tree: dict, dotted: str) -> Any:
-    """The kind of the chosen section at ``dotted`` in a mapping being built (its ``kind``, or its shorthand)."""
+def kind_at(tree: dict, dotted: str, key: str = "kind") -> Any:
+    """The kind of the chosen section at ``dotted`` in a mapping being built (its ``kind`` or other choice ``key``,
+    or its shorthand)."""
     value: Any = tree
     for part in dotted.split("."):
         value = value.get(part) if isinstance(value, dict) else None
-    return value.get("kind") if isinstance(value, dict) else value
+    return value.get(key) if isinstance(value, dict) else value
 
 
 def _source(problem: str, origin: dict[str, str]) -> str:
@@ -97,7 +103,8 @@ def _listed(lines: list[tuple[str, str]]) -> str:
 def set_key(tree: dict, cls: type, dotted: str, value: Any, prefix: str = "") -> None:
     """Set the dotted key ``dotted`` in ``tree``, the mapping of a section of type ``cls`` (its value is checked
     when the whole is validated). A key of a section chosen by its kind (``rollout.engine.dtype``) needs that kind;
-    ``kind`` itself replaces the section by a fresh one of the new kind; a key of an optional section that is off
+    ``kind`` itself replaces the section by a fresh one of the new kind (``algo.kl.estimator``, the choice key of a
+    family of estimators, keeps the keys the new one reads); a key of an optional section that is off
     (``train.async.workers`` while ``train.async`` is none) turns it on with its defaults; a section's shorthand
     (``rollout.engine=vllm``) is expanded before a key is set under it. An unknown key is a ConfigError with a
     did-you-mean, naming the key's new place if it is a key of the earlier flat layout."""
@@ -115,12 +122,12 @@ def set_key(tree: dict, cls: type, dotted: str, value: Any, prefix: str = "") ->
         tree[key] = value
         return
     cur = tree.get(key)
+    tk = choice_key(choices[-1])  # kind, or the key that chooses the variant (algo.kl: estimator)
     if not rest:
         if isinstance(value, dict) and isinstance(cur, dict) and not (
-                "kind" in value and len(choices) > 1 and value["kind"] != cur.get("kind")):
-            variant = _variant(choices, cur)  # the mapping's kind, if it names one, is cur's: the variant stays
-            for k, v in sorted(value.items(), key=lambda kv: str(kv[0]) != "kind"):
-                set_key(cur, variant, str(k), v, full + ".")
+                tk == "kind" and tk in value and len(choices) > 1 and value[tk] != cur.get(tk)):
+            for k, v in sorted(value.items(), key=lambda kv: str(kv[0]) != tk):  # its kind / estimator first
+                set_key(tree, cls, f"{head}.{k}", v, prefix)
             return
         if value is None or isinstance(value, (dict, str, int, float)) and (len(choices) > 1 or optional(tp)):
             tree[key] = value  # a whole section: the shorthand or the mapping, expanded by the field's validators
@@ -129,17 +136,20 @@ def set_key(tree: dict, cls: type, dotted: str, value: Any, prefix: str = "") ->
     if not isinstance(cur, dict):  # off (an optional section: on, with its defaults), or a shorthand to expand
         cur = tree[key] = _expanded(cls, name, cur, full)
     sub = rest.partition(".")[0]
-    if sub == "kind" and len(choices) > 1 and "." not in rest:
-        if value != cur.get("kind"):
-            tree[key] = {"kind": value}
+    if sub == tk and len(choices) > 1 and "." not in rest:
+        if value != cur.get(tk):
+            kept = {k: v for k, v in cur.items() if field_for_key(_variant(choices, {tk: value}), k)} if tk != "kind" \
+                else {}
+            tree[key] = kept | {tk: value}
         return
     variant = _variant(choices, cur)
     if field_for_key(variant, sub) is None and len(choices) > 1:
-        owners = [k for c in choices if field_for_key(c, sub) is not None and (k := kind_of(c))]
+        owners = [k for c in choices if field_for_key(c, sub) is not None for k in kinds_of(c)]
         if owners:
-            raise ConfigError(f"{full}.{sub} is a key of {full}.kind={' or '.join(map(str, owners))}, and {full}.kind "
-                              f"is {cur.get('kind')!r}: set {full}.kind={owners[0]} first (or give {full} as a "
-                              f"mapping with its kind)")
+            listed = " or ".join(map(str, owners[:6])) + (f" (or {len(owners) - 6} more)" if len(owners) > 6 else "")
+            raise ConfigError(f"{full}.{sub} is a key of {full}.{tk}={listed}, and {full}.{tk} "
+                              f"is {cur.get(tk)!r}: set {full}.{tk}={owners[0]} first (or give {full} as a "
+                              f"mapping with its {tk})")
     set_key(cur, variant, rest, value, full + ".")
 
 
@@ -148,9 +158,9 @@ def _variant(choices: list[type], mapping: dict) -> type:
     (a user's registered kind), else the only one."""
     if len(choices) == 1:
         return choices[0]
-    kind = mapping.get("kind")
-    return next((c for c in choices if kind_of(c) == kind), None) or next(
-        (c for c in choices if kind_of(c) is None), choices[0])
+    kind = mapping.get(choice_key(choices[-1]))
+    return next((c for c in choices if kind in kinds_of(c)), None) or next(
+        (c for c in choices if not kinds_of(c)), choices[0])
 
 
 def _expanded(cls: type, name: str, value: Any, full: str) -> dict:
@@ -162,8 +172,9 @@ def _expanded(cls: type, name: str, value: Any, full: str) -> dict:
         section = validate_field(cls, name, value)
     except ValidationError as e:
         raise ConfigError("; ".join(validation_problems(e, full, name, cls))) from None
+    tk = choice_key(type(section))
     return section.model_dump(by_alias=True, exclude_unset=True) | (
-        {"kind": section.kind} if "kind" in type(section).model_fields else {})
+        {tk: getattr(section, tk)} if tk in type(section).model_fields else {})
 
 
 def unknown_key(obj, full: str, prefix: str) -> str:

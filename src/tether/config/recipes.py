@@ -33,6 +33,7 @@ from .anchor import (
     NoAnchorConfig,
     anchor_mapping,
 )
+from .kl import KLConfig, NoKLConfig, kl_config, kl_mapping  # noqa: F401  (KLConfig: tether.config's name)
 from .region import (
     CISPORegionConfig,
     DualRegionConfig,
@@ -45,32 +46,7 @@ from .region import (
 )
 
 ANCHORS = ("none", *ANCHOR_KINDS.names())  # "none": no anchor and no KL term; the kinds: tether.algo.anchors
-PLACEMENTS = ("loss", "reward", "advantage")
 KL_SAMPLERS = ("pi_old", "mu")  # AlgoConfig.kl_sampler
-
-
-class KLConfig(Section):
-    """The KL term that ties the policy to the anchor (see tether.algo.kl for every estimator's equation)."""
-
-    estimator: str = "none"
-    """none | k1 | k2 | k3 | k3pp | k4 | k5 | exact_rev | exact_fwd | topk_rev | topk_fwd | topk_*_centered
-    (per-sample gradient 0 at the anchor) | topk_*_legacy | grpo_k3 | grpo_k3_corrected | rpg_fkl | rpg_rkl |
-    rpg_ufkl | rpg_urkl"""
-    beta: float = Field(0.0, ge=0, allow_inf_nan=False)
-    """KL coefficient (> 0 whenever estimator != none)"""
-    placement: Literal[PLACEMENTS] = "loss"
-    """loss: + beta*KL in the loss | reward: per-token penalty-to-go in the advantage | advantage: RPG's A' = A -
-    beta*C_KL (rpg_rkl/rpg_urkl)"""
-    topk: int = Field(32, ge=0)
-    """top-k estimators: head size k (EMA-PG: 32); 0 = pure sampled tail; >= |V| = exact"""
-    truncated: bool = False
-    """top-k estimators: drop the tail, KL over the head only (a biased, distillation-style KL)"""
-    s_min: float = Field(0.0, ge=0)
-    """sampled and top-k estimators (their sampled tail; not with truncated): lower clip of s = sg(pi/pi_old) (0 =
-    none; a documented bias)"""
-    s_max: float = Field(0.0, ge=0)
-    """sampled and top-k estimators (their sampled tail; not with truncated): upper clip of s (0 = none; a
-    documented bias)"""
 
 
 class AlgoConfig(Section):
@@ -86,7 +62,9 @@ class AlgoConfig(Section):
     """ratio: -A*rho (PPO) | reinforce: -sg(A*rho)*log pi (RPG, CISPO); same gradient"""
     region: RegionConfig = Field(default_factory=RatioRegionConfig)
     """the trust region (tether.config.region: a section per kind, with the bounds it reads)"""
-    kl: KLConfig = Field(default_factory=KLConfig)
+    kl: KLConfig = Field(default_factory=NoKLConfig)
+    """the KL term that ties the policy to the anchor (tether.config.kl: a section per family of estimators, with
+    the keys it reads)"""
     anchor: AnchorConfig = Field(default_factory=NoAnchorConfig)
     """which policy the KL term ties to, and how it moves (tether.config.anchor: a section per kind)"""
     aggregation: str = "token-mean"
@@ -147,6 +125,11 @@ class AlgoConfig(Section):
     def _anchor_shorthand(cls, v: Any) -> Any:
         return anchor_mapping(v)
 
+    @field_validator("kl", mode="before")
+    @classmethod
+    def _kl_shorthand(cls, v: Any) -> Any:
+        return kl_mapping(v)
+
     def copy(self) -> "AlgoConfig":
         return copy.deepcopy(self)
 
@@ -197,8 +180,9 @@ def _correction_errors(cfg: AlgoConfig) -> list[str]:
             errs.append(f"tis_cap {cfg.tis_cap:g} truncates nothing that {f} {b:g} does not mask; "
                         "set tis_cap=inf for masked IS")
     if cfg.kl_sampler == "mu" and not _kl_has_sampling_weight(cfg):
+        trunc = ", truncated" if getattr(cfg.kl, "truncated", False) else ""
         errs.append(f"kl_sampler 'mu' has no effect: the KL term ({cfg.kl.estimator!r}, placement "
-                    f"{cfg.kl.placement!r}{', truncated' if cfg.kl.truncated else ''}) has no sampling weight")
+                    f"{getattr(cfg.kl, 'placement', 'loss')!r}{trunc}) has no sampling weight")
     return errs
 
 
@@ -207,7 +191,7 @@ def _kl_has_sampling_weight(cfg: AlgoConfig) -> bool:
     k = cfg.kl
     if k.estimator == "none" or k.estimator in EXACT_ESTIMATORS or k.estimator == "grpo_k3":
         return False
-    if k.estimator in TOPK_ESTIMATORS and k.truncated:  # the head alone: exact, no weight
+    if getattr(k, "truncated", False):  # the head alone: exact, no weight
         return False
     return not (k.placement == "advantage" and cfg.surrogate == "reinforce")  # RPG's C_KL = log(pi/pi_a)
 
@@ -230,48 +214,36 @@ def _region_errors(cfg: AlgoConfig) -> list[str]:
 
 
 def _kl_errors(cfg: AlgoConfig) -> list[str]:
-    """An unknown KL estimator or anchor, and the KL term's combinations: beta > 0 and an anchor
-    exactly when there is an estimator, a placement the estimator supports, the options it reads."""
+    """An unknown KL estimator or anchor, and the KL term's combinations: beta > 0 and an anchor exactly when there is
+    an estimator, a placement the estimator supports, its options together (a key the estimator does not read
+    cannot be set, and each key's range is declared with it: tether.config.kl)."""
     errs: list[str] = []
-    d_kl = KLConfig()
     k, a = cfg.kl, cfg.anchor
     if k.estimator != "none" and k.estimator not in KL_ESTIMATORS:
         errs.append(unknown_choice("KL estimator", k.estimator, ["none", *KL_ESTIMATORS.names()]))
     if a.kind not in ANCHORS:
         errs.append(unknown_choice("anchor", a.kind, ANCHORS))
     if k.estimator == "none":
-        if k.beta:
-            errs.append("kl.beta is set but kl.estimator is 'none'; pick an estimator: "
-                        + ", ".join(KL_ESTIMATORS.names()))
         if a.kind != "none":
             errs.append(f"anchor {a.kind!r} has no effect without a KL term (kl.estimator is 'none'); "
                         "set anchor.kind=none")
-        for f in ("placement", "topk", "truncated", "s_min", "s_max"):
-            if getattr(k, f) != getattr(d_kl, f):
-                errs.append(f"kl.{f} has no effect without a KL term")
-    else:
-        if not k.beta > 0:
-            errs.append(f"kl.estimator {k.estimator!r} needs kl.beta > 0")
-        if a.kind == "none":
-            errs.append(f"kl.estimator {k.estimator!r} needs an anchor; choose anchor.kind from: "
-                        + ", ".join(x for x in ANCHORS if x != "none"))
-        if k.placement == "advantage" and k.estimator not in ("rpg_rkl", "rpg_urkl"):
-            errs.append("kl.placement 'advantage' (RPG-Style Clip's A') needs kl.estimator rpg_rkl or rpg_urkl")
-        if k.placement == "reward" and k.estimator in RPG_ESTIMATORS and cfg.surrogate == "reinforce":
-            errs.append("kl.placement 'reward' uses the estimator's value; the RPG REINFORCE form has none")
-        if k.estimator not in TOPK_ESTIMATORS:
-            for f in ("topk", "truncated"):
-                if getattr(k, f) != getattr(d_kl, f):
-                    errs.append(f"kl.{f} only applies to top-k estimators ({', '.join(TOPK_ESTIMATORS)})")
-        if k.truncated and k.estimator.endswith("_centered"):
-            errs.append(f"kl.truncated drops the tail, and {k.estimator!r}'s baseline is unbiased only with it (the "
-                        f"head alone would not have the truncated KL's gradient); use {k.estimator[:-9]!r}")
-        weighted = k.estimator in TOPK_ESTIMATORS or k.estimator in ("k1", "k2", "k3", "k3pp", "k4", "k5")
-        if not weighted and (k.s_min or k.s_max):
-            errs.append(f"kl.s_min/s_max clip the sampling weight s, which {k.estimator!r} does not use")
-        elif k.truncated and (k.s_min or k.s_max):
-            errs.append("kl.s_min/s_max clip the sampling weight of the top-k estimators' sampled tail, which "
-                        "kl.truncated=true drops")
+        return errs
+    if not k.beta > 0:
+        errs.append(f"kl.estimator {k.estimator!r} needs kl.beta > 0")
+    if a.kind == "none":
+        errs.append(f"kl.estimator {k.estimator!r} needs an anchor; choose anchor.kind from: "
+                    + ", ".join(x for x in ANCHORS if x != "none"))
+    if k.placement == "advantage" and k.estimator not in ("rpg_rkl", "rpg_urkl"):
+        errs.append("kl.placement 'advantage' (RPG-Style Clip's A') needs kl.estimator rpg_rkl or rpg_urkl")
+    if k.placement == "reward" and k.estimator in RPG_ESTIMATORS and cfg.surrogate == "reinforce":
+        errs.append("kl.placement 'reward' uses the estimator's value; the RPG REINFORCE form has none")
+    truncated = getattr(k, "truncated", False)
+    if truncated and k.estimator.endswith("_centered"):
+        errs.append(f"kl.truncated drops the tail, and {k.estimator!r}'s baseline is unbiased only with it (the "
+                    f"head alone would not have the truncated KL's gradient); use {k.estimator[:-9]!r}")
+    if truncated and (getattr(k, "s_min", 0) or getattr(k, "s_max", 0)):
+        errs.append("kl.s_min/s_max clip the sampling weight of the top-k estimators' sampled tail, which "
+                    "kl.truncated=true drops")
     return errs
 
 
@@ -291,7 +263,7 @@ ATR_DELTA = 0.03
 
 def _grpo() -> AlgoConfig:
     return AlgoConfig(name="grpo", advantage="grpo", region=RatioRegionConfig(eps_low=0.2, eps_high=0.2),
-                      kl=KLConfig("k3", beta=1e-3), anchor=FixedAnchorConfig(),
+                      kl=kl_config("k3", beta=1e-3), anchor=FixedAnchorConfig(),
                       aggregation="seq-mean-token-mean")
 
 
@@ -300,7 +272,7 @@ def _rpg(variant: str, reinforce: bool) -> AlgoConfig:
     placement = "advantage" if reinforce and variant in ("rkl", "urkl") else "loss"
     return AlgoConfig(name=f"rpg_{'reinforce_' if reinforce else ''}{variant}", advantage="group_mean",
                       surrogate="reinforce" if reinforce else "ratio", region=region,
-                      kl=KLConfig(f"rpg_{variant}", beta=1e-4, placement=placement),
+                      kl=kl_config(f"rpg_{variant}", beta=1e-4, placement=placement),
                       anchor=IterativeAnchorConfig(), aggregation="token-mean")
 
 
@@ -316,16 +288,16 @@ RECIPES = {
                                   aggregation="seq-mean-token-sum-norm"),
     # EMA-PG (arXiv 2602.04417): EMA anchor, unbiased top-k reverse KL with k = 32, clip-higher.
     "ema_pg": lambda: AlgoConfig(name="ema_pg", region=RatioRegionConfig(eps_low=0.2, eps_high=0.28),
-                                 kl=KLConfig("topk_rev", beta=1e-3, topk=32),
+                                 kl=kl_config("topk_rev", beta=1e-3, topk=32),
                                  anchor=EMAAnchorConfig(eta=0.95, every=10), aggregation="token-mean"),
     # ATR-GRPO (arXiv 2602.05494): the KL3 trust region instead of the ratio clip; otherwise GRPO.
     "atr_grpo": lambda: AlgoConfig(name="atr_grpo", advantage="grpo", region=KL3RegionConfig(delta=ATR_DELTA),
-                                   kl=KLConfig("k3", beta=1e-3), anchor=FixedAnchorConfig(),
+                                   kl=kl_config("k3", beta=1e-3), anchor=FixedAnchorConfig(),
                                    aggregation="seq-mean-token-mean"),
     # REINFORCE++: batch-normalized advantage, PPO clip, k3 KL as a per-token reward penalty.
     "reinforce_pp": lambda: AlgoConfig(name="reinforce_pp", advantage="reinforce_pp",
                                        region=RatioRegionConfig(eps_low=0.2, eps_high=0.2),
-                                       kl=KLConfig("k3", beta=1e-3, placement="reward"),
+                                       kl=kl_config("k3", beta=1e-3, placement="reward"),
                                        anchor=FixedAnchorConfig(), aggregation="token-mean"),
     # CISPO (MiniMax-M1): no mask; REINFORCE with the truncated IS weight sg(min(rho, 1 + eps_high)).
     "cispo": lambda: AlgoConfig(name="cispo", surrogate="reinforce",

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 from ..algo.registry import unknown_choice
 from ..config.anchor import drop_unread_anchor_keys
+from ..config.kl import drop_unread_kl_keys
 from ..config.overrides import flatten, kind_at, parse
 from ..config.recipes import RECIPES, recipe
 from ..config.region import drop_unread_bounds
@@ -35,10 +36,11 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
         raise ConfigError(unknown_choice("task", task, TASK_PRESETS))
 
     def unread_dropped(vals: dict[str, Any], tree: dict) -> dict[str, Any]:
-        """Region and anchor keys their kind (the one vals set, else the one so far) does not read, at an earlier
-        release's defaults, dropped."""
-        return drop_unread_anchor_keys(drop_unread_bounds(vals, kind_at(tree, "algo.region")),
-                                       kind_at(tree, "algo.anchor"))
+        """Region, anchor and KL keys their kind or estimator (the one vals set, else the one so far) does not read,
+        at an earlier release's defaults, dropped."""
+        vals = drop_unread_bounds(vals, kind_at(tree, "algo.region"))
+        vals = drop_unread_anchor_keys(vals, kind_at(tree, "algo.anchor"))
+        return drop_unread_kl_keys(vals, kind_at(tree, "algo.kl", "estimator"))
 
     layers = [(f"recipe {name}'s trainer defaults", RECIPE_TRAINER_DEFAULTS.get(name, {})),
               (f"task {task}'s preset", TASK_PRESETS[task] if task is not None else {}),

@@ -17,7 +17,7 @@ from ..config.schema import Config
 from ..envs import ENVS
 from ..rollout import ENGINES
 from ..search.retrievers import RETRIEVERS
-from ..sections import annotation, doc, key_name, keys_of, kind_of, range_text, variants
+from ..sections import annotation, choice_key, doc, key_name, keys_of, kinds_of, range_text, variants
 from ..sections import default as field_default  # this module has its own default / optional
 from ..sections import optional as is_optional
 from ..tasks.registry import TASKS
@@ -46,7 +46,7 @@ def section_keys(prefix: str, section: type) -> list[tuple[str, object, str]]:
     out = []
     for name in keys_of(section):
         tp = annotation(section, name)
-        if variants(tp) and not (kind_of(section) and name == "kind"):
+        if variants(tp) and not (kinds_of(section) and name == choice_key(section)):
             if not _is_choice_or_optional(tp):
                 continue  # a plain nested section: its own table
         text = doc(section, name)
@@ -114,9 +114,10 @@ def section_tables(cls: type, rows: list[tuple[str, object, str]] | None, reg: d
         own = section_keys(prefix, section)
         if not own:
             continue
-        kind = kind_of(section)
+        kinds, key = kinds_of(section), choice_key(section)
         title = (f"`{prefix[:-1]}`" if prefix else "Top level") + (
-            f" (kind = `{kind}`)" if kind else " (any other kind)" if prefix in titled else "")
+            f" ({key} = {' / '.join(f'`{k}`' for k in kinds)})" if kinds
+            else f" (any other {key})" if prefix in titled else "")
         titled.add(prefix)
         summary = " ".join(inspect.cleandoc(section.__doc__ or "").split("\n\n")[0].split())  # its first paragraph
         out += [f"## {title}", "", summary, "",

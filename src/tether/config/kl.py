@@ -1,0 +1,122 @@
+"""``algo.kl``: the KL term that ties the policy to the anchor, a section chosen by its ``estimator`` (tether.algo.kl
+has every estimator's equation), each family of estimators with the keys it reads. A key another family reads is
+refused by construction (``algo.kl.topk`` with ``estimator: k3``); changing the estimator keeps the keys the new one
+reads too (beta, placement). A section saved by an earlier release (every key, whatever the estimator read) is read
+back by `kl_mapping` / `drop_unread_kl_keys`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator
+
+from ..algo.kl import EXACT_ESTIMATORS, KL_ESTIMATORS, RPG_ESTIMATORS, TOPK_ESTIMATORS
+from ..sections import Section, chosen
+from .migration import drop_unread_keys, kind_mapping
+
+#: algo.kl.placement
+PLACEMENTS = ("loss", "reward", "advantage")
+#: the sampled estimators whose sampling weight s = sg(pi/pi_old) algo.kl.s_min / s_max clip
+WEIGHTED = ("k1", "k2", "k3", "k3pp", "k4", "k5")
+#: the estimators without a clipped sampling weight or a head: exact, GRPO's k3 forms and RPG's
+UNWEIGHTED = (*EXACT_ESTIMATORS, "grpo_k3", "grpo_k3_corrected", *RPG_ESTIMATORS)
+
+
+class _Estimator(Section):
+    choice_key: ClassVar[str] = "estimator"
+    estimator: str
+    """the estimator (tether.algo.kl.KL_ESTIMATORS)"""
+    beta: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """KL coefficient, > 0 (an estimator needs it set)"""
+
+
+class _Placed(Section):
+    placement: Literal[PLACEMENTS] = "loss"
+    """loss: + beta*KL in the loss | reward: per-token penalty-to-go in the advantage | advantage: RPG's A' = A -
+    beta*C_KL (rpg_rkl/rpg_urkl)"""
+
+
+class _Head(Section):
+    topk: int = Field(32, ge=0)
+    """head size k (EMA-PG: 32); 0 = pure sampled tail; >= |V| = exact"""
+    truncated: bool = False
+    """drop the tail, KL over the head only (a biased, distillation-style KL)"""
+
+
+class _Weight(Section):
+    s_min: float = Field(0.0, ge=0)
+    """lower clip of the sampling weight s = sg(pi/pi_old) (top-k: of its sampled tail; not with truncated; 0 =
+    none; a documented bias)"""
+    s_max: float = Field(0.0, ge=0)
+    """upper clip of s (top-k: of its sampled tail; not with truncated; 0 = none; a documented bias)"""
+
+
+class NoKLConfig(_Estimator):
+    """``algo.kl.estimator=none``: no KL term (and no anchor)."""
+
+    estimator: Literal["none"] = "none"
+    """none"""
+
+    @field_validator("beta")
+    @classmethod
+    def _no_term(cls, v: float) -> float:
+        if v:
+            raise ValueError("is set but algo.kl.estimator is 'none'; pick an estimator: "
+                             + ", ".join(KL_ESTIMATORS.names()))
+        return v
+
+
+class SampledKLConfig(_Weight, _Placed, _Estimator):
+    """``algo.kl.estimator`` k1 | k2 | k3 | k3pp | k4 | k5: the sampled estimators, weighted by s = sg(pi/pi_old)."""
+
+    estimator: Literal[WEIGHTED] = "k3"
+    """k1 | k2 | k3 | k3pp | k4 | k5"""
+
+
+class TopKKLConfig(_Weight, _Head, _Placed, _Estimator):
+    """``algo.kl.estimator`` topk_rev | topk_fwd | topk_*_centered (per-sample gradient 0 at the anchor) |
+    topk_*_legacy: the exact KL over a head of k tokens plus a sampled tail (EMA-PG)."""
+
+    estimator: Literal[TOPK_ESTIMATORS] = "topk_rev"
+    """topk_rev | topk_fwd | topk_rev_centered | topk_fwd_centered | topk_rev_legacy | topk_fwd_legacy"""
+
+
+class UnweightedKLConfig(_Placed, _Estimator):
+    """``algo.kl.estimator`` exact_rev | exact_fwd (the full vocabulary) | grpo_k3 | grpo_k3_corrected | rpg_fkl |
+    rpg_rkl | rpg_ufkl | rpg_urkl: the estimators without a head or a clipped weight."""
+
+    estimator: Literal[UNWEIGHTED] = "exact_rev"
+    """exact_rev | exact_fwd | grpo_k3 | grpo_k3_corrected | rpg_fkl | rpg_rkl | rpg_ufkl | rpg_urkl"""
+
+
+class OtherKLConfig(_Weight, _Head, _Placed, _Estimator):
+    """An estimator registered in tether.algo.kl.KL_ESTIMATORS by a user (docs/extending.md): every key, for it to
+    read."""
+
+
+#: estimator -> its section (the estimators tether ships)
+KL_SECTIONS: dict[str, type[Section]] = {e: c for c in (NoKLConfig, SampledKLConfig, TopKKLConfig, UnweightedKLConfig)
+                                         for e in c.model_fields["estimator"].annotation.__args__}
+
+#: the keys every KL term carried before each family had its own section, and their defaults then
+_OLD_DEFAULTS = {"placement": "loss", "topk": 32, "truncated": False, "s_min": 0.0, "s_max": 0.0}
+
+
+def kl_config(estimator: str = "none", **keys: Any) -> Any:
+    """The section of ``estimator`` with ``keys`` (``kl_config("k3", beta=1e-3)``)."""
+    return KL_SECTIONS.get(estimator, OtherKLConfig)(estimator=estimator, **keys)
+
+
+def kl_mapping(value: Any) -> Any:
+    """``algo.kl`` given as an estimator or an earlier release's mapping of every key: its family's mapping."""
+    return kind_mapping(value, KL_SECTIONS, _OLD_DEFAULTS, "none", key="estimator")
+
+
+def drop_unread_kl_keys(vals: dict[str, Any], estimator: str) -> dict[str, Any]:
+    """Dotted keys ``vals`` without the ``algo.kl.<key>`` keys ``estimator`` does not read at their old default
+    (`tether.config.migration.drop_unread_keys`)."""
+    return drop_unread_keys(vals, "algo.kl", KL_SECTIONS, OtherKLConfig, _OLD_DEFAULTS, estimator, key="estimator")
+
+
+KLConfig = chosen(KL_SECTIONS, OtherKLConfig, "none")
