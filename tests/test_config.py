@@ -54,12 +54,12 @@ def every_key() -> set[str]:
     retriever, train.async's."""
     from tether.config import (
         AsyncConfig,
-        EnvConfig,
         MultiTurnAgentConfig,
         RetrieverConfig,
         VLLMEngineConfig,
         VLLMServerEngineConfig,
     )
+    from tether.config.agent import OtherEnvConfig, SearchEnvConfig, SkyRLGymEnvConfig, VerifiersEnvConfig
     from tether.config.anchor import OtherAnchorConfig
     from tether.config.kl import OtherKLConfig
     from tether.config.region import OtherRegionConfig
@@ -69,8 +69,10 @@ def every_key() -> set[str]:
     keys |= set(leaf_keys(OtherRegionConfig(kind="my.module:Region"), "algo.region."))
     keys |= set(leaf_keys(OtherAnchorConfig(kind="my_anchor"), "algo.anchor."))
     keys |= set(leaf_keys(OtherKLConfig(estimator="my_kl"), "algo.kl."))
-    keys |= set(leaf_keys(MultiTurnAgentConfig(env=EnvConfig(retriever=RetrieverConfig())), "rollout.agent."))
-    keys |= {"rollout.agent.env.retriever"}
+    for env in (SearchEnvConfig(retriever=RetrieverConfig()), SkyRLGymEnvConfig(name="skyrl_gym:x"),
+                VerifiersEnvConfig(name="verifiers:x"), OtherEnvConfig(name="my_env:Env")):
+        keys |= set(leaf_keys(MultiTurnAgentConfig(env=env), "rollout.agent."))
+    keys |= {"rollout.agent.env.retriever", "rollout.agent.env"}
     keys |= set(leaf_keys(VLLMEngineConfig(), "rollout.engine."))
     keys |= set(leaf_keys(AsyncConfig(), "train.async."))
     keys |= set(leaf_keys(VLLMServerEngineConfig(launch=1), "rollout.engine."))
@@ -222,7 +224,7 @@ def test_unknown_task_is_a_config_error():
 def test_problems_of_several_sections_are_listed_in_section_order():
     """Every value outside its declared type or range at once (the one parse), then every rule across keys at once,
     section by section."""
-    cross = {"data.difficulty": 9, "rollout.agent.kind": "multi_turn", "rollout.agent.env.retriever.topk": 5}
+    cross = {"data.difficulty": 9, "rollout.agent.kind": "multi_turn", "rollout.agent.env.observation_role": "user"}
     ranged = {"rollout.batch_size": 0, "train.lr": -1, "train.steps": 0, "eval.every": -1}  # the sections' order
     with pytest.raises(ConfigError) as e:
         load_config(None, cross | ranged)
@@ -233,7 +235,8 @@ def test_problems_of_several_sections_are_listed_in_section_order():
         load_config(None, cross)
     lines = str(e.value).splitlines()
     assert lines[0] == "invalid config (2 problems):"
-    assert [ln.split()[1].split("=")[0] for ln in lines[1:]] == ["data.difficulty", "rollout.agent.env.retriever"]
+    keys = [ln.split()[1].split("=")[0] for ln in lines[1:]]
+    assert keys == ["data.difficulty", "rollout.agent.env.observation_role"]
 
 
 # ---------------------------------------------------------------- the package's names

@@ -13,7 +13,6 @@ from tether.config import (
     AsyncConfig,
     Config,
     ConfigError,
-    EnvConfig,
     HFEngineConfig,
     MultiTurnAgentConfig,
     RetrieverConfig,
@@ -21,6 +20,7 @@ from tether.config import (
     VLLMEngineConfig,
     to_dict,
 )
+from tether.config.agent import OtherEnvConfig
 from tether.config.migration import MOVED, migrate_saved, moved_key
 from tether.resolve import load_config, save_config
 from tether.sections import Section, default, doc, keys_of, replace
@@ -181,7 +181,7 @@ def test_every_moved_key_has_a_place_in_the_new_layout():
     for old, new in MOVED.items():
         section, _, leaf = new.rpartition(".")
         cls = {"rollout.engine": VLLMEngineConfig if old.startswith("rollout.vllm_") else HFEngineConfig,
-               "train.async": AsyncConfig, "rollout.agent.env": EnvConfig,
+               "train.async": AsyncConfig, "rollout.agent.env": OtherEnvConfig,
                "rollout.agent.env.retriever": RetrieverConfig}[section]
         assert leaf in keys_of(cls), (old, new)
 
@@ -227,11 +227,18 @@ def test_agent_shorthand_and_kind_choose_the_section():
 
 @pytest.mark.parametrize("over, msg", [
     # the retriever belongs to the search environment
-    ({"rollout.agent.env.retriever.topk": 5}, "rollout.agent.env.retriever only applies with "
-                                              "rollout.agent.env.name=search"),
-    # Search-R1's protocol is one growing assistant turn
+    ({"rollout.agent.env.retriever.topk": 5}, "rollout.agent.env.retriever is a key of rollout.agent.env.name=search, "
+                                              "and rollout.agent.env.name is 'calculator'"),
+    # Search-R1's protocol is one growing assistant turn: the search environment has no observation_format
     ({"rollout.agent.env.name": "search", "rollout.agent.env.observation_format": "chat"},
-     "observation_format must be raw"),
+     "rollout.agent.env.observation_format is a key of rollout.agent.env.name=calculator or skyrl_gym:<name> or "
+     "verifiers:<name>, and rollout.agent.env.name is 'search'"),
+    # SkyRL and verifiers environments run in chat turns only
+    ({"rollout.agent.env.name": "skyrl_gym:gsm8k", "rollout.agent.env.observation_format": "raw"},
+     r"unknown rollout.agent.env.observation_format 'raw'. Valid choices: chat"),
+    ({"rollout.agent.env.name": "verifiers:x", "rollout.agent.env.observation_role": "user"},
+     "rollout.agent.env.observation_role is a key of rollout.agent.env.name=calculator or skyrl_gym:<name>, and "
+     "rollout.agent.env.name is 'verifiers:x'"),
     # the role of an observation turn exists only in the chat format
     ({"rollout.agent.env.observation_role": "user"}, "observation_role only applies with "
                                                      "rollout.agent.env.observation_format=chat"),
@@ -321,5 +328,8 @@ def test_env_options_are_the_environment_constructors_keyword_arguments(tmp_path
     assert isinstance(env, TextEnv) and (env.secret_range, env.max_turns) == (100, 3)
     with pytest.raises(ConfigError, match="opt_env.py:Guess.*unexpected keyword argument 'colour'"):
         env_from_config(load_config(None, {**over, "rollout.agent.env.options": {"colour": 1}}).rollout.agent.env)
-    with pytest.raises(ConfigError, match="rollout.agent.env.options: rollout.agent.env.name=calculator takes none"):
-        load_config(None, {"rollout.agent.kind": "multi_turn", "rollout.agent.env.options": {"max_turns": 2}})
+    for name in ("calculator", "search"):  # their settings are the section's own keys
+        with pytest.raises(ConfigError, match=f"rollout.agent.env.options is a key of .*, and rollout.agent.env.name "
+                                              f"is '{name}'"):
+            load_config(None, {"rollout.agent.kind": "multi_turn", "rollout.agent.env.name": name,
+                               "rollout.agent.env.options": {"max_turns": 2}})

@@ -169,8 +169,7 @@ def test_skyrl_gym_bad_input_is_one_clear_error(tok, monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="unknown skyrl-gym environment 'gsm8': Did you mean|unknown skyrl-gym "
                                           "environment 'gsm8'. Did you mean 'gsm8k'"):
         env_from_config(load_config(None, {**SKYRL, "rollout.agent.env.name": "skyrl_gym:gsm8"}).rollout.agent.env)
-    with pytest.raises(ConfigError, match="its observations are chat messages: set "
-                                          "rollout.agent.env.observation_format=chat"):
+    with pytest.raises(ConfigError, match="unknown rollout.agent.env.observation_format 'raw'. Valid choices: chat"):
         load_config(None, {**SKYRL, "rollout.agent.env.observation_format": "raw",
                            "rollout.agent.env.observation_role": "tool"})
     with pytest.raises(ConfigError, match="rollout.agent.env.options of skyrl_gym:gsm8k_multi_turn: .*'colour'"):

@@ -65,8 +65,8 @@ def test_observation_format_is_validated():
     with pytest.raises(ConfigError, match=r"unknown rollout.agent.env.retriever.passage_format 'search-r1'. Did "
                                           r"you mean 'search_r1'\? Valid choices: search_r1, clean"):
         load_config(None, {"rollout.agent.env.retriever.passage_format": "search-r1"}, task="search")
-    with pytest.raises(ConfigError, match="rollout.agent.env.retriever only applies with "
-                                          "rollout.agent.env.name=search"):
+    with pytest.raises(ConfigError, match="rollout.agent.env.retriever is a key of rollout.agent.env.name=search, "
+                                          "and rollout.agent.env.name is 'calculator'"):
         load_config(None, {"rollout.agent": "multi_turn", "rollout.agent.env.retriever.passage_format": "clean"})
     with pytest.raises(ValueError, match="unknown observation_format 'plain'"):
         SearchEnv(FakeRetriever(), observation_format="plain")

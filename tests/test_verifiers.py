@@ -179,7 +179,7 @@ def test_bad_input_is_one_clear_error(tok, monkeypatch):
         load_config(None, {**ADD, "rollout.agent.env.options": {"colour": 1}})
     with pytest.raises(ConfigError, match="options.tool_format"):
         load_config(None, {**ADD, "rollout.agent.env.options": {"tool_format": "mistral"}})
-    with pytest.raises(ConfigError, match="its messages are chat turns: set rollout.agent.env.observation_format=chat"):
+    with pytest.raises(ConfigError, match="unknown rollout.agent.env.observation_format 'raw'. Valid choices: chat"):
         load_config(None, {**ADD, "rollout.agent.env.observation_format": "raw"})
     with pytest.raises(ConfigError, match="data.task has no effect with rollout.agent.env.name=verifiers"):
         load_config(None, {**ADD, "data.task": "gsm8k"})

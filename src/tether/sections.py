@@ -171,7 +171,11 @@ def choice_key(cls: type) -> str:
 
 def kinds_of(cls: type) -> tuple:
     """The values of a chosen section's choice key (the literals its ``kind`` takes; ``algo.kl``'s families:
-    several estimators), () for a section without one or the variant of any other kind."""
+    several estimators; a family of names by prefix, a class variable ``choice_prefix``: ``("skyrl_gym:<name>",)``),
+    () for a section without one or the variant of any other kind."""
+    prefix = getattr(cls, "choice_prefix", None)
+    if prefix:
+        return (f"{prefix}<name>",)
     if isinstance(cls, type) and issubclass(cls, BaseModel) and choice_key(cls) in cls.model_fields:
         tp = cls.model_fields[choice_key(cls)].annotation
         if typing.get_origin(tp) is typing.Literal:
@@ -185,19 +189,36 @@ def kind_of(cls: type) -> str | None:
     return next(iter(kinds_of(cls)), None)
 
 
+def variant_for(kinds: dict[str, type], kind: Any) -> type | None:
+    """The section class of ``kind`` in ``kinds`` (kind -> class; a key ending in ``:`` holds every name it
+    starts: ``skyrl_gym:`` for ``skyrl_gym:gsm8k``), None for any other kind."""
+    if not isinstance(kind, str):
+        return None
+    if kind in kinds:
+        return kinds[kind]
+    return next((c for p, c in kinds.items() if p.endswith(":") and kind.startswith(p)), None)
+
+
+def matches(cls: type, kind: Any) -> bool:
+    """Whether ``kind`` chooses the variant ``cls`` (one of its literals, or a name with its prefix)."""
+    prefix = getattr(cls, "choice_prefix", None)
+    return isinstance(kind, str) and kind.startswith(prefix) if prefix else kind in kinds_of(cls)
+
+
 def chosen(kinds: dict[str, type], other: type, default_kind: str) -> Any:
     """The type of a section chosen by its ``kind`` (or the class's `choice_key`): a discriminated union of one
     variant per section class of ``kinds`` (kind -> section class, each with ``kind: Literal[...]``; several kinds may
-    share a class) and ``other`` for any other kind (a user's registered name); a mapping without the key is
-    ``default_kind``'s."""
+    share a class; a key ending in ``:`` is a prefix, `variant_for`) and ``other`` for any other kind (a user's
+    registered name); a mapping without the key is ``default_kind``'s."""
     key = choice_key(other)
 
     def tag(value: Any) -> str:
         kind = value.get(key, default_kind) if isinstance(value, dict) else getattr(value, key, default_kind)
-        return kind_of(kinds[kind]) if isinstance(kind, str) and kind in kinds else "other"
+        cls = variant_for(kinds, kind)
+        return kind_of(cls) if cls is not None else "other"
 
-    _TAGS.update(kinds)  # an error's location names the key, not the variant's tag
     classes = list(dict.fromkeys(kinds.values()))
+    _TAGS.update([*kinds, *map(kind_of, classes)])  # an error's location names the key, not the variant's tag
     return typing.Annotated[typing.Union[tuple(typing.Annotated[c, Tag(kind_of(c))] for c in classes)
                                          + (typing.Annotated[other, Tag("other")],)], Discriminator(tag)]
 
@@ -314,5 +335,6 @@ def _field_at(section: Any, loc: tuple) -> Any:
 _TAGS = {"hf", "vllm", "vllm_server", "single_turn", "multi_turn", "other", "local", "remote"}
 
 __all__ = ["Section", "ValidationError", "annotation", "as_dict", "choice_key", "chosen", "default", "doc",
-           "field_for_key", "is_section", "key_name", "keys_of", "kind_of", "kinds_of", "optional", "range_text",
-           "choices", "replace", "unknown_value", "validate_field", "validation_problems", "variants"]
+           "field_for_key", "is_section", "key_name", "keys_of", "kind_of", "kinds_of", "matches", "optional",
+           "range_text", "choices", "replace", "unknown_value", "validate_field", "validation_problems", "variant_for",
+           "variants"]

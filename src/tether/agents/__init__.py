@@ -23,11 +23,10 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from ..algo.registry import Registry
+from ..config.agent import SearchEnvConfig, SkyRLGymEnvConfig, VerifiersEnvConfig
 from ..envs import make_env
 from ..envs.search import SearchEnv
-from ..envs.skyrl_gym import PREFIX as SKYRL_PREFIX
 from ..envs.skyrl_gym import SkyRLGymEnv
-from ..envs.verifiers import PREFIX as VERIFIERS_PREFIX
 from ..envs.verifiers import VerifiersEnv, verifiers_env
 from ..errors import ConfigError
 from ..rollout.base import RolloutBatch, SamplingParams
@@ -65,31 +64,32 @@ def _no_tools(cfg) -> dict[str, Any]:
 
 
 def _env_options(cfg) -> dict[str, Any]:
-    e = cfg.rollout.agent.env
+    e = cfg.rollout.agent.env  # search reads no observation keys (one raw turn), verifiers no role (its messages')
     return {**_options(cfg), "max_obs_tokens": e.max_obs_tokens, "max_context": e.max_context,
-            "observation_format": e.observation_format, "observation_role": e.observation_role,
-            "reuse_kv": cfg.rollout.reuse_kv}
+            "observation_format": getattr(e, "observation_format", "raw"),
+            "observation_role": getattr(e, "observation_role", "tool"), "reuse_kv": cfg.rollout.reuse_kv}
 
 
 def env_from_config(e, retriever=None):
-    """The environment of the env section ``e`` (``rollout.agent.env``): ``search`` over ``retriever`` (default:
-    the one ``e.retriever`` configures; bm25 / dense load and check the corpus here); ``skyrl_gym:<name>`` a
-    SkyRL environment (`tether.envs.skyrl_gym`); any other name built with ``e.max_turns`` when set; ``e.options``
-    are the constructor's keyword arguments."""
-    if e.name == "search":
+    """The environment of the env section ``e`` (``rollout.agent.env``, a section per environment:
+    `tether.config.agent`): search over ``retriever`` (default: the one ``e.retriever`` configures; bm25 / dense
+    load and check the corpus here); a SkyRL environment (`tether.envs.skyrl_gym`); a verifiers one; any other name
+    built with ``e.max_turns`` when set; ``e.options`` are the constructor's keyword arguments."""
+    if isinstance(e, SearchEnvConfig):
         r = e.retriever_section()
         return SearchEnv(retriever_from_config(r) if retriever is None else retriever, topk=r.topk,
                          max_searches=e.search_turns() - 1, observation_format=r.passage_format)
     turns = {"max_turns": e.max_turns} if e.max_turns else {}
-    if e.name.startswith((SKYRL_PREFIX, VERIFIERS_PREFIX)):
-        skyrl = e.name.startswith(SKYRL_PREFIX)
+    options = getattr(e, "options", {})  # the calculator takes none
+    if isinstance(e, (SkyRLGymEnvConfig, VerifiersEnvConfig)):
+        name = e.name[len(e.choice_prefix):]
         try:
-            if skyrl:
-                return SkyRLGymEnv(e.name[len(SKYRL_PREFIX):], role=e.observation_role, **turns, **e.options)
-            return verifiers_env(e.name[len(VERIFIERS_PREFIX):], **turns, **e.options)
+            if isinstance(e, SkyRLGymEnvConfig):
+                return SkyRLGymEnv(name, role=e.observation_role, **turns, **options)
+            return verifiers_env(name, **turns, **options)
         except TypeError as err:
             raise ConfigError(f"rollout.agent.env.options of {e.name}: {err}") from None
-    return make_env(e.name, **turns, **e.options)
+    return make_env(e.name, **turns, **options)
 
 
 def _env_tools(cfg) -> dict[str, Any]:

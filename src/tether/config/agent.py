@@ -2,8 +2,11 @@
 
 * ``single_turn``: prompt -> one response (the math tasks); no keys of its own.
 * ``multi_turn``: the environment ``rollout.agent.env`` (tool calls and observations, token-exact,
-  docs/environments.md). Search is one such environment: ``env.name=search`` with its retriever section
-  ``env.retriever`` (Search-R1's protocol, docs/search_agents.md).
+  docs/environments.md), a section chosen by its ``name``, each with the keys it reads: calculator; search (its
+  retriever section ``env.retriever``, Search-R1's protocol in one raw turn, docs/search_agents.md);
+  ``skyrl_gym:<name>`` and ``verifiers:<env_id>`` (chat turns, their ``options``); a user's ``module:Class`` (every
+  key). A key the environment does not read is refused by construction; changing the name keeps the keys the new
+  one reads.
 * another name: a user's agent ``module:function`` / ``path.py:function`` (docs/extending.md).
 
 ``rollout.agent=multi_turn`` is short for ``rollout.agent.kind=multi_turn``.
@@ -11,11 +14,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, field_validator
 
-from ..sections import Section
+from ..sections import Section, chosen
+from .migration import drop_unread_keys, kind_mapping
 
 #: the turn budget of env.name=search when env.max_turns is 0: 4 searches, then one final turn without search
 SEARCH_MAX_TURNS = 5
@@ -51,17 +55,11 @@ class RetrieverConfig(Section):
     """http: extra attempts after a failed request; a search that still fails becomes an observation saying so"""
 
 
-class EnvConfig(Section):
-    """``rollout.agent.env``: the environment of ``rollout.agent.kind=multi_turn`` and how the agent runs it
-    (docs/environments.md)."""
-
-    name: str = "calculator"
-    """calculator (<calc> arithmetic, a #### final answer: data.task=arithmetic or gsm8k) | search (Search-R1's
-    protocol over env.retriever; data.task names a QA set, docs/search_agents.md) | skyrl_gym:<name> (a SkyRL
-    environment, extra tether[skyrl-gym], observation_format=chat, docs/ecosystem.md) | verifiers:<env_id> (a
-    verifiers 0.3 environment: its module's load_environment; its dataset is the training data, its rubric the
-    reward; extra tether[verifiers], observation_format=chat, docs/ecosystem.md) | a user's environment
-    module:Class / path.py:Class (a tether.envs.TextEnv subclass, or any object with its methods)"""
+class _Env(Section):
+    choice_key: ClassVar[str] = "name"
+    name: str
+    """a user's environment module:Class / path.py:Class (a tether.envs.TextEnv subclass, or any object with its
+    methods), or another name registered in tether.envs.ENVS"""
     max_turns: int = Field(0, ge=0)
     """policy turns per episode, the last one without tool calls (0 = the environment's own; calculator: 4, so up
     to 3 calls; search: 5, so up to 4 searches)"""
@@ -70,30 +68,104 @@ class EnvConfig(Section):
     max_context: int = Field(4096, ge=1)
     """prompt + response tokens per episode (at most the model's context); an episode that reaches it ends
     ("length")"""
+
+
+class _Format(Section):
     observation_format: Literal["raw", "chat"] = "raw"
     """raw (observations are text inside the one assistant turn, Search-R1's way) | chat (each observation is a
     turn of the chat template, tokenized as the difference between the conversation rendered with and without
     it, so the policy's ids stay exact; for models trained with tool turns)"""
     observation_role: Literal["tool", "user"] = "tool"
-    """observation_format=chat: the role of an observation turn (skyrl_gym: user, the role of SkyRL's
-    observations)"""
+    """observation_format=chat: the role of an observation turn"""
+
+
+class _Options(Section):
     options: dict = Field(default_factory=dict)
-    """keyword arguments of the environment's constructor: a user's environment's own; skyrl_gym:<name>:
-    env_config, extras (besides each example's reward_spec.ground_truth) and stop (the stop strings of a turn);
-    verifiers:<env_id>: args (load_environment's keyword arguments) and tool_format (auto | hermes | llama3_json:
-    how the policy writes tool calls), docs/ecosystem.md; calculator and search take none (their keys are above)"""
+    """keyword arguments of the environment's constructor"""
+
+
+class CalculatorEnvConfig(_Format, _Env):
+    """``rollout.agent.env.name=calculator``: <calc> arithmetic tool calls and a #### final answer (data.task
+    arithmetic or gsm8k)."""
+
+    name: Literal["calculator"] = "calculator"
+    """calculator"""
+
+
+class SearchEnvConfig(_Env):
+    """``rollout.agent.env.name=search``: Search-R1's protocol over the retriever ``env.retriever``, in one assistant
+    turn (data.task names a QA set, docs/search_agents.md)."""
+
+    name: Literal["search"] = "search"
+    """search"""
     retriever: Optional[RetrieverConfig] = None
-    """env.name=search only: its retriever (unset = the defaults below; setting one of its keys sets it)"""
+    """its retriever (unset = the defaults below; setting one of its keys sets it)"""
 
     def search_turns(self) -> int:
-        """The turn budget of the search environment: max_turns, else :data:`SEARCH_MAX_TURNS`."""
+        """The turn budget: max_turns, else :data:`SEARCH_MAX_TURNS`."""
         return self.max_turns or SEARCH_MAX_TURNS
 
     def retriever_section(self) -> RetrieverConfig:
-        """The search environment's retriever section (its defaults when unset)."""
+        """The retriever section (its defaults when unset)."""
         return self.retriever if self.retriever is not None else RetrieverConfig()
 
 
+class SkyRLGymEnvConfig(_Env):
+    """``rollout.agent.env.name=skyrl_gym:<name>``: a SkyRL environment (extra tether[skyrl-gym],
+    docs/ecosystem.md); its observations are chat turns."""
+
+    choice_prefix: ClassVar[str] = "skyrl_gym:"
+    name: str = Field(pattern=r"^skyrl_gym:")
+    """skyrl_gym:<name>, a SkyRL environment's registered name"""
+    observation_format: Literal["chat"] = "chat"
+    """chat (its observations are chat messages)"""
+    observation_role: Literal["tool", "user"] = "user"
+    """the role of an observation turn (user: the role of SkyRL's observations)"""
+    options: dict = Field(default_factory=dict)
+    """env_config, extras (besides each example's reward_spec.ground_truth) and stop (the stop strings of a turn)"""
+
+
+class VerifiersEnvConfig(_Env):
+    """``rollout.agent.env.name=verifiers:<env_id>``: a verifiers environment, its module's load_environment (0.3)
+    or its task API (0.4): its dataset is the training data, its rubric the reward (extra tether[verifiers],
+    docs/ecosystem.md); its messages are chat turns that carry their roles."""
+
+    choice_prefix: ClassVar[str] = "verifiers:"
+    name: str = Field(pattern=r"^verifiers:")
+    """verifiers:<env_id>, the module with load_environment (or the 0.4 task API's environment)"""
+    observation_format: Literal["chat"] = "chat"
+    """chat (its messages are chat turns)"""
+    options: dict = Field(default_factory=dict)
+    """args (load_environment's keyword arguments) and tool_format (auto | hermes | llama3_json: how the policy
+    writes tool calls); verifiers 0.4: its own options (docs/ecosystem.md)"""
+
+
+class OtherEnvConfig(_Options, _Format, _Env):
+    """A user's environment (``module:Class`` / ``path.py:Class``, docs/environments.md) or another name registered
+    in tether.envs.ENVS: every key, for it to read."""
+
+
+#: env.name -> its section (a key ending in ":" holds every name it starts)
+ENV_SECTIONS: dict[str, type[Section]] = {"calculator": CalculatorEnvConfig, "search": SearchEnvConfig,
+                                          "skyrl_gym:": SkyRLGymEnvConfig, "verifiers:": VerifiersEnvConfig}
+
+#: the keys every environment carried before each had its own section, and their defaults then
+_OLD_ENV_DEFAULTS = {"observation_format": "raw", "observation_role": "tool", "options": {}, "retriever": None}
+
+
+def env_mapping(value: Any) -> Any:
+    """``rollout.agent.env`` given as a name or an earlier release's mapping of every key: its section's mapping."""
+    return kind_mapping(value, ENV_SECTIONS, _OLD_ENV_DEFAULTS, "calculator", key="name")
+
+
+def drop_unread_env_keys(vals: dict[str, Any], name: Any) -> dict[str, Any]:
+    """Dotted keys ``vals`` without the ``rollout.agent.env.<key>`` keys environment ``name`` does not read at their
+    old default (`tether.config.migration.drop_unread_keys`)."""
+    return drop_unread_keys(vals, "rollout.agent.env", ENV_SECTIONS, OtherEnvConfig, _OLD_ENV_DEFAULTS, name,
+                            key="name")
+
+
+EnvConfig = chosen(ENV_SECTIONS, OtherEnvConfig, "calculator")
 
 
 class SingleTurnAgentConfig(Section):
@@ -108,8 +180,14 @@ class MultiTurnAgentConfig(Section):
 
     kind: Literal["multi_turn"] = "multi_turn"
     """multi_turn"""
-    env: EnvConfig = Field(default_factory=EnvConfig)
-    """the environment and the agent's budgets (its keys below)"""
+    env: EnvConfig = Field(default_factory=CalculatorEnvConfig)
+    """the environment and the agent's budgets, a section chosen by its name (its keys below; changing the name
+    keeps the keys the new environment reads)"""
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_shorthand(cls, v: Any) -> Any:
+        return env_mapping(v)
 
 
 class OtherAgentConfig(Section):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..sections import variant_for
+
 #: old dotted key -> its new dotted key
 MOVED: dict[str, str] = {
     "rollout.share_prompt": "rollout.engine.share_prompt",
@@ -148,7 +150,7 @@ def kind_mapping(value: Any, kinds: dict[str, Any], old_defaults: dict[str, Any]
     if not isinstance(value, dict):
         return value
     value = {key: default_kind, **value}
-    cls = kinds.get(value[key])
+    cls = variant_for(kinds, value[key])
     if cls is None:
         return value
     return {k: v for k, v in value.items()
@@ -163,7 +165,7 @@ def drop_unread_keys(vals: dict[str, Any], prefix: str, kinds: dict[str, Any], o
     had an effect."""
     given = vals.get(f"{prefix}.{key}", vals.get(prefix))
     kind = given if isinstance(given, str) else given.get(key, kind) if isinstance(given, dict) else kind
-    fields = kinds.get(kind, other).model_fields
+    fields = (variant_for(kinds, kind) or other).model_fields
     n = len(prefix) + 1
     return {k: v for k, v in vals.items()
             if not (k.startswith(prefix + ".") and k[n:] in old_defaults and k[n:] not in fields

@@ -15,10 +15,12 @@ from ..sections import (
     annotation,
     as_dict,
     choice_key,
+    default,
     field_for_key,
     key_name,
     keys_of,
     kinds_of,
+    matches,
     optional,
     validate_field,
     validation_problems,
@@ -46,9 +48,10 @@ def parse(cls: type, base: Any, layers: Sequence[tuple[str, dict[str, Any]]],
         if moved:
             many = f"{len(moved)} keys of the earlier flat layout:\n  - " + "\n  - ".join(moved)
             raise ConfigError(f"{source}: " + (moved[0] if len(moved) == 1 else many))
-        # a section's choice first: its kind, or the section given whole (rollout.engine=vllm before its dtype)
+        # a section's choice first, the outer before the inner: its kind, or the section given whole
+        # (rollout.engine=vllm before its dtype; rollout.agent.kind before rollout.agent.env.name before its retriever)
         first = {k for k in vals if k.endswith(CHOICE_KEYS) or any(o.startswith(k + ".") for o in vals)}
-        for k, v in sorted(vals.items(), key=lambda kv: kv[0] not in first):
+        for k, v in sorted(vals.items(), key=lambda kv: (kv[0] not in first, kv[0].count(".") * (kv[0] in first))):
             try:
                 set_key(tree, cls, k, v)
                 origin[k] = source
@@ -64,7 +67,7 @@ def parse(cls: type, base: Any, layers: Sequence[tuple[str, dict[str, Any]]],
 
 
 #: the keys that choose a section's variant (`tether.sections.choice_key`), set before the keys under them
-CHOICE_KEYS = (".kind", ".estimator")
+CHOICE_KEYS = (".kind", ".estimator", ".env.name")
 
 
 def apply_keys(cfg: Any, vals: dict[str, Any], source: str) -> Any:
@@ -159,7 +162,7 @@ def _variant(choices: list[type], mapping: dict) -> type:
     if len(choices) == 1:
         return choices[0]
     kind = mapping.get(choice_key(choices[-1]))
-    return next((c for c in choices if kind in kinds_of(c)), None) or next(
+    return next((c for c in choices if matches(c, kind)), None) or next(
         (c for c in choices if not kinds_of(c)), choices[0])
 
 
@@ -167,7 +170,9 @@ def _expanded(cls: type, name: str, value: Any, full: str) -> dict:
     """The mapping of field ``name``'s section given as ``value`` (None: an optional section off, now on with its
     defaults; a shorthand such as ``vllm`` or ``1``: what the field's validators make of it)."""
     if value is None:
-        return {}
+        if optional(annotation(cls, name)):
+            return {}
+        value = default(cls, name)  # a section not set yet (rollout.agent.env of a new multi_turn): its default
     try:
         section = validate_field(cls, name, value)
     except ValidationError as e:

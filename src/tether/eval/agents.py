@@ -134,12 +134,7 @@ def env_setup(args, trained: Mapping[str, Any] | None = None) -> Config:
     flags = {"name": args.env, "options": _options(getattr(args, "env_options", None))}
     over.update({p + k: v for k, v in flags.items() if v is not None and v != ""})
     over.update(given(args, EVAL_FLAGS["multi_turn"] + EVAL_FLAGS["budgets"]))
-    name = str(over.get(p + "name") or "")
-    if name.startswith(("skyrl_gym:", "verifiers:")) and p + "observation_format" not in over:
-        over[p + "observation_format"] = "chat"  # the only format these environments run in
-        if name.startswith("skyrl_gym:"):
-            over.setdefault(p + "observation_role", "user")  # SkyRL's observations are user messages
-    cfg = load_config(None, over)
+    cfg = load_config(None, over)  # skyrl_gym / verifiers: chat turns, their sections' defaults
     args.env_used = as_dict(cfg.rollout.agent.env)  # what results.json records
     return cfg
 

@@ -14,13 +14,19 @@ from ..agents import AGENTS
 from ..algo.objectives import uses_sampler_logp
 from ..algo.registry import is_spec, unknown_choice
 from ..anchor import ANCHOR_KINDS
-from ..config.agent import RetrieverConfig, env_of
+from ..config.agent import (
+    CalculatorEnvConfig,
+    OtherEnvConfig,
+    RetrieverConfig,
+    SearchEnvConfig,
+    VerifiersEnvConfig,
+    env_of,
+)
 from ..config.model import ModelConfig
 from ..config.recipes import validate
 from ..config.schema import Config, DataConfig, EvalConfig, RolloutConfig, RunConfig
 from ..envs import ENVS
 from ..envs.verifiers import OPTIONS as VERIFIERS_OPTIONS
-from ..envs.verifiers import PREFIX as VERIFIERS_PREFIX
 from ..envs.verifiers import TOOL_FORMATS, is_task_api
 from ..errors import ConfigError
 from ..rollout import ENGINES, engine_reports_logp, worker_records_logp
@@ -95,32 +101,24 @@ def _check_rollout_choices(cfg: Config) -> list[str]:
 
 
 def _check_env(cfg: Config) -> list[str]:
-    """rollout.agent.env (multi_turn): the environment (a registered name or a user's module:Class); the
-    retriever section belongs to the search environment, whose one assistant turn is the raw format; the
-    retriever's own keys (its registered ``keys``, e.g. corpus with bm25, dense and http)."""
+    """rollout.agent.env (multi_turn): a name no section of its own holds is registered or a user's module:Class;
+    the observation role is read with chat turns; the search environment's retriever and its own keys (its registered
+    ``keys``, e.g. corpus with bm25, dense and http). A key the environment does not read is refused by its section
+    (`tether.config.agent`: the retriever is search's, options are not the calculator's or search's, search runs in
+    one raw turn, SkyRL and verifiers environments in chat turns)."""
     e = env_of(cfg)
     if e is None:
         return []
     errs, p = [], "rollout.agent.env"
-    if e.name.startswith("skyrl_gym:"):
-        if e.observation_format != "chat":
-            errs.append(f"{p}.name={e.name}: its observations are chat messages: set {p}.observation_format=chat "
-                        f"(and {p}.observation_role=user, the role of SkyRL's observations)")
-    elif e.name.startswith(VERIFIERS_PREFIX):
+    if isinstance(e, VerifiersEnvConfig):
         errs += _check_verifiers(e, p, cfg)
-    elif e.name not in ENVS:
+    elif isinstance(e, OtherEnvConfig) and e.name not in ENVS:
         errs.extend(_check_spec(f"{p}.name", e.name, ENVS))
-    if e.options and e.name in ("calculator", "search"):
-        errs.append(f"{p}.options: {p}.name={e.name} takes none (its settings are {p}'s own keys)")
-    if e.observation_role != "tool" and e.observation_format != "chat":
+    if isinstance(e, (CalculatorEnvConfig, OtherEnvConfig)) and e.observation_role != "tool" \
+            and e.observation_format != "chat":
         errs.append(f"{p}.observation_role only applies with {p}.observation_format=chat")
-    if e.name != "search":
-        if e.retriever is not None:
-            errs.append(f"{p}.retriever only applies with {p}.name=search")
+    if not isinstance(e, SearchEnvConfig):
         return errs
-    if e.observation_format != "raw":
-        errs.append(f"{p}.name=search runs Search-R1's protocol in one assistant turn: {p}.observation_format "
-                    f"must be raw")
     r, dr, q = e.retriever_section(), RetrieverConfig(), f"{p}.retriever"
     if r.kind not in RETRIEVERS:
         return errs + _check_spec(f"{q}.kind", r.kind, RETRIEVERS)
@@ -138,12 +136,8 @@ def _check_verifiers(e, p: str, cfg: Config) -> list[str]:
     """A verifiers environment (``verifiers:<env_id>``): chat turns, its options (load_environment's ``args``, the
     ``tool_format``), no observation role (its messages carry theirs), no system prompt (its rows carry theirs)."""
     errs = []
-    if not e.name[len(VERIFIERS_PREFIX):]:
+    if not e.name[len(e.choice_prefix):]:
         errs.append(f"{p}.name=verifiers: names no environment (verifiers:<env_id>, the module with load_environment)")
-    if e.observation_format != "chat":
-        errs.append(f"{p}.name={e.name}: its messages are chat turns: set {p}.observation_format=chat")
-    if e.observation_role != "tool":
-        errs.append(f"{p}.observation_role has no effect with {p}.name={e.name} (its messages carry their roles)")
     if is_task_api():  # verifiers 0.4: its own options, checked where the environment is built (envs/verifiers_v1.py)
         if cfg.data.system_prompt:
             errs.append(f"data.system_prompt has no effect with {p}.name={e.name} (its tasks carry their own)")
