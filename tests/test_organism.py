@@ -14,7 +14,7 @@ import pytest
 from helpers import subprocess_env
 from tether.organism import build as organism_build
 from tether.organism.build import OrganismSpec, build_organism, char_tokenizer, organism_path, sft_rows
-from tether.organism.problems import CALC, MAX_VALUE, QUESTION, content_split, draw, solution_text, solve
+from tether.tasks.organism_problems import CALC, MAX_VALUE, QUESTION, content_split, draw, solution_text, solve
 
 MINI = OrganismSpec(hidden_size=16, layers=1, heads=2, steps=3, choice_steps=2, batch_size=32, context=96)
 

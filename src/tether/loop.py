@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .config import to_dict
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, Progress, rl_postfix
 from .plot import plot_runs
-from .report import Progress, rl_postfix
 from .rundir.guard import RunDirectory, restore_latest
 from .rundir.stop import GracefulStop
 

@@ -1,5 +1,6 @@
-"""Run logs: metrics.jsonl (one line per step, flushed at once), samples.jsonl, optional TensorBoard / W&B;
-JSON result files written whole (`write_json_atomic`, used by ``tether eval`` and the benchmarks).
+"""Run logs: metrics.jsonl (one line per step, flushed at once), samples.jsonl, optional TensorBoard / W&B, the
+progress bar of ``run.progress`` (`Progress`); JSON result files written whole (`write_json_atomic`, used by
+``tether eval`` and the benchmarks).
 
 A JSONL log survives the ways a run ends badly: a row whose write fails (disk full) is cut back
 out of the file at once; a row torn by a kill (the last line, incomplete) is dropped with a
@@ -361,3 +362,35 @@ class UpdateStats:
         out["pad_frac"] = out.pop("_pad_frac")
         out["grad_norm"] = max(self.grad_norms) if self.grad_norms else float("nan")
         return out
+
+
+def rl_postfix(m: dict) -> dict:
+    """What the bar of a training run shows beside it: reward, accuracy, KL, seconds per step."""
+    post = {"reward": f"{m['reward_mean']:.3f}", "acc": f"{m['accuracy']:.2f}"}
+    if "kl" in m:
+        post["kl"] = f"{m['kl']:.2e}"
+    post["s/step"] = f"{m['time_step_s']:.1f}"
+    return post
+
+
+class Progress:
+    """The progress bar of a run (tqdm), from step ``initial`` of ``total``; ``enabled=False``: nothing.
+    ``postfix(m)`` picks what a step's metrics row shows beside the bar (default: a training run's)."""
+
+    def __init__(self, total: int, initial: int, desc: str, enabled: bool = True,
+                 postfix: Callable[[dict], dict] = rl_postfix):
+        self.bar, self.postfix = None, postfix
+        if enabled:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+
+    def update(self, m: dict) -> None:
+        """One step done, with its metrics row ``m`` shown beside the bar."""
+        if self.bar is None:
+            return
+        self.bar.set_postfix(self.postfix(m))
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,6 +1,6 @@
 """What a run measures and tells its user beside the update itself: the rollout's metrics, the
-held-out evaluation and its accuracy lines, the reward-failure log, the progress bar and the rows of
-samples.jsonl.
+held-out evaluation and its accuracy lines, the reward-failure log and the rows of samples.jsonl (the
+progress bar is `tether.metrics.Progress`, below the run loop).
 
 * `rollout_metrics(...)` -- reward, accuracy, lengths, throughput of a step's rollouts (all ranks').
 * `HeldOut` -- the held-out evaluation of ``eval.*``: its sets, when it is due, the policy's (and
@@ -11,7 +11,6 @@ samples.jsonl.
   read back from metrics.jsonl (so a resumed run finds its step-0 evaluation too).
 * `RewardErrorLog` -- counts failed reward calls; the first failure of each kind goes to
   ``RUN/reward_errors.log`` and to the console.
-* `Progress` -- the tqdm bar of ``run.progress`` (reward, accuracy, KL, seconds per step).
 * `sample_rows(batch, n)` -- a few prompts, responses and rewards of a step for samples.jsonl.
 
 Metrics are gathered on every rank (collectives); only rank 0 logs and writes. The trainer decides
@@ -172,38 +171,6 @@ class RewardErrorLog:
                     f.write(f"step {step}: {err}\n")
                 self.log(f"[tether] step {step}: {err.WHAT[err.kind]}; such calls score 0, count in "
                          f"reward_errors, and training goes on. The first (also in {self.path}):\n{err}")
-
-
-def rl_postfix(m: dict) -> dict:
-    """What the bar of a training run shows beside it: reward, accuracy, KL, seconds per step."""
-    post = {"reward": f"{m['reward_mean']:.3f}", "acc": f"{m['accuracy']:.2f}"}
-    if "kl" in m:
-        post["kl"] = f"{m['kl']:.2e}"
-    post["s/step"] = f"{m['time_step_s']:.1f}"
-    return post
-
-
-class Progress:
-    """The progress bar of a run (tqdm), from step ``initial`` of ``total``; ``enabled=False``: nothing.
-    ``postfix(m)`` picks what a step's metrics row shows beside the bar (default: a training run's)."""
-
-    def __init__(self, total: int, initial: int, desc: str, enabled: bool = True,
-                 postfix: Callable[[dict], dict] = rl_postfix):
-        self.bar, self.postfix = None, postfix
-        if enabled:
-            from tqdm.auto import tqdm
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
-
-    def update(self, m: dict) -> None:
-        """One step done, with its metrics row ``m`` shown beside the bar."""
-        if self.bar is None:
-            return
-        self.bar.set_postfix(self.postfix(m))
-        self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def sample_rows(b, n: int) -> list[dict]:

@@ -2,7 +2,7 @@
 
 The same protocol and evaluator as :class:`~tether.envs.calculator.CalculatorEnv` (``<calc>`` calls
 answered by ``<result>`` observations, a ``####`` final answer), but the opening prompt is the
-organism's (:data:`tether.organism.problems.CALC` and the expression, ``C:47+38-12``) instead of the
+organism's (:data:`tether.tasks.organism_problems.CALC` and the expression, ``C:47+38-12``) instead of the
 calculator's prose instruction, which a character-level model of a million parameters could not
 read. The organism was shown three ways of answering such a prompt in its supervised build (worked by
 hand, directly, and with one call), and greedy decoding mostly answers directly, so RL on this
@@ -12,8 +12,8 @@ environment measures whether an algorithm teaches an agent to work it out or use
 
 from __future__ import annotations
 
-from ..organism.problems import CALC, QUESTION
 from ..tasks.base import Example
+from ..tasks.organism_problems import CALC, QUESTION
 from .base import Start
 from .calculator import CalculatorEnv
 

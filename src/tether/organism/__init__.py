@@ -1,6 +1,6 @@
-"""The model organism (docs/organism.md): a small Llama tether builds itself, its problems and its task.
+"""The model organism (docs/organism.md): a small Llama tether builds itself, trained on its problems (which, with
+its task, are tether.tasks': :mod:`tether.tasks.organism_problems`, chains of two-digit sums, pure and seeded).
 
-* :mod:`tether.organism.problems` -- the problems (chains of two-digit sums), pure and seeded;
 * :mod:`tether.organism.build` -- the tokenizer, the model, its SFT build and the cache (``model.name=organism``).
 """
 

@@ -8,7 +8,7 @@ keyed by the content of its build spec; later uses, by any process, reuse that d
    ChatML special tokens), so the organism reads any text an environment shows it;
 2. a randomly initialised Llama of :class:`OrganismSpec`'s shape;
 3. ``tether sft`` (a subprocess of this Python) in two phases on generated, verified solutions of
-   :mod:`tether.organism.problems` (difficulties 1-3; :func:`sft_rows`): first the skills (plain problems
+   :mod:`tether.tasks.organism_problems` (difficulties 1-3; :func:`sft_rows`): first the skills (plain problems
    ``Q:`` worked one operation a line; calculator episodes ``C:`` worked by hand or by one call of the
    calculator, ``<calc>`` the whole expression, its ``<result>`` masked), then the choice (the same mixture,
    but a share of the difficulty-3 rows answered directly, ``#### 73``);
@@ -45,8 +45,8 @@ from typing import Callable, Optional
 from ..errors import ModelLoadError
 from ..gguf import default_cache_dir
 from ..procs import die_with_parent
+from ..tasks.organism_problems import CALC, QUESTION, draw, expression, solution_text, solve
 from ..userio import loads_json
-from .problems import CALC, QUESTION, draw, expression, solution_text, solve
 
 __all__ = ["ORGANISM_MODEL_NAME", "OrganismSpec", "char_tokenizer", "organism_path", "build_organism",
            "sft_rows", "DEFAULT_SPEC"]

@@ -11,7 +11,7 @@ What it shares with ``tether train``: the model (`tether.models.load_model`: dty
 directory as the model), the run directory and its lock (`tether.rundir.guard.RunDirectory`, marker kind
 ``sft``), checkpoints with exact resume (`tether.rundir.checkpoint`: weights, AdamW, RNG; the data
 position is the step, since each step takes one batch of a seeded order), the graceful stop
-(`tether.rundir.stop`), metrics.jsonl (`tether.metrics`), the progress bar (`tether.report.Progress`) and
+(`tether.rundir.stop`), metrics.jsonl (`tether.metrics`), the progress bar (`tether.metrics.Progress`) and
 curves.png (`tether.plot`). `sft` / `resume_sft` run an `SFTTrainer` inside its locked directory.
 """
 

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import EvalError
-from ..organism.problems import MAX_DIFFICULTY, RL_DIFFICULTY
 from . import reasoning_gym
 from .arithmetic import LEVELS, ArithmeticTask
 from .data import default_reward_name, load_examples, resolve_dataset_name
 from .organism import OrganismTask
+from .organism_problems import MAX_DIFFICULTY, RL_DIFFICULTY
 from .rewards import load_reward
 
 __all__ = ["BENCHMARK_PREFIXES", "Benchmark", "load_benchmark", "load_benchmarks", "slug"]

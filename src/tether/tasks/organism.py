@@ -1,15 +1,15 @@
-"""The organism's task (``data.task=organism``): :mod:`tether.organism.problems` as tether examples.
+"""The organism's task (``data.task=organism``): :mod:`tether.tasks.organism_problems` as tether examples.
 
 ``OrganismTask(seed, difficulty, split).example(i)`` is a pure function of its arguments; the
-``test`` and ``train`` splits never share a problem (by content, :func:`~tether.organism.problems.content_split`).
+``test`` and ``train`` splits never share a problem (by content, :func:`~tether.tasks.organism_problems.content_split`).
 """
 
 from __future__ import annotations
 
 from typing import Iterator
 
-from ..organism.problems import MAX_DIFFICULTY, QUESTION, RL_DIFFICULTY, draw, expression, solve
 from .base import Example
+from .organism_problems import MAX_DIFFICULTY, QUESTION, RL_DIFFICULTY, draw, expression, solve
 
 __all__ = ["OrganismTask"]
 

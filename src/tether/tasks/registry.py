@@ -32,12 +32,12 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from ..algo.registry import Registry, is_spec
-from ..organism.problems import MAX_DIFFICULTY, RL_DIFFICULTY
 from . import reasoning_gym
 from .arithmetic import ArithmeticTask
 from .base import DataError
 from .data import default_reward_name, load_examples
 from .organism import OrganismTask
+from .organism_problems import MAX_DIFFICULTY, RL_DIFFICULTY
 from .rewards import load_reward
 
 #: data.* keys a task may read besides the reward settings
