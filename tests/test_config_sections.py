@@ -333,3 +333,23 @@ def test_env_options_are_the_environment_constructors_keyword_arguments(tmp_path
                                               f"is '{name}'"):
             load_config(None, {"rollout.agent.kind": "multi_turn", "rollout.agent.env.name": name,
                                "rollout.agent.env.options": {"max_turns": 2}})
+
+
+def test_a_config_saved_before_the_kl_and_env_sections_loads():
+    """The previous release saved every KL key and every environment key whatever the estimator or the environment
+    read (its config.yaml, flattened as a resume reads it): each unread key at its old default is dropped, and the
+    values it held are kept (a SkyRL run keeps the role it trained with)."""
+    saved = {"rollout.agent.kind": "multi_turn", "rollout.agent.env.name": "search", "rollout.agent.env.max_turns": 3,
+             "rollout.agent.env.max_obs_tokens": 512, "rollout.agent.env.max_context": 4096,
+             "rollout.agent.env.observation_format": "raw", "rollout.agent.env.observation_role": "tool",
+             "rollout.agent.env.options": {}, "rollout.agent.env.retriever": None, "data.task": "multihop",
+             "algo.kl.estimator": "k3", "algo.kl.beta": 0.001, "algo.kl.placement": "loss", "algo.kl.topk": 32,
+             "algo.kl.truncated": False, "algo.kl.s_min": 0.0, "algo.kl.s_max": 0.0}
+    cfg = load_config(None, saved, recipe_name="grpo")
+    assert to_dict(cfg)["rollout"]["agent"]["env"] == {"name": "search", "max_turns": 3, "max_obs_tokens": 512,
+                                                       "max_context": 4096, "retriever": None}
+    assert to_dict(cfg)["algo"]["kl"] == {"estimator": "k3", "beta": 0.001, "placement": "loss", "s_min": 0.0,
+                                          "s_max": 0.0}
+    skyrl = {**saved, "rollout.agent.env.name": "skyrl_gym:gsm8k", "rollout.agent.env.observation_format": "chat",
+             "data.task": "gsm8k"}
+    assert load_config(None, skyrl, recipe_name="grpo").rollout.agent.env.observation_role == "tool"
