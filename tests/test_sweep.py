@@ -418,6 +418,10 @@ def test_a_replication_runs_other_seeds_of_some_arms_and_the_report_pools_the_se
     assert "not shown (a set has < 2 paired seeds)" in text
     res = json.loads(md.with_suffix(".json").read_text())["results"][0]["pairs"][0]
     assert res["sets"]["first"]["mean"] == pytest.approx(0.225) and res["sets"]["second"]["n"] == 1
+    # the AUCs by hand (trapezoids over steps 0, 2, 10, over 10): A 0.46, 0.48, 0.45; B 0.33, 0.23, 0.45
+    assert res["paired_auc"]["diffs"] == pytest.approx({"0": 0.13, "1": 0.25, "2": 0.0})  # JSON keys
+    assert res["sets_auc"]["first"]["mean"] == pytest.approx(0.19) and res["sets_auc"]["second"]["n"] == 1
+    assert "| A | B | AUC | 0.19 " in text and res["replication_auc"].startswith("not shown")
     assert main(["sweep", "report", str(d), "--out", str(md), "--set", "a=0-1", "--set", "b=1-2"]) == 2
     assert "share seeds [1]" in capsys.readouterr().err
 

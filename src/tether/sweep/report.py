@@ -66,20 +66,23 @@ def arm_stats(col: Collected, arm: str, metric: str, *, last_n: int, reps: int, 
 def pair_stats(per_arm: dict, arms: list[str], *, reps: int, seed: int, baseline: Optional[str],
                sets: Optional[dict] = None) -> list[dict]:
     """Probability of improvement and paired differences of every pair of arms (each against ``baseline``
-    when given): P(A > B), d = A - B; with ``sets`` (name -> seeds), the paired difference within each seed set and
-    the replication verdict (`replication`)."""
+    when given): P(A > B), d = A - B of the final values, and of the AUCs (``paired_auc``: the speed of the lift);
+    with ``sets`` (name -> seeds), each paired difference within each seed set and its replication verdict
+    (`replication`; ``sets_auc``, ``replication_auc`` for the AUC)."""
     pairs = [(a, baseline) for a in arms if a != baseline] if baseline else list(combinations(arms, 2))
     out = []
     for a, b in pairs:
         x, y = per_arm[a]["per_seed"], per_arm[b]["per_seed"]
         xs, ys = [x[s] for s in sorted(x)], [y[s] for s in sorted(y)]
+        xa, ya = per_arm[a]["auc_per_seed"], per_arm[b]["auc_per_seed"]
         pair = {"a": a, "b": b, "poi": stats.probability_of_improvement(xs, ys, reps, seed),
-                "paired": stats.paired_difference(x, y)}
+                "paired": stats.paired_difference(x, y), "paired_auc": stats.paired_difference(xa, ya)}
         if sets:
-            pair["sets"] = {name: stats.paired_difference({s: v for s, v in x.items() if s in seeds},
-                                                          {s: v for s, v in y.items() if s in seeds})
-                            for name, seeds in sets.items()}
-            pair["replication"] = replication(pair["sets"], pair["paired"])
+            for key, (u, v), pooled in (("", (x, y), "paired"), ("_auc", (xa, ya), "paired_auc")):
+                pair["sets" + key] = {name: stats.paired_difference({s: w for s, w in u.items() if s in seeds},
+                                                                    {s: w for s, w in v.items() if s in seeds})
+                                      for name, seeds in sets.items()}
+                pair["replication" + key] = replication(pair["sets" + key], pair[pooled])
         out.append(pair)
     return out
 
@@ -182,15 +185,18 @@ def sets_table(res: dict) -> list[str]:
     names = list(res["sets"])
     head = " | ".join(f"{n} (seeds {_seed_text(res['sets'][n])}): mean [95 % CI]" for n in names)
     L = [f"### Replication of `{res['metric']}` over seed sets", "",
-         "The paired difference A − B within each disjoint set of seeds and over all of them (pooled). A difference "
-         "**replicates** when the pooled t-interval excludes 0 and every set points the same way; the sets "
-         "**disagree** when their means have opposite signs.", "",
-         f"| A | B | {head} | pooled: n, mean [95 % CI] | verdict |", "|---|---|" + "---|" * len(names) + "---|---|"]
+         "The paired difference A − B of the final values, and of the AUCs (the curve's mean height: the speed of the "
+         "lift), within each disjoint set of seeds and over all of them (pooled). A difference **replicates** when "
+         "the pooled t-interval excludes 0 and every set points the same way; the sets **disagree** when their means "
+         "have opposite signs.", "",
+         f"| A | B | of | {head} | pooled: n, mean [95 % CI] | verdict |",
+         "|---|---|---|" + "---|" * len(names) + "---|---|"]
     for p in pairs:
-        cells = [f"{_f(d['mean'])} {_ci(d['ci'])} (n={d['n']})" for d in (p["sets"][n] for n in names)]
-        d = p["paired"]
-        L.append(f"| {p['a']} | {p['b']} | {' | '.join(cells)} | {d['n']}, {_f(d['mean'])} {_ci(d['ci'])} | "
-                 f"{p['replication']} |")
+        for of, key, pooled in (("final", "", "paired"), ("AUC", "_auc", "paired_auc")):
+            cells = [f"{_f(d['mean'])} {_ci(d['ci'])} (n={d['n']})" for d in (p["sets" + key][n] for n in names)]
+            d = p[pooled]
+            L.append(f"| {p['a']} | {p['b']} | {of} | {' | '.join(cells)} | {d['n']}, {_f(d['mean'])} "
+                     f"{_ci(d['ci'])} | {p['replication' + key]} |")
     return L + [""]
 
 
