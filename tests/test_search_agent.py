@@ -331,7 +331,8 @@ def test_search_options_that_cannot_act_are_errors():
                       ({"rollout.agent.env.retriever.retries": 0}, "retries only applies"),
                       ({"rollout.agent.env.retriever.kind": "http"}, "needs rollout.agent.env.retriever.url"),
                       ({"rollout.agent.env.retriever.topk": 4, "rollout.agent.env.name": "calculator"},
-                       "only applies with rollout.agent.env.name=search")):
+                       "rollout.agent.env.retriever is a key of rollout.agent.env.name=search, and "
+                       "rollout.agent.env.name is 'calculator'")):
         with pytest.raises(ConfigError, match=msg):
             load_config(None, over, task="search")
     r = "rollout.agent.env.retriever."
