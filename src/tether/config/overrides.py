@@ -50,7 +50,7 @@ def parse(cls: type, base: Any, layers: Sequence[tuple[str, dict[str, Any]]],
             raise ConfigError(f"{source}: " + (moved[0] if len(moved) == 1 else many))
         # a section's choice first, the outer before the inner: its kind, or the section given whole
         # (rollout.engine=vllm before its dtype; rollout.agent.kind before rollout.agent.env.name before its retriever)
-        first = {k for k in vals if k.endswith(CHOICE_KEYS) or any(o.startswith(k + ".") for o in vals)}
+        first = {k for k in vals if chooses(cls, k) or any(o.startswith(k + ".") for o in vals)}
         for k, v in sorted(vals.items(), key=lambda kv: (kv[0] not in first, kv[0].count(".") * (kv[0] in first))):
             try:
                 set_key(tree, cls, k, v)
@@ -66,8 +66,15 @@ def parse(cls: type, base: Any, layers: Sequence[tuple[str, dict[str, Any]]],
     return parsed
 
 
-#: the keys that choose a section's variant (`tether.sections.choice_key`), set before the keys under them
-CHOICE_KEYS = (".kind", ".estimator", ".env.name")
+def chooses(cls: type, dotted: str) -> bool:
+    """Whether the dotted key ``dotted`` of a section of type ``cls`` is the key that chooses a chosen section's
+    variant (its `tether.sections.choice_key`: ``rollout.engine.kind``, ``algo.kl.estimator``,
+    ``rollout.agent.env.name``), set before the keys under that section."""
+    *path, last = dotted.split(".")
+    choices = [cls]
+    for part in path:
+        choices = [v for c in choices if (f := field_for_key(c, part)) is not None for v in variants(annotation(c, f))]
+    return len(choices) > 1 and last == choice_key(choices[-1])
 
 
 def apply_keys(cfg: Any, vals: dict[str, Any], source: str) -> Any:

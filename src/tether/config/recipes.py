@@ -33,7 +33,7 @@ from .anchor import (
     NoAnchorConfig,
     anchor_mapping,
 )
-from .kl import KLConfig, NoKLConfig, kl_config, kl_mapping  # noqa: F401  (KLConfig: tether.config's name)
+from .kl import KLConfig, NoKLConfig, kl_config, kl_mapping
 from .region import (
     CISPORegionConfig,
     DualRegionConfig,
