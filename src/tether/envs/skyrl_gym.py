@@ -21,14 +21,15 @@ import math
 from typing import Optional, Sequence
 
 from ..algo.registry import unknown_choice
+from ..config.agent import SkyRLGymEnvConfig
 from ..errors import ConfigError, optional_import
 from ..tasks.base import Example
 from .base import Episode, FinalTurn, Start, StepResult, TextEnv
 
 __all__ = ["PREFIX", "SkyRLGymEnv"]
 
-#: ``rollout.agent.env.name`` prefix of a skyrl-gym environment
-PREFIX = "skyrl_gym:"
+#: ``rollout.agent.env.name`` prefix of a skyrl-gym environment (its section's, tether.config.agent)
+PREFIX = SkyRLGymEnvConfig.choice_prefix
 
 
 class SkyRLGymEnv(TextEnv):

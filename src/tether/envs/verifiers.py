@@ -23,6 +23,7 @@ import json
 from importlib.util import find_spec
 from typing import Any, Optional
 
+from ..config.agent import VerifiersEnvConfig
 from ..errors import ConfigError, optional_import
 from ..tasks.base import DataError, Example
 from ..tasks.benchmarks import Benchmark, slug
@@ -31,8 +32,8 @@ from ..tasks.rewards import load_reward
 
 __all__ = ["PREFIX", "OPTIONS", "TOOL_FORMATS", "VerifiersEnv", "eval_benchmark", "message_text", "verifiers_library"]
 
-#: ``rollout.agent.env.name`` prefix of a verifiers environment
-PREFIX = "verifiers:"
+#: ``rollout.agent.env.name`` prefix of a verifiers environment (its section's, tether.config.agent)
+PREFIX = VerifiersEnvConfig.choice_prefix
 #: the keys of ``rollout.agent.env.options`` a verifiers environment reads
 OPTIONS = ("args", "tool_format")
 #: how the policy writes a tool call (`tether.agents.verifiers.parse_tool_calls`)
