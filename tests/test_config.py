@@ -61,11 +61,13 @@ def every_key() -> set[str]:
     )
     from tether.config.agent import OtherEnvConfig, SearchEnvConfig, SkyRLGymEnvConfig, VerifiersEnvConfig
     from tether.config.anchor import OtherAnchorConfig
+    from tether.config.data import OtherDataConfig
     from tether.config.kl import OtherKLConfig
     from tether.config.region import OtherRegionConfig
 
     keys = set(leaf_keys())
-    keys |= {"rollout.engine", "rollout.agent", "train.async", "algo.region", "algo.anchor", "algo.kl"}  # chosen too
+    keys |= {"rollout.engine", "rollout.agent", "train.async", "algo.region", "algo.anchor", "algo.kl", "data"}
+    keys |= set(leaf_keys(OtherDataConfig(task="my_ext:task"), "data."))
     keys |= set(leaf_keys(OtherRegionConfig(kind="my.module:Region"), "algo.region."))
     keys |= set(leaf_keys(OtherAnchorConfig(kind="my_anchor"), "algo.anchor."))
     keys |= set(leaf_keys(OtherKLConfig(estimator="my_kl"), "algo.kl."))
@@ -224,7 +226,7 @@ def test_unknown_task_is_a_config_error():
 def test_problems_of_several_sections_are_listed_in_section_order():
     """Every value outside its declared type or range at once (the one parse), then every rule across keys at once,
     section by section."""
-    cross = {"data.difficulty": 9, "rollout.agent.kind": "multi_turn", "rollout.agent.env.observation_role": "user"}
+    cross = {"data.shuffle": False, "rollout.agent.kind": "multi_turn", "rollout.agent.env.observation_role": "user"}
     ranged = {"rollout.batch_size": 0, "train.lr": -1, "train.steps": 0, "eval.every": -1}  # the sections' order
     with pytest.raises(ConfigError) as e:
         load_config(None, cross | ranged)
@@ -236,7 +238,7 @@ def test_problems_of_several_sections_are_listed_in_section_order():
     lines = str(e.value).splitlines()
     assert lines[0] == "invalid config (2 problems):"
     keys = [ln.split()[1].split("=")[0] for ln in lines[1:]]
-    assert keys == ["data.difficulty", "rollout.agent.env.observation_role"]
+    assert keys == ["data.shuffle", "rollout.agent.env.observation_role"]
 
 
 # ---------------------------------------------------------------- the package's names
@@ -312,8 +314,11 @@ def test_bad_keys_are_errors_with_did_you_mean(tmp_path):
     with pytest.raises(ConfigError, match="algo.region.delta is a key of algo.region.kind=kl3 or tv or binary_kl, "
                        "and algo.region.kind is 'ratio'"):
         load_config(None, {"algo.region.delta": 0.1}, recipe_name="grpo")
-    with pytest.raises(ConfigError, match="data.difficulty only applies"):
+    with pytest.raises(ConfigError, match="data.difficulty is a key of data.task=arithmetic or organism, and data.task "
+                                          "is 'gsm8k'"):
         load_config(None, {"data.task": "gsm8k", "data.difficulty": 3})
+    with pytest.raises(ConfigError, match=r"data.difficulty must be in \[1, 4\], got 9"):
+        load_config(None, {"data.difficulty": 9})
     with pytest.raises(ConfigError, match="identically zero"):
         load_config(None, {"train.mini_batches": 1}, recipe_name="rpg_urkl")
     with pytest.raises(ConfigError, match="data.shuffle has no effect with the synthetic"):

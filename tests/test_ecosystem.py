@@ -80,9 +80,11 @@ def test_reasoning_gym_bad_input_is_one_clear_error(monkeypatch):
         prompt_stream(load_config(None, {"data.task": "reasoning_gym:basic_arithmetc"}))
     with pytest.raises(DataError, match="refused its options .'bogus': 1. .data.options.: TypeError"):
         prompt_stream(load_config(None, {"data.task": "reasoning_gym:basic_arithmetic", "data.options": {"bogus": 1}}))
-    with pytest.raises(ConfigError, match="data.options only applies to data.task=reasoning_gym:<name>"):
+    with pytest.raises(ConfigError, match="data.options is a key of data.task=reasoning_gym:<name>, and data.task is "
+                                          "'arithmetic'"):
         load_config(None, {"data.options": {"size": 3}})
-    with pytest.raises(ConfigError, match="data.difficulty has no effect with data.task=reasoning_gym:<name>"):
+    with pytest.raises(ConfigError, match="data.difficulty is a key of data.task=arithmetic or organism, and "
+                                          "data.task is 'reasoning_gym:"):
         load_config(None, {**RG, "data.difficulty": 2})
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # the extra not installed
     with pytest.raises(DataError, match=r"pip install 'tether\[reasoning-gym\]'"):

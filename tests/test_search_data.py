@@ -141,4 +141,4 @@ def test_search_training_on_a_hub_id_reads_data_split(monkeypatch, tmp_path):
             load_config(None, {**SEARCH_ENV, "data.task": task, "data.split": "test"})
     with pytest.raises(ConfigError, match=r"data.data_dir has no effect with rollout.agent.env.name=search \(its QA "
                                           r"sets are read from rollout.agent.env.retriever.data_dir\)"):
-        load_config(None, {**SEARCH_ENV, "data.data_dir": str(tmp_path)})
+        load_config(None, {**SEARCH_ENV, "data.task": "multihop", "data.data_dir": str(tmp_path)})

@@ -176,6 +176,8 @@ def kinds_of(cls: type) -> tuple:
     prefix = getattr(cls, "choice_prefix", None)
     if prefix:
         return (f"{prefix}<name>",)
+    if getattr(cls, "choice_label", None):
+        return (cls.choice_label,)
     if isinstance(cls, type) and issubclass(cls, BaseModel) and choice_key(cls) in cls.model_fields:
         tp = cls.model_fields[choice_key(cls)].annotation
         if typing.get_origin(tp) is typing.Literal:
@@ -191,18 +193,23 @@ def kind_of(cls: type) -> str | None:
 
 def variant_for(kinds: dict[str, type], kind: Any) -> type | None:
     """The section class of ``kind`` in ``kinds`` (kind -> class; a key ending in ``:`` holds every name it
-    starts: ``skyrl_gym:`` for ``skyrl_gym:gsm8k``), None for any other kind."""
+    starts: ``skyrl_gym:`` for ``skyrl_gym:gsm8k``; then a class whose ``choice_test(kind)`` holds: ``data``'s
+    datasets), None for any other kind."""
     if not isinstance(kind, str):
         return None
     if kind in kinds:
         return kinds[kind]
-    return next((c for p, c in kinds.items() if p.endswith(":") and kind.startswith(p)), None)
+    return next((c for p, c in kinds.items() if p.endswith(":") and kind.startswith(p)), None) or next(
+        (c for c in kinds.values() if getattr(c, "choice_test", None) and c.choice_test(kind)), None)
 
 
 def matches(cls: type, kind: Any) -> bool:
-    """Whether ``kind`` chooses the variant ``cls`` (one of its literals, or a name with its prefix)."""
+    """Whether ``kind`` may choose the variant ``cls`` (one of its literals, a name with its prefix, or one its
+    ``choice_test`` accepts: try the others first, as `variant_for` does)."""
     prefix = getattr(cls, "choice_prefix", None)
-    return isinstance(kind, str) and kind.startswith(prefix) if prefix else kind in kinds_of(cls)
+    if prefix:
+        return isinstance(kind, str) and kind.startswith(prefix)
+    return cls.choice_test(kind) if getattr(cls, "choice_test", None) else kind in kinds_of(cls)
 
 
 def chosen(kinds: dict[str, type], other: type, default_kind: str) -> Any:

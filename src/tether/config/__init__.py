@@ -10,7 +10,8 @@ One module per concern; every name is importable from ``tether.config``:
     region.py      algo.region (a section per trust-region kind)
     anchor.py      algo.anchor (a section per anchor kind)
     kl.py          algo.kl (a section per family of KL estimators, chosen by algo.kl.estimator)
-    schema.py      the sections (pydantic models): data, rollout, train (with OptimizerConfig), run, eval; Config
+    data.py        data (a section per kind of task, chosen by data.task)
+    schema.py      the sections (pydantic models): rollout, train (with OptimizerConfig), run, eval; Config
     model.py       model (ModelConfig, DTYPES)
     agent.py       rollout.agent (single_turn | multi_turn with its env section; search is env.name=search)
     engine.py      rollout.engine (hf | vllm | vllm_server)
@@ -33,6 +34,7 @@ from .agent import (
                     env_of,
 )
 from .anchor import AnchorConfig
+from .data import DataConfig, data_config
 from .engine import (
                     VLLM_DTYPES,
                     EngineConfig,
@@ -48,7 +50,6 @@ from .recipes import RECIPES, AlgoConfig, describe, recipe
 from .schema import (
                     DEFAULT_RECIPE,
                     Config,
-                    DataConfig,
                     EvalConfig,
                     OptimizerConfig,
                     RolloutConfig,
@@ -61,8 +62,8 @@ from .train_async import AsyncConfig
 __all__ = [
     "DEFAULT_RECIPE", "DTYPES", "AsyncConfig", "EngineConfig", "HFEngineConfig", "OtherEngineConfig",
     "VLLMEngineConfig", "VLLMServerEngineConfig", "RECIPES", "VLLM_DTYPES", "AlgoConfig", "AnchorConfig", "Config",
-    "KLConfig", "kl_config", "describe", "recipe", "ConfigError", "DataConfig", "EvalConfig", "ModelConfig",
-    "OptimizerConfig",
+    "KLConfig", "kl_config", "describe", "recipe", "ConfigError", "DataConfig", "data_config", "EvalConfig",
+    "ModelConfig", "OptimizerConfig",
     "RolloutConfig", "RunConfig", "AgentConfig", "EnvConfig", "MultiTurnAgentConfig", "OtherAgentConfig",
     "RetrieverConfig", "SingleTurnAgentConfig", "env_name", "env_of", "TrainConfig", "apply_keys", "parse",
     "flatten", "parse_overrides", "set_key", "to_dict",

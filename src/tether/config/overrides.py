@@ -157,8 +157,9 @@ def set_key(tree: dict, cls: type, dotted: str, value: Any, prefix: str = "") ->
         owners = [k for c in choices if field_for_key(c, sub) is not None for k in kinds_of(c)]
         if owners:
             listed = " or ".join(map(str, owners[:6])) + (f" (or {len(owners) - 6} more)" if len(owners) > 6 else "")
+            first = f"{tk} to one" if str(owners[0]).startswith("<") else f"{tk}={owners[0]}"
             raise ConfigError(f"{full}.{sub} is a key of {full}.{tk}={listed}, and {full}.{tk} "
-                              f"is {cur.get(tk)!r}: set {full}.{tk}={owners[0]} first (or give {full} as a "
+                              f"is {cur.get(tk)!r}: set {full}.{first} first (or give {full} as a "
                               f"mapping with its {tk})")
     set_key(cur, variant, rest, value, full + ".")
 

@@ -13,6 +13,7 @@ from pydantic import Field, field_validator
 from ..algo.correction import LR_SCALES
 from ..sections import Section, as_dict
 from .agent import AgentConfig, SingleTurnAgentConfig, agent_shorthand
+from .data import ArithmeticDataConfig, DataConfig, data_mapping
 from .engine import EngineConfig, HFEngineConfig, engine_shorthand
 from .model import ModelConfig
 from .recipes import AlgoConfig, recipe
@@ -21,48 +22,6 @@ from .train_async import AsyncConfig, async_shorthand
 DEFAULT_RECIPE = "ema_pg"
 #: ``train.schedule``: the learning rate after warm-up (tether.schedule)
 Schedule = Literal["constant", "cosine", "linear"]
-
-
-class DataConfig(Section):
-    """Where prompts come from and how responses are scored."""
-
-    task: str = "arithmetic"
-    """arithmetic (synthetic, no files) | reasoning_gym:<name> (a reasoning-gym dataset, extra tether[reasoning-gym],
-    its options in data.options) | gsm8k | math500 | aime24 | amc | minerva | olympiadbench | a
-    .jsonl/.json/.parquet file | a hub dataset id | a user's task module:function / path.py:function
-    (docs/extending.md); with rollout.agent.env.name=search, a QA set of the search data dir"""
-    split: str = "train"
-    """dataset split (named and hub datasets; env.name=search: hub ids only)"""
-    prompt_key: Optional[str] = None
-    """files/hub: the prompt field (default: first of prompt, question, problem)"""
-    answer_key: Optional[str] = None
-    """files/hub: the answer field (default: answer)"""
-    data_dir: Optional[str] = None
-    """named datasets: local directory tried before $TETHER_DATA_DIR and the hub (the search environment's QA
-    sets: rollout.agent.env.retriever.data_dir)"""
-    limit: int = 0
-    """use only the first N examples (0 = all)"""
-    shuffle: bool = True
-    """files/datasets: visit examples in a seeded random order (train.seed)"""
-    difficulty: int = 1
-    """arithmetic: number of steps per problem (1-4)"""
-    options: dict = Field(default_factory=dict)
-    """the task's own options; data.task=reasoning_gym:<name>: keyword arguments of reasoning_gym.create_dataset:
-    size (default 1000), seed (default train.seed) and the dataset's difficulty options, e.g. {size: 500,
-    min_terms: 2, max_terms: 4} (docs/ecosystem.md); an error with any other task"""
-    reward: str = "auto"
-    """auto (the task's own) | a registered reward | a user's module:function / path.py:function
-    (docs/extending.md)"""
-    reward_timeout: float = Field(10.0, ge=0, allow_inf_nan=False)
-    """user rewards (module:function, path.py:function) run in a worker process, at most this many seconds per
-    call: a call that runs longer is stopped, scores 0 and counts in reward_errors (0 = no limit, the reward
-    runs in the trainer process, as the built-in rewards always do)"""
-    format_weight: float = Field(0.0, allow_inf_nan=False)
-    """reward += format_weight when the answer is in the requested format (0 = correctness only, the default: a 0.2
-    bonus was gamed by responses of repeated "####" lines that collect it without a correct answer, see
-    docs/results.md)"""
-    system_prompt: str = ""
-    """system message prepended through the model's chat template ("" = none)"""
 
 
 class RolloutConfig(Section):
@@ -308,7 +267,15 @@ class Config(Section):
     """named algorithm (tether.config.recipes); `algo.*` keys override its fields"""
     algo: AlgoConfig = Field(default_factory=lambda: recipe(DEFAULT_RECIPE))
     model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
+    data: DataConfig = Field(default_factory=ArithmeticDataConfig)
+    """where prompts come from and how responses are scored, a section chosen by its task (its keys below;
+    changing the task keeps the keys the new one reads). `data=gsm8k` is short for `data.task=gsm8k`"""
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _data_shorthand(cls, v: Any) -> Any:
+        return data_mapping(v)
+
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     run: RunConfig = Field(default_factory=RunConfig)

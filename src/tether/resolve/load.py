@@ -8,6 +8,7 @@ from typing import Any, Optional
 from ..algo.registry import unknown_choice
 from ..config.agent import drop_unread_env_keys
 from ..config.anchor import drop_unread_anchor_keys
+from ..config.data import drop_unread_data_keys
 from ..config.kl import drop_unread_kl_keys
 from ..config.overrides import flatten, kind_at, parse
 from ..config.recipes import RECIPES, recipe
@@ -37,11 +38,12 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
         raise ConfigError(unknown_choice("task", task, TASK_PRESETS))
 
     def unread_dropped(vals: dict[str, Any], tree: dict) -> dict[str, Any]:
-        """Region, anchor, KL and environment keys their kind, estimator or name (the one vals set, else the one so
-        far) does not read, at an earlier release's defaults, dropped."""
+        """Region, anchor, KL, environment and data keys their kind, estimator, name or task (the one vals set, else
+        the one so far) does not read, at an earlier release's defaults, dropped."""
         vals = drop_unread_bounds(vals, kind_at(tree, "algo.region"))
         vals = drop_unread_anchor_keys(vals, kind_at(tree, "algo.anchor"))
         vals = drop_unread_env_keys(vals, kind_at(tree, "rollout.agent.env", "name"))
+        vals = drop_unread_data_keys(vals, kind_at(tree, "data", "task"))
         return drop_unread_kl_keys(vals, kind_at(tree, "algo.kl", "estimator"))
 
     layers = [(f"recipe {name}'s trainer defaults", RECIPE_TRAINER_DEFAULTS.get(name, {})),

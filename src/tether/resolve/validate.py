@@ -24,13 +24,14 @@ from ..config.agent import (
 )
 from ..config.model import ModelConfig
 from ..config.recipes import validate
-from ..config.schema import Config, DataConfig, EvalConfig, RolloutConfig, RunConfig
+from ..config.schema import Config, EvalConfig, RolloutConfig, RunConfig
 from ..envs import ENVS
 from ..envs.verifiers import OPTIONS as VERIFIERS_OPTIONS
 from ..envs.verifiers import TOOL_FORMATS, is_task_api
 from ..errors import ConfigError
 from ..rollout import ENGINES, engine_reports_logp, worker_records_logp
 from ..search.retrievers import RETRIEVERS
+from ..sections import default
 from ..tasks.registry import TASKS, task_name
 from ..tasks.rewards import REWARDS
 from .held_out import HELD_OUT, eval_benchmarks
@@ -65,24 +66,23 @@ def _check_algo(cfg: Config) -> list[str]:
 
 
 def _check_data(cfg: Config) -> list[str]:
-    """data.*: the keys the task has no use for and its own checks (its registered metadata), and the
-    reward timeout."""
-    d, dd, errs = cfg.data, DataConfig(), []
+    """data.*: the keys of its section the task has no use for and its own checks (its registered metadata: an
+    environment's task, a user's registered one; the keys each kind of task has are its section's), and the reward
+    timeout."""
+    d, errs = cfg.data, []
     name = task_name(cfg)
     if name is None:
         errs.extend(_check_spec("data.task", d.task, TASKS))
     else:
         meta = TASKS.meta(name)
-        for k in meta["ignores"]:
-            if getattr(d, k) != getattr(dd, k):
+        for k in (k for k in meta["ignores"] if k in type(d).model_fields):
+            ref = default(Config, "data").task if k == "task" else default(type(d), k)  # an environment's task
+            if getattr(d, k) != ref:
                 users = [n for n in TASKS if k not in TASKS.meta(n)["ignores"]]
                 errs.append(f"data.{k} has no effect with {meta['about']}" if meta["about"] else
                             f"data.{k} only applies to data.task={' or '.join(users)}")
-        if d.options and not meta["options"]:
-            users = [TASKS.meta(n)["prefix"] + "<name>" for n in TASKS if TASKS.meta(n)["options"]]
-            errs.append(f"data.options only applies to data.task={' or '.join(users)}")
         errs.extend(meta["check"](cfg) if meta["check"] else [])
-    if d.reward_timeout != dd.reward_timeout and (d.reward == "auto" or not is_spec(d.reward)):
+    if d.reward_timeout != default(type(d), "reward_timeout") and (d.reward == "auto" or not is_spec(d.reward)):
         errs.append("data.reward_timeout only applies to a user reward (data.reward=module:function or "
                     "path.py:function); the built-in rewards run in the trainer process")
     return errs

@@ -5,21 +5,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..sections import default
 from ..tasks.registry import TASKS
 from .data import SEARCH_DATASETS, load_search_examples
 
 
 def _search_check(cfg) -> list[str]:
-    """data.split picks a hub id's split; a named QA set or a .jsonl file is one split already."""
+    """data.split picks a hub id's split; a named QA set or a .jsonl file is one split already (a task that is no
+    dataset, such as the default arithmetic, has no split: it is refused where its rows are loaded)."""
     d = cfg.data
-    if d.split != type(d)().split and (d.task.lower() in SEARCH_DATASETS or Path(d.task).expanduser().is_file()):
+    if "split" in type(d).model_fields and d.split != default(d, "split") and (
+            d.task.lower() in SEARCH_DATASETS or Path(d.task).expanduser().is_file()):
         return [f"data.split only applies to a hub dataset id with rollout.agent.env.name=search; "
                 f"data.task={d.task!r} is one split already (the search data dir's named sets: "
                 f"{', '.join(SEARCH_DATASETS)})"]
     return []
 
 
-@TASKS.register("search", reward="search", env="search", ignores=("difficulty", "data_dir"), check=_search_check,
+@TASKS.register("search", reward="search", env="search", ignores=("data_dir",), check=_search_check,
                 about="rollout.agent.env.name=search (its QA sets are read from rollout.agent.env.retriever.data_dir)",
                 preset={
     # Search-R1's setting: the search environment on the closed-pool multi-hop set, exact match only

@@ -28,6 +28,8 @@ import hashlib
 import random
 from typing import Sequence
 
+from ..config.data import ORGANISM_MAX_DIFFICULTY
+
 __all__ = ["TEST_BUCKETS", "RL_DIFFICULTY", "MAX_DIFFICULTY", "MAX_VALUE", "QUESTION", "CALC", "content_split",
            "solve", "expression", "solution_text", "draw"]
 
@@ -35,8 +37,9 @@ __all__ = ["TEST_BUCKETS", "RL_DIFFICULTY", "MAX_DIFFICULTY", "MAX_VALUE", "QUES
 TEST_BUCKETS = 10
 #: The difficulty RL trains and evaluates on by default (``data.difficulty`` for ``data.task=organism``).
 RL_DIFFICULTY = 3
-#: The largest difficulty (operations per problem).
-MAX_DIFFICULTY = 6
+#: The largest difficulty (operations per problem; the range of ``data.difficulty`` with ``data.task=organism`` is
+#: declared with the key).
+MAX_DIFFICULTY = ORGANISM_MAX_DIFFICULTY
 #: Prompt prefix of a plain problem, and of one posed in the calculator environment.
 QUESTION, CALC = "Q:", "C:"
 #: Largest intermediate value (and the smallest is 0).

@@ -9,12 +9,13 @@ of a finite dataset (a list of :class:`~tether.tasks.base.Example`) or, for a ge
                None: ``math``
 ``prefix``     ``data.task`` values starting with it pick this task (``reasoning_gym:``), before a user's
                ``module:function``
-``options``    whether it reads ``data.options`` (else setting it is a config error)
 ``env``        the environment whose episodes read it (then ``rollout.agent.env.name`` picks it, and
                ``data.task`` names its dataset), or a prefix ending in ``:`` of its names (``verifiers:``);
                None: it is picked by ``data.task``
-``ignores``    the ``data.*`` keys it has no use for (setting one is a config error) and ``about``,
-               how such an error names it (default: "only applies to data.task=...")
+``ignores``    the ``data.*`` keys of its section it has no use for (setting one is a config error; which keys
+               each kind of ``data.task`` has is its section's, `tether.config.data`: an environment's task
+               and a user's registered one name here those it does not read) and ``about``, how such an
+               error names it (default: "only applies to data.task=...")
 ``check``      ``check(cfg) -> list[str]``: problems of its own settings
 ``held_out``   ``{data.task: benchmark}`` or ``held_out(cfg) -> benchmark``: the held-out set
                ``eval.benchmarks=auto`` evaluates on
@@ -37,20 +38,12 @@ from .arithmetic import ArithmeticTask
 from .base import DataError
 from .data import default_reward_name, load_examples
 from .organism import OrganismTask
-from .organism_problems import MAX_DIFFICULTY, RL_DIFFICULTY
+from .organism_problems import RL_DIFFICULTY
 from .rewards import load_reward
 
-#: data.* keys a task may read besides the reward settings
-DATA_KEYS = ("prompt_key", "answer_key", "data_dir", "split", "limit", "shuffle", "difficulty")
-
 TASKS: Registry[Callable[..., Any]] = Registry("task", error=DataError, defaults={
-    "reward": None, "prefix": None, "options": False, "env": None, "ignores": (), "about": None, "check": None,
+    "reward": None, "prefix": None, "env": None, "ignores": (), "about": None, "check": None,
     "held_out": {}, "test_set": None, "preset": None})
-
-
-def _arithmetic_check(cfg) -> list[str]:
-    d = cfg.data.difficulty
-    return [] if 1 <= d <= 4 else [f"data.difficulty must be 1-4, got {d}"]
 
 
 def _arithmetic_test_set(cfg, limit: int):
@@ -60,8 +53,7 @@ def _arithmetic_test_set(cfg, limit: int):
 
 
 @TASKS.register("arithmetic", reward="arithmetic", about="the synthetic arithmetic task (an endless seeded stream)",
-                ignores=("prompt_key", "answer_key", "data_dir", "split", "limit", "shuffle"),
-                check=_arithmetic_check, held_out={"arithmetic": "arithmetic"}, test_set=_arithmetic_test_set)
+                ignores=("limit", "shuffle"), held_out={"arithmetic": "arithmetic"}, test_set=_arithmetic_test_set)
 def arithmetic_task(cfg) -> Callable[[int], Any]:
     """The seeded synthetic arithmetic task (``data.difficulty`` steps per problem): an endless stream."""
     return ArithmeticTask(seed=cfg.train.seed, difficulty=cfg.data.difficulty, split="train").example
@@ -76,20 +68,13 @@ ORGANISM_PRESET = {"model.name": "organism", "data.task": "organism", "data.diff
                    "run.save_every": 50}
 
 
-def _organism_check(cfg) -> list[str]:
-    d = cfg.data.difficulty
-    return [] if 1 <= d <= MAX_DIFFICULTY else [f"data.difficulty must be 1-{MAX_DIFFICULTY} for data.task=organism, "
-                                                 f"got {d}"]
-
-
 def _organism_test_set(cfg, limit: int):
     """The organism task's test split (never trained on) at ``data.difficulty``, with its reward."""
     return OrganismTask(seed=0, difficulty=cfg.data.difficulty, split="test").examples(limit), load_reward("arithmetic")
 
 
 @TASKS.register("organism", reward="arithmetic", about="the model organism's task (docs/organism.md)",
-                ignores=("prompt_key", "answer_key", "data_dir", "split", "limit", "shuffle"),
-                check=_organism_check, held_out={"organism": "organism"}, test_set=_organism_test_set,
+                ignores=("limit", "shuffle"), held_out={"organism": "organism"}, test_set=_organism_test_set,
                 preset=ORGANISM_PRESET)
 def organism_task(cfg) -> Callable[[int], Any]:
     """The model organism's problems (``data.difficulty`` operations each; use 3, where it starts weak):
@@ -101,7 +86,7 @@ def _dataset_reward(cfg) -> str:
     return default_reward_name(cfg.data.task)
 
 
-@TASKS.register("math", reward=_dataset_reward, ignores=("difficulty",), held_out={"gsm8k": "gsm8k"}, preset={})
+@TASKS.register("math", reward=_dataset_reward, held_out={"gsm8k": "gsm8k"}, preset={})
 def dataset_task(cfg) -> list:
     """Single-turn math: ``data.task`` is a named dataset (GSM8K, MATH-500, ...), a .jsonl/.json/.parquet
     file or a hub id (``tether.tasks.data.load_examples``); every row is validated here."""
@@ -118,9 +103,7 @@ def _reasoning_gym_test_set(cfg, limit: int):
                                         split="test"), load_reward("reasoning_gym"))
 
 
-@TASKS.register("reasoning_gym", reward="reasoning_gym", prefix=reasoning_gym.PREFIX, options=True,
-                ignores=("prompt_key", "answer_key", "data_dir", "split", "difficulty"),
-                about="data.task=reasoning_gym:<name> (its options are data.options)",
+@TASKS.register("reasoning_gym", reward="reasoning_gym", prefix=reasoning_gym.PREFIX,
                 held_out=lambda cfg: cfg.data.task, test_set=_reasoning_gym_test_set)
 def reasoning_gym_task(cfg) -> list:
     """A reasoning-gym dataset (``data.task=reasoning_gym:<name>``): ``data.options`` are its size (default

@@ -95,6 +95,6 @@ def held_out_sets(cfg, names: list[str]) -> dict:
         if test_set is not None:
             out[slug(src)] = test_set(cfg, e.limit)  # reasoning_gym:<name> -> reasoning_gym_<name>, as tether eval
         else:
-            b = load_benchmark(src, limit=e.limit, data_dir=d.data_dir)
+            b = load_benchmark(src, limit=e.limit, data_dir=getattr(d, "data_dir", None))  # a dataset task's dir
             out[b.name] = (b.examples, b.reward_fn)
     return out
