@@ -240,8 +240,8 @@ def test_agent_shorthand_and_kind_choose_the_section():
      "rollout.agent.env.observation_role is a key of rollout.agent.env.name=calculator or skyrl_gym:<name>, and "
      "rollout.agent.env.name is 'verifiers:x'"),
     # the role of an observation turn exists only in the chat format
-    ({"rollout.agent.env.observation_role": "user"}, "observation_role only applies with "
-                                                     "rollout.agent.env.observation_format=chat"),
+    ({"rollout.agent.env.observation_role": "user"}, "rollout.agent.env.observation_role only applies with "
+                                                     "observation_format=chat"),
     # a retriever's keys belong to the retrievers that read them
     ({"rollout.agent.env.name": "search", "rollout.agent.env.retriever.timeout": 5.0},
      "timeout only applies with rollout.agent.env.retriever.kind=http"),

@@ -248,8 +248,8 @@ def test_train_runs_the_calculator_and_a_users_environment(tiny_model_dir, tmp_p
     _eval_uses_the_runs_environment(run, env_file, tmp_path)
     with pytest.raises(ConfigError, match="rollout.agent.env is a key of rollout.agent.kind=multi_turn"):
         load_config(None, {"rollout.agent.env.max_turns": 3})
-    with pytest.raises(ConfigError, match="env.observation_role only applies with rollout.agent.env.observation_format="
-                                          "chat"):
+    with pytest.raises(ConfigError, match="override: rollout.agent.env.observation_role only applies with "
+                                          "observation_format=chat"):
         load_config(None, {"rollout.agent": "multi_turn", "rollout.agent.env.observation_role": "user"})
 
 

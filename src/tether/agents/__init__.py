@@ -64,10 +64,10 @@ def _no_tools(cfg) -> dict[str, Any]:
 
 
 def _env_options(cfg) -> dict[str, Any]:
-    e = cfg.rollout.agent.env  # search reads no observation keys (one raw turn), verifiers no role (its messages')
+    e = cfg.rollout.agent.env  # search's format and role, and verifiers' role, are fixed by their sections
     return {**_options(cfg), "max_obs_tokens": e.max_obs_tokens, "max_context": e.max_context,
-            "observation_format": getattr(e, "observation_format", "raw"),
-            "observation_role": getattr(e, "observation_role", "tool"), "reuse_kv": cfg.rollout.reuse_kv}
+            "observation_format": e.observation_format, "observation_role": e.observation_role,
+            "reuse_kv": cfg.rollout.reuse_kv}
 
 
 def env_from_config(e, retriever=None):
@@ -80,7 +80,7 @@ def env_from_config(e, retriever=None):
         return SearchEnv(retriever_from_config(r) if retriever is None else retriever, topk=r.topk,
                          max_searches=e.search_turns() - 1, observation_format=r.passage_format)
     turns = {"max_turns": e.max_turns} if e.max_turns else {}
-    options = getattr(e, "options", {})  # the calculator takes none
+    options = e.options  # the calculator's: none
     if isinstance(e, (SkyRLGymEnvConfig, VerifiersEnvConfig)):
         name = e.name[len(e.choice_prefix):]
         try:

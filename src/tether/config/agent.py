@@ -14,9 +14,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from ..sections import Section, chosen
 from .migration import drop_unread_keys, kind_mapping
@@ -78,6 +80,14 @@ class _Format(Section):
     observation_role: Literal["tool", "user"] = "tool"
     """observation_format=chat: the role of an observation turn"""
 
+    @field_validator("observation_role")
+    @classmethod
+    def _chat_only(cls, v: str, info: ValidationInfo) -> str:
+        if v != "tool" and info.data.get("observation_format") != "chat":
+            raise ValueError("only applies with observation_format=chat (a raw observation is text in the assistant's "
+                             "turn, with no role)")
+        return v
+
 
 class _Options(Section):
     options: dict = Field(default_factory=dict)
@@ -90,6 +100,8 @@ class CalculatorEnvConfig(_Format, _Env):
 
     name: Literal["calculator"] = "calculator"
     """calculator"""
+    #: its constructor takes no options (no key to set)
+    options: ClassVar[Mapping[str, Any]] = MappingProxyType({})
 
 
 class SearchEnvConfig(_Env):
@@ -98,6 +110,9 @@ class SearchEnvConfig(_Env):
 
     name: Literal["search"] = "search"
     """search"""
+    #: Search-R1's protocol: observations are text in the one assistant turn (no observation keys to set)
+    observation_format: ClassVar[str] = "raw"
+    observation_role: ClassVar[str] = "tool"
     retriever: Optional[RetrieverConfig] = None
     """its retriever (unset = the defaults below; setting one of its keys sets it)"""
 
@@ -135,6 +150,8 @@ class VerifiersEnvConfig(_Env):
     """verifiers:<env_id>, the module with load_environment (or the 0.4 task API's environment)"""
     observation_format: Literal["chat"] = "chat"
     """chat (its messages are chat turns)"""
+    #: its messages carry their own roles (no observation_role to set)
+    observation_role: ClassVar[str] = "tool"
     options: dict = Field(default_factory=dict)
     """args (load_environment's keyword arguments) and tool_format (auto | hermes | llama3_json: how the policy
     writes tool calls); verifiers 0.4: its own options (docs/ecosystem.md)"""

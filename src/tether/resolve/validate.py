@@ -15,7 +15,6 @@ from ..algo.objectives import uses_sampler_logp
 from ..algo.registry import is_spec, unknown_choice
 from ..anchor import ANCHOR_KINDS
 from ..config.agent import (
-    CalculatorEnvConfig,
     OtherEnvConfig,
     RetrieverConfig,
     SearchEnvConfig,
@@ -114,9 +113,6 @@ def _check_env(cfg: Config) -> list[str]:
         errs += _check_verifiers(e, p, cfg)
     elif isinstance(e, OtherEnvConfig) and e.name not in ENVS:
         errs.extend(_check_spec(f"{p}.name", e.name, ENVS))
-    if isinstance(e, (CalculatorEnvConfig, OtherEnvConfig)) and e.observation_role != "tool" \
-            and e.observation_format != "chat":
-        errs.append(f"{p}.observation_role only applies with {p}.observation_format=chat")
     if not isinstance(e, SearchEnvConfig):
         return errs
     r, dr, q = e.retriever_section(), RetrieverConfig(), f"{p}.retriever"
