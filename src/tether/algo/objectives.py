@@ -130,19 +130,18 @@ def loss_needs(cfg, vocab_size: int) -> LossNeeds:
 
 def correction_masks(cfg) -> Masks:
     """The masks of ``AlgoConfig.mask_*`` (``tether.algo.correction.Masks``)."""
-    g = lambda name, default=0.0: getattr(cfg, name, default)  # noqa: E731
-    return Masks(token_low=g("mask_token_low"), token_high=g("mask_token_high"), seq_high=g("mask_seq_high"),
-                 geo=g("mask_geo"), kl=g("mask_kl", "none"), kl_max=g("mask_kl_max"), opsm=g("mask_opsm"))
+    return Masks(token_low=cfg.mask_token_low, token_high=cfg.mask_token_high, seq_high=cfg.mask_seq_high,
+                 geo=cfg.mask_geo, kl=cfg.mask_kl, kl_max=cfg.mask_kl_max, opsm=cfg.mask_opsm)
 
 
 def correction_on(cfg) -> bool:
     """Whether the policy-gradient term is corrected (an IS weight or a mask)."""
-    return getattr(cfg, "tis_cap", 0) > 0 or correction_masks(cfg).any()
+    return cfg.tis_cap > 0 or correction_masks(cfg).any()
 
 
 def uses_sampler_logp(cfg) -> bool:
     """Whether the loss reads the engine's log-probs (mu): the correction, or the KL weighted against mu."""
-    return correction_on(cfg) or getattr(cfg, "kl_sampler", "pi_old") == "mu"
+    return correction_on(cfg) or cfg.kl_sampler == "mu"
 
 
 @dataclass
@@ -218,7 +217,7 @@ def _kl_terms(cfg, inp: LossInputs, logp: Tensor, old: Tensor, adv: Tensor,
         if inp.ref_logp is None:
             raise ValueError(f"KL estimator {kl_cfg.estimator!r} needs the anchor's log-probs (ref_logp)")
         sampler = old  # the distribution the sampling weights divide by: pi_old, or mu (kl_sampler)
-        if getattr(cfg, "kl_sampler", "pi_old") == "mu":
+        if cfg.kl_sampler == "mu":
             if inp.sampler_logp is None:
                 raise ValueError("algo.kl_sampler 'mu' needs the engine's log-probs (sampler_logp)")
             sampler = _masked(inp.sampler_logp.to(logp.dtype), mask)
@@ -226,9 +225,8 @@ def _kl_terms(cfg, inp: LossInputs, logp: Tensor, old: Tensor, adv: Tensor,
                        head_logp=_masked(inp.head_logp, mask), head_ref_logp=_masked(inp.head_ref_logp, mask),
                        in_head=inp.in_head, full_logp=_masked(inp.full_logp, mask),
                        full_ref_logp=_masked(inp.full_ref_logp, mask))
-        s_max = getattr(kl_cfg, "s_max", 0.0)  # a family without a clipped weight or a head has neither key
-        opt = KLOptions(s_min=getattr(kl_cfg, "s_min", 0.0), s_max=s_max if s_max > 0 else math.inf,
-                        truncated=getattr(kl_cfg, "truncated", False))
+        opt = KLOptions(s_min=kl_cfg.s_min, s_max=kl_cfg.s_max if kl_cfg.s_max > 0 else math.inf,
+                        truncated=kl_cfg.truncated)  # a family without a weight or a head states 0 / False
         kl_full = KL_ESTIMATORS[kl_cfg.estimator](kin, opt)  # [B, T] value + exact-form gradient
         kl_val = kl_full.detach()
         if kl_cfg.placement == "loss":

@@ -72,6 +72,8 @@ class SampledKLConfig(_Weight, _Placed, _Estimator):
 
     estimator: Literal[WEIGHTED] = "k3"
     """k1 | k2 | k3 | k3pp | k4 | k5"""
+    #: no head to truncate (not a key)
+    truncated: ClassVar[bool] = False
 
 
 class TopKKLConfig(_Weight, _Head, _Placed, _Estimator):
@@ -88,6 +90,10 @@ class UnweightedKLConfig(_Placed, _Estimator):
 
     estimator: Literal[UNWEIGHTED] = "exact_rev"
     """exact_rev | exact_fwd | grpo_k3 | grpo_k3_corrected | rpg_fkl | rpg_rkl | rpg_ufkl | rpg_urkl"""
+    #: no sampling weight to clip and no head to truncate (not keys)
+    s_min: ClassVar[float] = 0.0
+    s_max: ClassVar[float] = 0.0
+    truncated: ClassVar[bool] = False
 
 
 class OtherKLConfig(_Weight, _Head, _Placed, _Estimator):
