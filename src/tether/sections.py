@@ -230,6 +230,20 @@ def chosen(kinds: dict[str, type], other: type, default_kind: str) -> Any:
                                          + (typing.Annotated[other, Tag("other")],)], Discriminator(tag)]
 
 
+def only_with(*names: str, holds: typing.Callable[[dict], bool], text: str) -> Any:
+    """A validator of the fields ``names``, for a rule across keys of one section: a field set away from its default
+    needs ``holds(earlier)`` (``earlier``: the section's fields declared above it, validated), else it is refused
+    with ``text``, said after the key (``rollout.max_refill_rounds only applies with rollout.dynamic_sampling=true``).
+    Declare it beside the keys it joins."""
+
+    def check(cls, v: Any, info: ValidationInfo) -> Any:
+        if v != default(cls, info.field_name) and not holds(info.data):
+            raise ValueError(text)
+        return v
+
+    return field_validator(*names)(classmethod(check))
+
+
 def as_dict(section: Any) -> dict:
     """A plain dict of a section at every depth, with the keys users write (for YAML and logs)."""
     if isinstance(section, BaseModel):

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from ..sections import Section
+from ..sections import Section, only_with
 
 #: Name under which the embedded model is selected in `ModelConfig.name`.
 EMBEDDED_MODEL_NAME = "smollm2"
@@ -50,6 +50,9 @@ class ModelConfig(Section):
         if not names or not all(x.strip() for x in names):
             raise ValueError(f"must name at least one module (or 'all-linear'), got {v!r}")
         return v
+
+    _lora = only_with("lora_alpha", "lora_dropout", "lora_target_modules", holds=lambda m: m.get("lora_r", 1) > 0,
+                      text="only applies with model.lora_r > 0 (LoRA)")
     cache_dir: str | None = None
     """cache for dequantized GGUF models; default $TETHER_CACHE or ~/.cache/tether"""
     trust_remote_code: bool = False

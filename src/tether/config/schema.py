@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from ..algo.correction import LR_SCALES
-from ..sections import Section, as_dict
+from ..sections import Section, as_dict, only_with
 from .agent import AgentConfig, SingleTurnAgentConfig, agent_shorthand
 from .data import ArithmeticDataConfig, DataConfig, data_mapping
 from .engine import EngineConfig, HFEngineConfig, engine_shorthand
@@ -70,6 +70,13 @@ class RolloutConfig(Section):
     once)"""
     min_new_tokens: int = Field(0, ge=0)
     """EOS is banned before this many new tokens (0 = off; benchmarks use it for fixed-length decoding)"""
+
+    @field_validator("min_new_tokens")
+    @classmethod
+    def _within_max(cls, v: int, info: ValidationInfo) -> int:
+        if v > info.data.get("max_new_tokens", v):
+            raise ValueError(f"must be <= rollout.max_new_tokens, got {v}")
+        return v
     stop: list = Field(default_factory=list)
     """stop strings; the response ends right after one (the held-out evaluations during training stop at them too)"""
     batch_size: int = Field(32, ge=1)
@@ -84,10 +91,14 @@ class RolloutConfig(Section):
     """DAPO: drop groups whose rewards are all equal and refill with new prompts"""
     max_refill_rounds: int = Field(3, ge=0)
     """dynamic_sampling: at most this many extra generation rounds per step"""
+    _refill = only_with("max_refill_rounds", holds=lambda r: r.get("dynamic_sampling", True),
+                        text="only applies with rollout.dynamic_sampling=true")
     overlong_buffer_frac: float = Field(0.0, ge=0, le=1)
     """DAPO soft overlong penalty: linear penalty over the last frac of max_new_tokens (0 = off)"""
     overlong_penalty: float = 1.0
     """overlong_buffer_frac > 0: penalty at (and beyond) max_new_tokens"""
+    _overlong = only_with("overlong_penalty", holds=lambda r: r.get("overlong_buffer_frac", 1) > 0,
+                          text="only applies with rollout.overlong_buffer_frac > 0")
     mask_truncated: bool = False
     """exclude responses cut at max_new_tokens from the loss (DAPO overlong filtering)"""
 
@@ -246,10 +257,10 @@ class EvalConfig(Section):
     none, and nothing is evaluated) | arithmetic | gsm8k | math500 | ... | a file"""
     limit: int = Field(100, ge=1)
     """problems per benchmark (100: a standard error of about 4-5 points on accuracy)"""
-    n: int = Field(1, ge=1)
-    """samples per problem"""
     greedy: bool = True
     """temperature 0 (n must be 1); false samples at eval.temperature"""
+    n: int = Field(1, ge=1)
+    """samples per problem"""
     temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
     """greedy=false: sampling temperature (0: greedy)"""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -258,6 +269,22 @@ class EvalConfig(Section):
     """response length cap during evaluation"""
     anchor: bool = False
     """also evaluate the anchor (fixed / ema / reset / kl_reset), as eval_anchor/..."""
+
+    # the keys of an evaluation are refused while there is none
+    _off = only_with("benchmarks", "limit", "n", "greedy", "temperature", "top_p", "max_new_tokens", "anchor",
+                     holds=lambda e: e.get("before", True) or e.get("after", True) or e.get("every", 1),
+                     text="has no effect while evaluation is off (eval.before=false, eval.after=false, eval.every=0)")
+    _sampled = only_with("temperature", "top_p", holds=lambda e: not e.get("greedy", False),
+                         text="has no effect with eval.greedy=true")
+
+    @field_validator("n")
+    @classmethod
+    def _one_sample(cls, v: int, info: ValidationInfo) -> int:
+        on = info.data.get("before", True) or info.data.get("after", True) or info.data.get("every", 1)
+        if v != 1 and on and info.data.get("greedy", False):
+            raise ValueError(f"must be 1 with eval.greedy=true (greedy decoding gives {v} identical samples), or set "
+                             f"eval.greedy=false")
+        return v
 
 
 class Config(Section):
