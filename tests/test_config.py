@@ -55,9 +55,9 @@ def every_key() -> set[str]:
     from tether.config import (
         AsyncConfig,
         MultiTurnAgentConfig,
-        RetrieverConfig,
         VLLMEngineConfig,
         VLLMServerEngineConfig,
+        retriever_config,
     )
     from tether.config.agent import OtherEnvConfig, SearchEnvConfig, SkyRLGymEnvConfig, VerifiersEnvConfig
     from tether.config.anchor import OtherAnchorConfig
@@ -71,8 +71,9 @@ def every_key() -> set[str]:
     keys |= set(leaf_keys(OtherRegionConfig(kind="my.module:Region"), "algo.region."))
     keys |= set(leaf_keys(OtherAnchorConfig(kind="my_anchor"), "algo.anchor."))
     keys |= set(leaf_keys(OtherKLConfig(estimator="my_kl"), "algo.kl."))
-    for env in (SearchEnvConfig(retriever=RetrieverConfig()), SkyRLGymEnvConfig(name="skyrl_gym:x"),
-                VerifiersEnvConfig(name="verifiers:x"), OtherEnvConfig(name="my_env:Env")):
+    for env in (*(SearchEnvConfig(retriever=retriever_config(k, url="http://x")) for k in ("http", "my_ext:R")),
+                SkyRLGymEnvConfig(name="skyrl_gym:x"), VerifiersEnvConfig(name="verifiers:x"),
+                OtherEnvConfig(name="my_env:Env")):
         keys |= set(leaf_keys(MultiTurnAgentConfig(env=env), "rollout.agent."))
     keys |= {"rollout.agent.env.retriever", "rollout.agent.env"}
     keys |= set(leaf_keys(VLLMEngineConfig(), "rollout.engine."))

@@ -10,7 +10,8 @@ import typing
 import pytest
 
 from tether.cli import build_parser
-from tether.config import EvalConfig, RetrieverConfig
+from tether.config import EvalConfig
+from tether.config.agent import BM25RetrieverConfig
 from tether.config.flags import (
     DEMOS_FLAGS,
     DEMOS_PRESET,
@@ -21,7 +22,7 @@ from tether.config.flags import (
     flag_table,
     stated_default,
 )
-from tether.sections import annotation, default, doc
+from tether.sections import annotation, choice_key, default, doc
 
 EVAL = [f for group in EVAL_FLAGS.values() for f in group]
 
@@ -45,7 +46,9 @@ def test_each_flag_states_its_keys_declaration_and_default(command, flags, prese
         assert doc(section, name) in a.help
         assert a.default is None  # not given: the stated default comes from the declaration, not the parser
         tp = annotation(section, name)
-        if typing.get_origin(tp) is typing.Literal:
+        if name == choice_key(section):  # a chosen section's kind: the default kind is among the registry's choices
+            assert set(typing.get_args(tp)) <= set(a.choices)
+        elif typing.get_origin(tp) is typing.Literal:
             assert list(a.choices) == list(typing.get_args(tp))
         elif tp in (int, float):
             assert a.type is tp
@@ -58,7 +61,7 @@ def test_the_presets_are_the_only_defaults_that_differ_from_the_declarations():
                            "rollout.batch_size": 64}
     assert (EvalConfig().n, EvalConfig().greedy, EvalConfig().max_new_tokens) == (1, True, 256)
     assert stated_default("eval.temperature", EVAL_PRESET) == EvalConfig().temperature
-    assert stated_default("rollout.agent.env.retriever.topk", EVAL_PRESET) == RetrieverConfig().topk
+    assert stated_default("rollout.agent.env.retriever.topk", EVAL_PRESET) == BM25RetrieverConfig().topk
     table = flag_table()
     assert "| `tether eval` | `--n` | `eval.n` | `4` *preset* |" in table
     assert "| `tether eval` | `--temperature` | `eval.temperature` | `1.0` |" in table
@@ -80,7 +83,7 @@ def test_a_flag_not_given_takes_the_default_its_help_states():
 def test_a_key_that_is_not_declared_is_refused():
     with pytest.raises(KeyError, match="eval.no_such_key is not a config key"):
         field_at("eval.no_such_key")
-    assert field_at("rollout.agent.env.retriever.topk") == (RetrieverConfig, "topk")
+    assert field_at("rollout.agent.env.retriever.topk") == (BM25RetrieverConfig, "topk")
     assert Flag("rollout.agent.env.retriever.passage_format", "--observation-format").dest == "observation_format"
 
 

@@ -15,12 +15,11 @@ from tether.config import (
     ConfigError,
     HFEngineConfig,
     MultiTurnAgentConfig,
-    RetrieverConfig,
     SingleTurnAgentConfig,
     VLLMEngineConfig,
     to_dict,
 )
-from tether.config.agent import OtherEnvConfig
+from tether.config.agent import OtherEnvConfig, OtherRetrieverConfig
 from tether.config.migration import MOVED, migrate_saved, moved_key
 from tether.resolve import load_config, save_config
 from tether.sections import Section, default, doc, keys_of, replace
@@ -182,7 +181,7 @@ def test_every_moved_key_has_a_place_in_the_new_layout():
         section, _, leaf = new.rpartition(".")
         cls = {"rollout.engine": VLLMEngineConfig if old.startswith("rollout.vllm_") else HFEngineConfig,
                "train.async": AsyncConfig, "rollout.agent.env": OtherEnvConfig,
-               "rollout.agent.env.retriever": RetrieverConfig}[section]
+               "rollout.agent.env.retriever": OtherRetrieverConfig}[section]
         assert leaf in keys_of(cls), (old, new)
 
 
@@ -212,8 +211,8 @@ def test_agent_shorthand_and_kind_choose_the_section():
     cfg.rollout.agent = "multi_turn"
     assert isinstance(cfg.rollout.agent, MultiTurnAgentConfig) and cfg.rollout.agent.env.name == "calculator"
     cfg.rollout.agent = {"env": {"name": "search"}}  # a mapping with an env is multi_turn's
-    assert cfg.rollout.agent.kind == "multi_turn" and cfg.rollout.agent.env.retriever is None
-    assert cfg.rollout.agent.env.search_turns() == 5 and cfg.rollout.agent.env.retriever_section().topk == 3
+    assert cfg.rollout.agent.kind == "multi_turn" and cfg.rollout.agent.env.retriever.kind == "bm25"
+    assert cfg.rollout.agent.env.search_turns() == 5 and cfg.rollout.agent.env.retriever.topk == 3
     with pytest.raises(ConfigError, match="rollout.agent=search is now the search environment: "
                                           "rollout.agent.kind=multi_turn with rollout.agent.env.name=search"):
         load_config(None, {"rollout.agent": "search"})
@@ -242,11 +241,12 @@ def test_agent_shorthand_and_kind_choose_the_section():
     # the role of an observation turn exists only in the chat format
     ({"rollout.agent.env.observation_role": "user"}, "rollout.agent.env.observation_role only applies with "
                                                      "observation_format=chat"),
-    # a retriever's keys belong to the retrievers that read them
+    # a retriever's keys belong to the retrievers that read them (a section per kind)
     ({"rollout.agent.env.name": "search", "rollout.agent.env.retriever.timeout": 5.0},
-     "timeout only applies with rollout.agent.env.retriever.kind=http"),
+     "rollout.agent.env.retriever.timeout is a key of rollout.agent.env.retriever.kind=http, and "
+     "rollout.agent.env.retriever.kind is 'bm25'"),
     ({"rollout.agent.env.name": "search", "rollout.agent.env.retriever.kind": "http"},
-     "needs rollout.agent.env.retriever.url"),
+     "rollout.agent.env.retriever.url must be set: the retrieval server's base URL"),
     ({"rollout.agent.env.name": "nope_env"}, "unknown rollout.agent.env.name 'nope_env'"),
     ({"rollout.agent.env.max_context": 0}, "rollout.agent.env.max_context must be >= 1, got 0"),
 ])
@@ -335,6 +335,9 @@ def test_env_options_are_the_environment_constructors_keyword_arguments(tmp_path
                                "rollout.agent.env.options": {"max_turns": 2}})
 
 
+R = "rollout.agent.env.retriever"
+
+
 def test_a_config_saved_before_the_kl_and_env_sections_loads():
     """The previous release saved every KL key and every environment key whatever the estimator or the environment
     read (its config.yaml, flattened as a resume reads it): each unread key at its old default is dropped, and the
@@ -347,7 +350,17 @@ def test_a_config_saved_before_the_kl_and_env_sections_loads():
              "algo.kl.truncated": False, "algo.kl.s_min": 0.0, "algo.kl.s_max": 0.0}
     cfg = load_config(None, saved, recipe_name="grpo")
     assert to_dict(cfg)["rollout"]["agent"]["env"] == {"name": "search", "max_turns": 3, "max_obs_tokens": 512,
-                                                       "max_context": 4096, "retriever": None}
+                                                       "max_context": 4096, "retriever": {
+                                                           "kind": "bm25", "data_dir": "", "topk": 3,
+                                                           "passage_format": "search_r1", "corpus": ""}}
+    # its retriever saved with every key (an http one): the keys http does not read, at their defaults, dropped
+    old_http = {f"{R}.kind": "http", f"{R}.url": "http://127.0.0.1:1", f"{R}.corpus": "", f"{R}.data_dir": "",
+                f"{R}.dense_model": "intfloat/e5-base-v2", f"{R}.topk": 3, f"{R}.passage_format": "search_r1",
+                f"{R}.timeout": 30.0, f"{R}.retries": 2}
+    saved_http = {k: v for k, v in saved.items() if k != R} | old_http
+    assert load_config(None, saved_http, recipe_name="grpo").rollout.agent.env.retriever.url == "http://127.0.0.1:1"
+    with pytest.raises(ConfigError, match=f"{R}.dense_model is a key of {R}.kind=dense"):
+        load_config(None, saved_http | {f"{R}.dense_model": "other-model"}, recipe_name="grpo")
     assert to_dict(cfg)["algo"]["kl"] == {"estimator": "k3", "beta": 0.001, "placement": "loss", "s_min": 0.0,
                                           "s_max": 0.0}
     skyrl = {**saved, "rollout.agent.env.name": "skyrl_gym:gsm8k", "rollout.agent.env.observation_format": "chat",

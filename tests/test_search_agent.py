@@ -326,10 +326,10 @@ def test_search_options_that_cannot_act_are_errors():
     from tether.errors import ConfigError
     from tether.resolve import load_config
 
-    for over, msg in (({"rollout.agent.env.retriever.dense_model": "m"}, "dense_model only applies"),
-                      ({"rollout.agent.env.retriever.timeout": 5.0}, "timeout only applies"),
-                      ({"rollout.agent.env.retriever.retries": 0}, "retries only applies"),
-                      ({"rollout.agent.env.retriever.kind": "http"}, "needs rollout.agent.env.retriever.url"),
+    for over, msg in (({"rollout.agent.env.retriever.dense_model": "m"}, "dense_model is a key of .*kind=dense"),
+                      ({"rollout.agent.env.retriever.timeout": 5.0}, "timeout is a key of .*kind=http"),
+                      ({"rollout.agent.env.retriever.retries": 0}, "retries is a key of .*kind=http"),
+                      ({"rollout.agent.env.retriever.kind": "http"}, "rollout.agent.env.retriever.url must be set"),
                       ({"rollout.agent.env.retriever.topk": 4, "rollout.agent.env.name": "calculator"},
                        "rollout.agent.env.retriever is a key of rollout.agent.env.name=search, and "
                        "rollout.agent.env.name is 'calculator'")):

@@ -49,11 +49,11 @@ def test_observation_format_reaches_the_agent(tok, fmt):
             **({"rollout.agent.env.retriever.passage_format": fmt} if fmt else {})}
     cfg = load_config(None, over, task="search")
     env = cfg.rollout.agent.env
-    assert env.retriever_section().passage_format == (fmt or "search_r1")
+    assert env.retriever.passage_format == (fmt or "search_r1")
     eng = _script(tok)
     agent = RolloutPlan(cfg, tools={"env": env_from_config(env, FakeRetriever())}).agent(eng, tok)
     obs = _episode_observation(agent, tok, eng)
-    passages = FakeRetriever().search(["first q"], env.retriever_section().topk)[0]
+    passages = FakeRetriever().search(["first q"], env.retriever.topk)[0]
     assert obs == render_observation(passages, fmt or "search_r1")
     if fmt == "clean":
         assert "Doc 1(Title: T0 first q) text 0 about first q\nDoc 2(Title: T1 first q)" in obs
@@ -80,7 +80,7 @@ def test_search_corpus_goes_to_the_http_retriever(tmp_path):
     r = RolloutPlan(cfg).tools["env"].retriever
     assert isinstance(r, HTTPRetriever) and r.corpus is not None and len(r.corpus) == 5
     assert RolloutPlan(load_config(None, base, task="search")).tools["env"].retriever.corpus is None  # none by default
-    with pytest.raises(ConfigError, match="rollout.agent.env.retriever.dense_model only applies with "
+    with pytest.raises(ConfigError, match="rollout.agent.env.retriever.dense_model is a key of "
                                           "rollout.agent.env.retriever.kind=dense"):
         load_config(None, {**base, "rollout.agent.env.retriever.dense_model": "m"}, task="search")
 
@@ -156,7 +156,7 @@ def test_eval_flags_reach_the_http_retriever(tmp_path, tok, stub):
     cfg, tools = plan.cfg, plan.tools
     r = tools["env"].retriever
     assert isinstance(r, HTTPRetriever) and (r.timeout, r.retries, len(r.corpus)) == (7.5, 0, 6)
-    r_cfg = cfg.rollout.agent.env.retriever_section()
+    r_cfg = cfg.rollout.agent.env.retriever
     assert r_cfg.passage_format == "clean" and r_cfg.topk == 2
     # one episode through the agent: the server's id-less documents get their corpus ids back (gold recall)
     eng = _script(tok)

@@ -164,20 +164,19 @@ def test_dense_prefixes_follow_the_model_name():
 
 
 def test_retrievers_are_a_registry_and_a_user_retriever_loads_by_spec(tmp_path, monkeypatch):
-    """RETRIEVERS holds each retriever with the options a RetrieverConfig gives it; its kind (and
+    """RETRIEVERS holds each retriever with the options its section gives it; its kind (and
     make_retriever) also take a user's module:name, which gets corpus= like bm25 unless it says otherwise."""
-    from tether.config import RetrieverConfig
+    from tether.config import retriever_config
 
     assert R.RETRIEVERS.names() == ["bm25", "dense", "http"]
-    s = RetrieverConfig(kind="http", url="http://127.0.0.1:9", timeout=3.0, retries=1)
+    s = retriever_config("http", url="http://127.0.0.1:9", timeout=3.0, retries=1)
     assert R.RETRIEVERS.meta("http")["options"](s) == {"url": "http://127.0.0.1:9", "timeout": 3.0, "retries": 1}
-    assert R.RETRIEVERS.meta("http")["needs"] == ("url",)
     (tmp_path / "my_retriever_mod.py").write_text(
         "class Fixed:\n"
         "    def __init__(self, corpus=None):\n        self.corpus = corpus\n"
         "    def search(self, queries, k):\n        return [[] for _ in queries]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    r = R.retriever_from_config(RetrieverConfig(kind="my_retriever_mod:Fixed", corpus="c.jsonl"))
+    r = R.retriever_from_config(retriever_config("my_retriever_mod:Fixed", corpus="c.jsonl"))
     assert isinstance(r, Retriever) and r.corpus == "c.jsonl" and r.search(["q"], 2) == [[]]
     with pytest.raises(RetrievalError, match="unknown retriever 'bm52'. Did you mean 'bm25'"):
         make_retriever("bm52")

@@ -76,7 +76,7 @@ def env_from_config(e, retriever=None):
     load and check the corpus here); a SkyRL environment (`tether.envs.skyrl_gym`); a verifiers one; any other name
     built with ``e.max_turns`` when set; ``e.options`` are the constructor's keyword arguments."""
     if isinstance(e, SearchEnvConfig):
-        r = e.retriever_section()
+        r = e.retriever
         return SearchEnv(retriever_from_config(r) if retriever is None else retriever, topk=r.topk,
                          max_searches=e.search_turns() - 1, observation_format=r.passage_format)
     turns = {"max_turns": e.max_turns} if e.max_turns else {}

@@ -32,6 +32,7 @@ from .agent import (
                     SingleTurnAgentConfig,
                     env_name,
                     env_of,
+                    retriever_config,
 )
 from .anchor import AnchorConfig
 from .data import DataConfig, data_config
@@ -65,6 +66,6 @@ __all__ = [
     "KLConfig", "kl_config", "describe", "recipe", "ConfigError", "DataConfig", "data_config", "EvalConfig",
     "ModelConfig", "OptimizerConfig",
     "RolloutConfig", "RunConfig", "AgentConfig", "EnvConfig", "MultiTurnAgentConfig", "OtherAgentConfig",
-    "RetrieverConfig", "SingleTurnAgentConfig", "env_name", "env_of", "TrainConfig", "apply_keys", "parse",
-    "flatten", "parse_overrides", "set_key", "to_dict",
+    "RetrieverConfig", "retriever_config", "SingleTurnAgentConfig", "env_name", "env_of", "TrainConfig", "apply_keys",
+    "parse", "flatten", "parse_overrides", "set_key", "to_dict",
 ]

@@ -27,34 +27,111 @@ from .migration import drop_unread_keys, kind_mapping
 SEARCH_MAX_TURNS = 5
 
 
-class RetrieverConfig(Section):
-    """``rollout.agent.env.retriever``: the retriever of ``env.name=search`` (tether.search); defaults follow
-    Search-R1. Leaving it unset uses these defaults."""
-
-    kind: str = "bm25"
-    """bm25 (bm25s over corpus) | dense (sentence-transformers + faiss; extra tether[dense]) | http (a Search-R1
-    retrieval server at url) | a user's retriever module:name"""
-    corpus: str = ""
-    """bm25, dense: a JSONL corpus of {"id", "contents"} rows ("" = corpus.jsonl of the search data dir); http
-    (optional, "" = none): the corpus the server indexes, to recover the ids of documents it sends without one
-    (Search-R1's servers send none) so tether eval can measure gold recall"""
+class _Retriever(Section):
+    kind: str
+    """a user's retriever module:name, or another name registered in tether.search.retrievers.RETRIEVERS"""
     data_dir: str = ""
     """the search data directory for named QA sets and the corpus ("" = $TETHER_SEARCH_DATA_DIR, else
     <$TETHER_DATA_DIR>/../search)"""
-    url: str = ""
-    """http: the server's base URL; queries go to POST <url>/retrieve"""
-    dense_model: str = "intfloat/e5-base-v2"
-    """dense: a sentence-transformers model name or local directory"""
     topk: int = Field(3, ge=1)
     """passages per search"""
     passage_format: Literal["search_r1", "clean"] = "search_r1"
     """how a search's passages are shown to the model: search_r1 (Search-R1's exact bytes, Doc i(Title: "T") text,
     title quotes and newlines as stored; no results: an empty block) | clean (title quotes stripped, one line per
     passage, "No results found.")"""
+
+
+class _Corpus(Section):
+    corpus: str = ""
+    """a JSONL corpus of {"id", "contents"} rows ("" = corpus.jsonl of the search data dir)"""
+
+
+class BM25RetrieverConfig(_Corpus, _Retriever):
+    """``rollout.agent.env.retriever.kind=bm25``: bm25s over the corpus (the default, Search-R1's sparse
+    retriever)."""
+
+    kind: Literal["bm25"] = "bm25"
+    """bm25 (the default) | dense | http | a user's retriever module:name: each kind's keys are in its table"""
+
+
+class DenseRetrieverConfig(_Corpus, _Retriever):
+    """``rollout.agent.env.retriever.kind=dense``: sentence-transformers embeddings in a faiss index over the corpus
+    (extra tether[dense])."""
+
+    kind: Literal["dense"] = "dense"
+    """dense"""
+    dense_model: str = "intfloat/e5-base-v2"
+    """a sentence-transformers model name or local directory"""
+
+
+class _Server(Section):
+    url: str = Field("", validate_default=True)
+    """the server's base URL; queries go to POST <url>/retrieve"""
+
+    @field_validator("url")
+    @classmethod
+    def _given(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must be set: the retrieval server's base URL (rollout.agent.env.retriever.kind=http "
+                             "needs it)")
+        return v
+
+    corpus: str = ""
+    """optional ("" = none): the corpus the server indexes, to recover the ids of documents it sends without one
+    (Search-R1's servers send none) so tether eval can measure gold recall"""
     timeout: float = Field(30.0, gt=0)
-    """http: seconds per request"""
+    """seconds per request"""
     retries: int = Field(2, ge=0)
-    """http: extra attempts after a failed request; a search that still fails becomes an observation saying so"""
+    """extra attempts after a failed request; a search that still fails becomes an observation saying so"""
+
+
+class HTTPRetrieverConfig(_Server, _Retriever):
+    """``rollout.agent.env.retriever.kind=http``: a Search-R1 retrieval server at url."""
+
+    kind: Literal["http"] = "http"
+    """http"""
+
+
+class OtherRetrieverConfig(_Corpus, _Retriever):
+    """A user's retriever (``module:name``) or another name registered in tether.search.retrievers.RETRIEVERS: every
+    key, for it to read."""
+
+    url: str = ""
+    """its server's URL, if it has one"""
+    dense_model: str = "intfloat/e5-base-v2"
+    """its embedding model, if it has one"""
+    timeout: float = Field(30.0, gt=0)
+    """seconds per request, if it makes requests"""
+    retries: int = Field(2, ge=0)
+    """extra attempts after a failed request, if it makes requests"""
+
+
+#: retriever.kind -> its section
+RETRIEVER_SECTIONS: dict[str, type[Section]] = {"bm25": BM25RetrieverConfig, "dense": DenseRetrieverConfig,
+                                                "http": HTTPRetrieverConfig}
+#: the keys every retriever section carried before each kind had its own, and their defaults then
+_OLD_RETRIEVER_DEFAULTS = {"corpus": "", "url": "", "dense_model": "intfloat/e5-base-v2", "timeout": 30.0,
+                           "retries": 2}
+
+RetrieverConfig = chosen(RETRIEVER_SECTIONS, OtherRetrieverConfig, "bm25")
+
+
+def retriever_config(kind: str = "bm25", **keys: Any) -> Any:
+    """The retriever section of ``kind`` with ``keys`` (``retriever_config("http", url=...)``)."""
+    return RETRIEVER_SECTIONS.get(kind, OtherRetrieverConfig)(kind=kind, **keys)
+
+
+def retriever_mapping(value: Any) -> Any:
+    """``env.retriever`` given as a kind, None (an earlier release's unset retriever: bm25's defaults) or an earlier
+    release's mapping of every key: its kind's mapping."""
+    return kind_mapping({} if value is None else value, RETRIEVER_SECTIONS, _OLD_RETRIEVER_DEFAULTS, "bm25")
+
+
+def drop_unread_retriever_keys(vals: dict[str, Any], kind: Any) -> dict[str, Any]:
+    """Dotted keys ``vals`` without the ``rollout.agent.env.retriever.<key>`` keys retriever ``kind`` does not read
+    at their old default (`tether.config.migration.drop_unread_keys`)."""
+    return drop_unread_keys(vals, "rollout.agent.env.retriever", RETRIEVER_SECTIONS, OtherRetrieverConfig,
+                            _OLD_RETRIEVER_DEFAULTS, kind)
 
 
 class _Env(Section):
@@ -113,16 +190,17 @@ class SearchEnvConfig(_Env):
     #: Search-R1's protocol: observations are text in the one assistant turn (no observation keys to set)
     observation_format: ClassVar[str] = "raw"
     observation_role: ClassVar[str] = "tool"
-    retriever: Optional[RetrieverConfig] = None
-    """its retriever (unset = the defaults below; setting one of its keys sets it)"""
+    retriever: RetrieverConfig = Field(default_factory=BM25RetrieverConfig)
+    """its retriever, a section chosen by its kind (its keys below)"""
+
+    @field_validator("retriever", mode="before")
+    @classmethod
+    def _retriever_shorthand(cls, v: Any) -> Any:
+        return retriever_mapping(v)
 
     def search_turns(self) -> int:
         """The turn budget: max_turns, else :data:`SEARCH_MAX_TURNS`."""
         return self.max_turns or SEARCH_MAX_TURNS
-
-    def retriever_section(self) -> RetrieverConfig:
-        """The retriever section (its defaults when unset)."""
-        return self.retriever if self.retriever is not None else RetrieverConfig()
 
 
 class SkyRLGymEnvConfig(_Env):

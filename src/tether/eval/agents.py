@@ -168,7 +168,7 @@ def search_setup(args) -> tuple[list, RolloutPlan]:
     cfg = load_config(None, over)
     env = cfg.rollout.agent.env  # what results.json and the banner record, as used
     args.max_searches, args.max_obs_tokens, args.max_context = max_searches, env.max_obs_tokens, env.max_context
-    args.retriever, args.topk = env.retriever_section().kind, env.retriever_section().topk
+    args.retriever, args.topk = env.retriever.kind, env.retriever.topk
     benches = []
     for src in args.benchmarks:
         ex = load_search_examples(src, data_dir=args.search_data_dir, max_searches=max_searches,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..algo.registry import unknown_choice
-from ..config.agent import drop_unread_env_keys
+from ..config.agent import drop_unread_env_keys, drop_unread_retriever_keys
 from ..config.anchor import drop_unread_anchor_keys
 from ..config.data import drop_unread_data_keys
 from ..config.kl import drop_unread_kl_keys
@@ -43,6 +43,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
         vals = drop_unread_bounds(vals, kind_at(tree, "algo.region"))
         vals = drop_unread_anchor_keys(vals, kind_at(tree, "algo.anchor"))
         vals = drop_unread_env_keys(vals, kind_at(tree, "rollout.agent.env", "name"))
+        vals = drop_unread_retriever_keys(vals, kind_at(tree, "rollout.agent.env.retriever"))
         vals = drop_unread_data_keys(vals, kind_at(tree, "data", "task"))
         return drop_unread_kl_keys(vals, kind_at(tree, "algo.kl", "estimator"))
 

@@ -16,7 +16,6 @@ from ..algo.registry import is_spec, unknown_choice
 from ..anchor import ANCHOR_KINDS
 from ..config.agent import (
     OtherEnvConfig,
-    RetrieverConfig,
     SearchEnvConfig,
     VerifiersEnvConfig,
     env_of,
@@ -100,11 +99,10 @@ def _check_rollout_choices(cfg: Config) -> list[str]:
 
 
 def _check_env(cfg: Config) -> list[str]:
-    """rollout.agent.env (multi_turn): a name no section of its own holds is registered or a user's module:Class;
-    the observation role is read with chat turns; the search environment's retriever and its own keys (its registered
-    ``keys``, e.g. corpus with bm25, dense and http). A key the environment does not read is refused by its section
-    (`tether.config.agent`: the retriever is search's, options are not the calculator's or search's, search runs in
-    one raw turn, SkyRL and verifiers environments in chat turns)."""
+    """rollout.agent.env (multi_turn): a name no section of its own holds is registered or a user's module:Class, and
+    so is a retriever kind no section holds. A key the environment or the retriever does not read is refused by its
+    section (`tether.config.agent`: the retriever is search's, options are not the calculator's or search's, search
+    runs in one raw turn, SkyRL and verifiers environments in chat turns, timeout and retries are http's)."""
     e = env_of(cfg)
     if e is None:
         return []
@@ -113,18 +111,8 @@ def _check_env(cfg: Config) -> list[str]:
         errs += _check_verifiers(e, p, cfg)
     elif isinstance(e, OtherEnvConfig) and e.name not in ENVS:
         errs.extend(_check_spec(f"{p}.name", e.name, ENVS))
-    if not isinstance(e, SearchEnvConfig):
-        return errs
-    r, dr, q = e.retriever_section(), RetrieverConfig(), f"{p}.retriever"
-    if r.kind not in RETRIEVERS:
-        return errs + _check_spec(f"{q}.kind", r.kind, RETRIEVERS)
-    meta = RETRIEVERS.meta(r.kind)
-    errs += [f"{q}.kind={r.kind} needs {q}.{k}" + (" (the retrieval server's base URL)" if k == "url" else "")
-             for k in meta["needs"] if not getattr(r, k)]
-    for k in dict.fromkeys(k for n in RETRIEVERS for k in RETRIEVERS.meta(n)["keys"]):
-        if k not in meta["keys"] and getattr(r, k) != getattr(dr, k):
-            users = [n for n in RETRIEVERS if k in RETRIEVERS.meta(n)["keys"]]
-            errs.append(f"{q}.{k} only applies with {q}.kind={' or '.join(users)}")
+    if isinstance(e, SearchEnvConfig) and e.retriever.kind not in RETRIEVERS:
+        errs += _check_spec(f"{p}.retriever.kind", e.retriever.kind, RETRIEVERS)
     return errs
 
 

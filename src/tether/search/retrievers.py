@@ -83,18 +83,15 @@ def _corpus(s) -> dict[str, Any]:
 
 
 #: Retriever factories by name; :func:`make_retriever` calls ``RETRIEVERS[kind](**options)``. Metadata:
-#: ``options(section) -> dict``, the options a ``tether.config.RetrieverConfig`` gives the factory, and
-#: ``keys``, the ``rollout.agent.env.retriever.*`` keys it reads (the others are errors with it; ``needs``: those
-#: it cannot do without). A user's retriever (``env.retriever.kind=module:name``) carries any of them as attributes; by
-#: default it gets ``corpus=`` like bm25.
+#: ``options(section) -> dict``, the options its ``rollout.agent.env.retriever`` section gives the factory (which keys
+#: each kind has is its section's, `tether.config.agent`; a user's retriever, ``env.retriever.kind=module:name``, has
+#: every key, and carries ``options`` as an attribute; by default it gets ``corpus=`` like bm25).
 RETRIEVERS: Registry[Callable[..., Retriever]] = Registry(
-    "retriever", defaults={"options": _corpus, "keys": ("corpus",), "needs": ()}, error=RetrievalError)
+    "retriever", defaults={"options": _corpus}, error=RetrievalError)
 RETRIEVERS.register("bm25")(BM25Retriever)
-RETRIEVERS.register("dense", options=lambda s: {**_corpus(s), "model": s.dense_model},
-                    keys=("corpus", "dense_model"))(DenseRetriever)
+RETRIEVERS.register("dense", options=lambda s: {**_corpus(s), "model": s.dense_model})(DenseRetriever)
 RETRIEVERS.register("http", options=lambda s: {"url": s.url, "timeout": s.timeout, "retries": s.retries,
-                                               **({"corpus": s.corpus} if s.corpus else {})},
-                    keys=("url", "timeout", "retries", "corpus"), needs=("url",))(HTTPRetriever)
+                                               **({"corpus": s.corpus} if s.corpus else {})})(HTTPRetriever)
 
 
 def register_retriever(name: str, factory: Callable[..., Retriever], **meta: Any) -> None:

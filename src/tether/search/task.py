@@ -34,6 +34,6 @@ def search_qa_task(cfg) -> list:
     (its ``data.split``); the prompt carries the search protocol's instruction
     (``load_search_examples``)."""
     d, env = cfg.data, cfg.rollout.agent.env
-    return load_search_examples(d.task, data_dir=env.retriever_section().data_dir or None,
+    return load_search_examples(d.task, data_dir=env.retriever.data_dir or None,
                                 question_key=d.prompt_key or "question", answers_key=d.answer_key,
                                 max_searches=env.search_turns() - 1, limit=d.limit or None, hub_split=d.split)
