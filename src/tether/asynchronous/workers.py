@@ -55,7 +55,6 @@ from .. import models  # models.load_model: an attribute read at call time (test
 from ..agents.build import build_rollout
 from ..errors import GenerationError
 from ..rollout.base import RolloutBatch, SamplingParams
-from ..sections import replace
 from .partial import Segmented
 from .weights import (
     SharedWeights,
@@ -117,7 +116,7 @@ class Sampler:
     def __init__(self, cfg, rank: int, verify: bool, probe: list[int]):
 
         self.rank, self.verify, self.probe = rank, verify, probe
-        self.model, tokenizer = models.load_model(replace(cfg.model, lora_r=0, gradient_checkpointing=False))
+        self.model, tokenizer = models.load_model(cfg.model.without_lora(gradient_checkpointing=False))
         self.model.requires_grad_(False)
         self.vllm = cfg.rollout.engine.kind == "vllm"
         S = cfg.train.async_.partial_rollout_tokens

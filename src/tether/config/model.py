@@ -53,6 +53,12 @@ class ModelConfig(Section):
 
     _lora = only_with("lora_alpha", "lora_dropout", "lora_target_modules", holds=lambda m: m.get("lora_r", 1) > 0,
                       text="only applies with model.lora_r > 0 (LoRA)")
+
+    def without_lora(self, **changes: Any) -> "ModelConfig":
+        """This section without LoRA (lora_r 0, the lora_* keys at their defaults) and with ``changes``: the plain
+        model a LoRA run's adapters are merged into."""
+        keep = {k: getattr(self, k) for k in type(self).model_fields if not k.startswith("lora_")}
+        return type(self)(**(keep | changes))
     cache_dir: str | None = None
     """cache for dequantized GGUF models; default $TETHER_CACHE or ~/.cache/tether"""
     trust_remote_code: bool = False
