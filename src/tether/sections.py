@@ -83,9 +83,16 @@ def user_value(value: Any, tp: Any) -> Any:
 
 
 def validate_field(cls: type, name: str, value: Any) -> Any:
-    """``value`` validated as field ``name`` of section class ``cls`` alone (its type, range and validators; the
-    other fields at their defaults); raises pydantic's ValidationError."""
-    return getattr(cls.__pydantic_validator__.validate_assignment(cls.model_construct(), name, value), name)
+    """``value`` validated as field ``name`` of section class ``cls`` alone (its type, range and validators, not the
+    rules that join it to other keys: `alone`); raises pydantic's ValidationError."""
+    return getattr(cls.__pydantic_validator__.validate_assignment(cls.model_construct(), name, value,
+                                                                  context={"alone": True}), name)
+
+
+def alone(info: ValidationInfo) -> bool:
+    """Whether a field is being validated alone (`validate_field`: a flag's value), so a rule joining it to the
+    section's other keys does not apply."""
+    return bool(info.context and info.context.get("alone"))
 
 
 def is_section(value: Any) -> bool:
@@ -237,7 +244,7 @@ def only_with(*names: str, holds: typing.Callable[[dict], bool], text: str) -> A
     Declare it beside the keys it joins."""
 
     def check(cls, v: Any, info: ValidationInfo) -> Any:
-        if v != default(cls, info.field_name) and not holds(info.data):
+        if not alone(info) and v != default(cls, info.field_name) and not holds(info.data):
             raise ValueError(text)
         return v
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
-from ..sections import Section, chosen
+from ..sections import Section, alone, chosen
 from .migration import drop_unread_keys, kind_mapping
 
 #: the turn budget of env.name=search when env.max_turns is 0: 4 searches, then one final turn without search
@@ -160,7 +160,7 @@ class _Format(Section):
     @field_validator("observation_role")
     @classmethod
     def _chat_only(cls, v: str, info: ValidationInfo) -> str:
-        if v != "tool" and info.data.get("observation_format") != "chat":
+        if v != "tool" and info.data.get("observation_format") != "chat" and not alone(info):
             raise ValueError("only applies with observation_format=chat (a raw observation is text in the assistant's "
                              "turn, with no role)")
         return v

@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, ValidationInfo, field_validator
 
 from ..algo.correction import LR_SCALES
-from ..sections import Section, as_dict, only_with
+from ..sections import Section, alone, as_dict, only_with
 from .agent import AgentConfig, SingleTurnAgentConfig, agent_shorthand
 from .data import ArithmeticDataConfig, DataConfig, data_mapping
 from .engine import EngineConfig, HFEngineConfig, engine_shorthand
@@ -74,7 +74,7 @@ class RolloutConfig(Section):
     @field_validator("min_new_tokens")
     @classmethod
     def _within_max(cls, v: int, info: ValidationInfo) -> int:
-        if v > info.data.get("max_new_tokens", v):
+        if not alone(info) and v > info.data.get("max_new_tokens", v):
             raise ValueError(f"must be <= rollout.max_new_tokens, got {v}")
         return v
     stop: list = Field(default_factory=list)
@@ -281,7 +281,7 @@ class EvalConfig(Section):
     @classmethod
     def _one_sample(cls, v: int, info: ValidationInfo) -> int:
         on = info.data.get("before", True) or info.data.get("after", True) or info.data.get("every", 1)
-        if v != 1 and on and info.data.get("greedy", False):
+        if v != 1 and on and info.data.get("greedy", False) and not alone(info):
             raise ValueError(f"must be 1 with eval.greedy=true (greedy decoding gives {v} identical samples), or set "
                              f"eval.greedy=false")
         return v
