@@ -20,8 +20,8 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
-from ..sections import Section, alone, chosen
-from .migration import drop_unread_keys, kind_mapping
+from ..sections import Section, alone
+from .migration import Choice
 
 #: the turn budget of env.name=search when env.max_turns is 0: 4 searches, then one final turn without search
 SEARCH_MAX_TURNS = 5
@@ -113,25 +113,11 @@ RETRIEVER_SECTIONS: dict[str, type[Section]] = {"bm25": BM25RetrieverConfig, "de
 _OLD_RETRIEVER_DEFAULTS = {"corpus": "", "url": "", "dense_model": "intfloat/e5-base-v2", "timeout": 30.0,
                            "retries": 2}
 
-RetrieverConfig = chosen(RETRIEVER_SECTIONS, OtherRetrieverConfig, "bm25")
-
-
-def retriever_config(kind: str = "bm25", **keys: Any) -> Any:
-    """The retriever section of ``kind`` with ``keys`` (``retriever_config("http", url=...)``)."""
-    return RETRIEVER_SECTIONS.get(kind, OtherRetrieverConfig)(kind=kind, **keys)
-
-
-def retriever_mapping(value: Any) -> Any:
-    """``env.retriever`` given as a kind, None (an earlier release's unset retriever: bm25's defaults) or an earlier
-    release's mapping of every key: its kind's mapping."""
-    return kind_mapping({} if value is None else value, RETRIEVER_SECTIONS, _OLD_RETRIEVER_DEFAULTS, "bm25")
-
-
-def drop_unread_retriever_keys(vals: dict[str, Any], kind: Any) -> dict[str, Any]:
-    """Dotted keys ``vals`` without the ``rollout.agent.env.retriever.<key>`` keys retriever ``kind`` does not read
-    at their old default (`tether.config.migration.drop_unread_keys`)."""
-    return drop_unread_keys(vals, "rollout.agent.env.retriever", RETRIEVER_SECTIONS, OtherRetrieverConfig,
-                            _OLD_RETRIEVER_DEFAULTS, kind)
+#: rollout.agent.env.retriever, chosen by its kind
+RETRIEVER = Choice("rollout.agent.env.retriever", RETRIEVER_SECTIONS, OtherRetrieverConfig, "bm25",
+                   _OLD_RETRIEVER_DEFAULTS)
+RetrieverConfig = RETRIEVER.type
+retriever_config = RETRIEVER.section
 
 
 class _Env(Section):
@@ -196,7 +182,7 @@ class SearchEnvConfig(_Env):
     @field_validator("retriever", mode="before")
     @classmethod
     def _retriever_shorthand(cls, v: Any) -> Any:
-        return retriever_mapping(v)
+        return RETRIEVER.mapping({} if v is None else v)  # an earlier release's unset retriever: bm25's defaults
 
     def search_turns(self) -> int:
         """The turn budget: max_turns, else :data:`SEARCH_MAX_TURNS`."""
@@ -248,19 +234,9 @@ ENV_SECTIONS: dict[str, type[Section]] = {"calculator": CalculatorEnvConfig, "se
 _OLD_ENV_DEFAULTS = {"observation_format": "raw", "observation_role": "tool", "options": {}, "retriever": None}
 
 
-def env_mapping(value: Any) -> Any:
-    """``rollout.agent.env`` given as a name or an earlier release's mapping of every key: its section's mapping."""
-    return kind_mapping(value, ENV_SECTIONS, _OLD_ENV_DEFAULTS, "calculator", key="name")
-
-
-def drop_unread_env_keys(vals: dict[str, Any], name: Any) -> dict[str, Any]:
-    """Dotted keys ``vals`` without the ``rollout.agent.env.<key>`` keys environment ``name`` does not read at their
-    old default (`tether.config.migration.drop_unread_keys`)."""
-    return drop_unread_keys(vals, "rollout.agent.env", ENV_SECTIONS, OtherEnvConfig, _OLD_ENV_DEFAULTS, name,
-                            key="name")
-
-
-EnvConfig = chosen(ENV_SECTIONS, OtherEnvConfig, "calculator")
+#: rollout.agent.env, chosen by its name
+ENV = Choice("rollout.agent.env", ENV_SECTIONS, OtherEnvConfig, "calculator", _OLD_ENV_DEFAULTS, key="name")
+EnvConfig = ENV.type
 
 
 class SingleTurnAgentConfig(Section):
@@ -282,7 +258,7 @@ class MultiTurnAgentConfig(Section):
     @field_validator("env", mode="before")
     @classmethod
     def _env_shorthand(cls, v: Any) -> Any:
-        return env_mapping(v)
+        return ENV.mapping(v)
 
 
 class OtherAgentConfig(Section):

@@ -2,17 +2,17 @@
 with the keys it reads (tether.anchor builds it; tether.algo.anchors registers the kinds). A key another kind reads
 is refused by construction (``algo.anchor.kappa`` with ``kind: ema``); ``algo.anchor=ema`` is short for
 ``algo.anchor.kind=ema``. A section saved by an earlier release (every kind's keys) is read back by
-`anchor_mapping` / `drop_unread_anchor_keys`.
+`ANCHOR.mapping` / `ANCHOR.drop_unread`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from ..sections import Section, chosen
-from .migration import drop_unread_keys, kind_mapping
+from ..sections import Section
+from .migration import Choice
 
 #: algo.anchor.dtype (kind fixed)
 ANCHOR_DTYPES = ("policy", "bfloat16")
@@ -97,15 +97,6 @@ ANCHOR_SECTIONS: dict[str, type[Section]] = {
 _OLD_DEFAULTS = {"eta": 0.95, "every": 10, "kappa": 0.0, "kl_smoothing": 0.9, "dtype": "policy"}
 
 
-def anchor_mapping(value: Any) -> Any:
-    """``algo.anchor`` given as a kind or an earlier release's mapping of every key: its kind's mapping."""
-    return kind_mapping(value, ANCHOR_SECTIONS, _OLD_DEFAULTS, "none")
-
-
-def drop_unread_anchor_keys(vals: dict[str, Any], kind: str) -> dict[str, Any]:
-    """Dotted keys ``vals`` without the ``algo.anchor.<key>`` keys anchor ``kind`` does not read at their old
-    default (`tether.config.migration.drop_unread_keys`)."""
-    return drop_unread_keys(vals, "algo.anchor", ANCHOR_SECTIONS, OtherAnchorConfig, _OLD_DEFAULTS, kind)
-
-
-AnchorConfig = chosen(ANCHOR_SECTIONS, OtherAnchorConfig, "none")
+#: algo.anchor, chosen by its kind
+ANCHOR = Choice("algo.anchor", ANCHOR_SECTIONS, OtherAnchorConfig, "none", _OLD_DEFAULTS)
+AnchorConfig = ANCHOR.type

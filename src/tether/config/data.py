@@ -15,8 +15,8 @@ from typing import Any, ClassVar, Literal, Optional
 from pydantic import Field
 
 from ..algo.registry import is_spec
-from ..sections import Section, chosen, variant_for
-from .migration import drop_unread_keys, kind_mapping
+from ..sections import Section
+from .migration import Choice
 
 #: The largest difficulty of the organism's problems (operations per problem; `tether.tasks.organism_problems`)
 ORGANISM_MAX_DIFFICULTY = 6
@@ -128,20 +128,7 @@ _OLD_DEFAULTS = {"split": "train", "prompt_key": None, "answer_key": None, "data
                  "options": {}}
 
 
-def data_config(task: str = "arithmetic", **keys: Any) -> Any:
-    """The data section of ``task`` with ``keys`` (``data_config("gsm8k", limit=100)``)."""
-    return (variant_for(DATA_SECTIONS, task) or OtherDataConfig)(task=task, **keys)
-
-
-def data_mapping(value: Any) -> Any:
-    """``data`` given as a task name or an earlier release's mapping of every key: its task's mapping."""
-    return kind_mapping(value, DATA_SECTIONS, _OLD_DEFAULTS, "arithmetic", key="task")
-
-
-def drop_unread_data_keys(vals: dict[str, Any], task: Any) -> dict[str, Any]:
-    """Dotted keys ``vals`` without the ``data.<key>`` keys task ``task`` does not read at their old default
-    (`tether.config.migration.drop_unread_keys`)."""
-    return drop_unread_keys(vals, "data", DATA_SECTIONS, OtherDataConfig, _OLD_DEFAULTS, task, key="task")
-
-
-DataConfig = chosen(DATA_SECTIONS, OtherDataConfig, "arithmetic")
+#: data, chosen by its task
+DATA = Choice("data", DATA_SECTIONS, OtherDataConfig, "arithmetic", _OLD_DEFAULTS, key="task")
+DataConfig = DATA.type
+data_config = DATA.section

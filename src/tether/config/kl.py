@@ -2,18 +2,18 @@
 has every estimator's equation), each family of estimators with the keys it reads. A key another family reads is
 refused by construction (``algo.kl.topk`` with ``estimator: k3``); changing the estimator keeps the keys the new one
 reads too (beta, placement). A section saved by an earlier release (every key, whatever the estimator read) is read
-back by `kl_mapping` / `drop_unread_kl_keys`.
+back by `KL.mapping` / `KL.drop_unread`.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
 from ..algo.kl import EXACT_ESTIMATORS, KL_ESTIMATORS, RPG_ESTIMATORS, TOPK_ESTIMATORS
-from ..sections import Section, chosen
-from .migration import drop_unread_keys, kind_mapping
+from ..sections import Section
+from .migration import Choice
 
 #: algo.kl.placement
 PLACEMENTS = ("loss", "reward", "advantage")
@@ -109,20 +109,7 @@ KL_SECTIONS: dict[str, type[Section]] = {e: c for c in (NoKLConfig, SampledKLCon
 _OLD_DEFAULTS = {"placement": "loss", "topk": 32, "truncated": False, "s_min": 0.0, "s_max": 0.0}
 
 
-def kl_config(estimator: str = "none", **keys: Any) -> Any:
-    """The section of ``estimator`` with ``keys`` (``kl_config("k3", beta=1e-3)``)."""
-    return KL_SECTIONS.get(estimator, OtherKLConfig)(estimator=estimator, **keys)
-
-
-def kl_mapping(value: Any) -> Any:
-    """``algo.kl`` given as an estimator or an earlier release's mapping of every key: its family's mapping."""
-    return kind_mapping(value, KL_SECTIONS, _OLD_DEFAULTS, "none", key="estimator")
-
-
-def drop_unread_kl_keys(vals: dict[str, Any], estimator: str) -> dict[str, Any]:
-    """Dotted keys ``vals`` without the ``algo.kl.<key>`` keys ``estimator`` does not read at their old default
-    (`tether.config.migration.drop_unread_keys`)."""
-    return drop_unread_keys(vals, "algo.kl", KL_SECTIONS, OtherKLConfig, _OLD_DEFAULTS, estimator, key="estimator")
-
-
-KLConfig = chosen(KL_SECTIONS, OtherKLConfig, "none")
+#: algo.kl, chosen by its estimator
+KL = Choice("algo.kl", KL_SECTIONS, OtherKLConfig, "none", _OLD_DEFAULTS, key="estimator")
+KLConfig = KL.type
+kl_config = KL.section

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..sections import variant_for
+from ..sections import chosen, variant_for
 
 #: old dotted key -> its new dotted key
 MOVED: dict[str, str] = {
@@ -170,3 +170,39 @@ def drop_unread_keys(vals: dict[str, Any], prefix: str, kinds: dict[str, Any], o
     return {k: v for k, v in vals.items()
             if not (k.startswith(prefix + ".") and k[n:] in old_defaults and k[n:] not in fields
                     and v == old_defaults[k[n:]])}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A section chosen by its ``key`` (``kind``; ``algo.kl``: ``estimator``; ``data``: ``task``), declared once:
+    where it sits (``at``), its variants (``kinds``: kind -> section class; a key ending in ``:`` holds every name
+    it starts), the variant of any other kind (``other``: a user's plugin, every key), the kind a mapping without the
+    key gets, and the keys every kind carried before each had its own section with their defaults then
+    (``old_defaults``: what an earlier release saved). ``type`` is the field's annotation (`tether.sections.chosen`)."""
+
+    at: str
+    kinds: dict[str, Any]
+    other: Any
+    default_kind: str
+    old_defaults: dict[str, Any]
+    key: str = "kind"
+    type: Any = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "type", chosen(self.kinds, self.other, self.default_kind))
+
+    def section(self, kind: str | None = None, **keys: Any) -> Any:
+        """The section of ``kind`` (default: the default kind; or given by its key, ``estimator="k3"``) with ``keys``
+        (``KL.section("k3", beta=1e-3)``)."""
+        kind = keys.pop(self.key, self.default_kind if kind is None else kind)
+        return (variant_for(self.kinds, kind) or self.other)(**{self.key: kind}, **keys)
+
+    def mapping(self, value: Any) -> Any:
+        """The section given as its kind, a dataclass or an earlier release's mapping of every kind's keys: its
+        kind's mapping (`kind_mapping`); the field's before-validator."""
+        return kind_mapping(value, self.kinds, self.old_defaults, self.default_kind, key=self.key)
+
+    def drop_unread(self, vals: dict[str, Any], kind: Any) -> dict[str, Any]:
+        """Dotted keys ``vals`` without this section's keys that ``kind`` (or the kind ``vals`` set) does not read at
+        their old default (`drop_unread_keys`)."""
+        return drop_unread_keys(vals, self.at, self.kinds, self.other, self.old_defaults, kind, key=self.key)

@@ -26,15 +26,16 @@ from ..algo.trust_region import REGIONS, REINFORCE_ONLY_REGIONS, kl3_bounds
 from ..errors import ConfigError
 from ..sections import Section, default
 from .anchor import (
+    ANCHOR,
     AnchorConfig,
     EMAAnchorConfig,
     FixedAnchorConfig,
     IterativeAnchorConfig,
     NoAnchorConfig,
-    anchor_mapping,
 )
-from .kl import KLConfig, NoKLConfig, kl_config, kl_mapping
+from .kl import KL, KLConfig, NoKLConfig, kl_config
 from .region import (
+    REGION,
     CISPORegionConfig,
     DualRegionConfig,
     GSPORegionConfig,
@@ -42,7 +43,6 @@ from .region import (
     RatioRegionConfig,
     RegionConfig,
     RPGClipRegionConfig,
-    region_mapping,
 )
 
 ANCHORS = ("none", *ANCHOR_KINDS.names())  # "none": no anchor and no KL term; the kinds: tether.algo.anchors
@@ -118,17 +118,17 @@ class AlgoConfig(Section):
     @field_validator("region", mode="before")
     @classmethod
     def _region_shorthand(cls, v: Any) -> Any:
-        return region_mapping(v)
+        return REGION.mapping(v)
 
     @field_validator("anchor", mode="before")
     @classmethod
     def _anchor_shorthand(cls, v: Any) -> Any:
-        return anchor_mapping(v)
+        return ANCHOR.mapping(v)
 
     @field_validator("kl", mode="before")
     @classmethod
     def _kl_shorthand(cls, v: Any) -> Any:
-        return kl_mapping(v)
+        return KL.mapping(v)
 
     def copy(self) -> "AlgoConfig":
         return copy.deepcopy(self)

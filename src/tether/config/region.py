@@ -4,17 +4,17 @@ construction (``algo.region.delta`` with ``kind: ratio``), and ``algo.region.kin
 own defaults. ``algo.region=ratio`` is short for ``algo.region.kind=ratio``.
 
 A region saved by an earlier release (config.yaml held all four bounds, whatever the kind read) is read back by
-`region_mapping`: a bound the kind does not read, at its old default, is dropped.
+`REGION.mapping`: a bound the kind does not read, at its old default, is dropped.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator
 
-from ..sections import Section, chosen
-from .migration import drop_unread_keys, kind_mapping
+from ..sections import Section
+from .migration import Choice
 
 
 class _Kind(Section):
@@ -129,16 +129,6 @@ REGION_KINDS: dict[str, type[Section]] = {
 _OLD_DEFAULTS = {"eps_low": 0.2, "eps_high": 0.2, "clip_c": 0.0, "delta": 0.0}
 
 
-def region_mapping(value: Any) -> Any:
-    """``algo.region`` given as a kind, a dataclass (`tether.algo.RegionConfig`) or an earlier release's mapping of
-    all four bounds: its kind's mapping (`tether.config.migration.kind_mapping`)."""
-    return kind_mapping(value, REGION_KINDS, _OLD_DEFAULTS, "ratio")
-
-
-def drop_unread_bounds(vals: dict[str, Any], kind: str) -> dict[str, Any]:
-    """Dotted keys ``vals`` without the ``algo.region.<bound>`` keys region ``kind`` does not read at their old
-    default (`tether.config.migration.drop_unread_keys`)."""
-    return drop_unread_keys(vals, "algo.region", REGION_KINDS, OtherRegionConfig, _OLD_DEFAULTS, kind)
-
-
-RegionConfig = chosen(REGION_KINDS, OtherRegionConfig, "ratio")
+#: algo.region, chosen by its kind
+REGION = Choice("algo.region", REGION_KINDS, OtherRegionConfig, "ratio", _OLD_DEFAULTS)
+RegionConfig = REGION.type

@@ -13,7 +13,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from ..algo.correction import LR_SCALES
 from ..sections import Section, alone, as_dict, only_with
 from .agent import AgentConfig, SingleTurnAgentConfig, agent_shorthand
-from .data import ArithmeticDataConfig, DataConfig, data_mapping
+from .data import DATA, ArithmeticDataConfig, DataConfig
 from .engine import EngineConfig, HFEngineConfig, engine_shorthand
 from .model import ModelConfig
 from .recipes import AlgoConfig, recipe
@@ -301,7 +301,7 @@ class Config(Section):
     @field_validator("data", mode="before")
     @classmethod
     def _data_shorthand(cls, v: Any) -> Any:
-        return data_mapping(v)
+        return DATA.mapping(v)
 
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)

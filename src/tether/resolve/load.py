@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..algo.registry import unknown_choice
-from ..config.agent import drop_unread_env_keys, drop_unread_retriever_keys
-from ..config.anchor import drop_unread_anchor_keys
-from ..config.data import drop_unread_data_keys
-from ..config.kl import drop_unread_kl_keys
+from ..config.agent import ENV, RETRIEVER
+from ..config.anchor import ANCHOR
+from ..config.data import DATA
+from ..config.kl import KL
 from ..config.overrides import flatten, kind_at, parse
 from ..config.recipes import RECIPES, recipe
-from ..config.region import drop_unread_bounds
+from ..config.region import REGION
 from ..config.schema import DEFAULT_RECIPE, Config
 from ..errors import ConfigError
 from ..sections import replace
@@ -40,12 +40,9 @@ def load_config(path: Optional[str] = None, overrides: Optional[dict[str, Any]] 
     def unread_dropped(vals: dict[str, Any], tree: dict) -> dict[str, Any]:
         """Region, anchor, KL, environment and data keys their kind, estimator, name or task (the one vals set, else
         the one so far) does not read, at an earlier release's defaults, dropped."""
-        vals = drop_unread_bounds(vals, kind_at(tree, "algo.region"))
-        vals = drop_unread_anchor_keys(vals, kind_at(tree, "algo.anchor"))
-        vals = drop_unread_env_keys(vals, kind_at(tree, "rollout.agent.env", "name"))
-        vals = drop_unread_retriever_keys(vals, kind_at(tree, "rollout.agent.env.retriever"))
-        vals = drop_unread_data_keys(vals, kind_at(tree, "data", "task"))
-        return drop_unread_kl_keys(vals, kind_at(tree, "algo.kl", "estimator"))
+        for c in (REGION, ANCHOR, ENV, RETRIEVER, DATA, KL):
+            vals = c.drop_unread(vals, kind_at(tree, c.at, c.key))
+        return vals
 
     layers = [(f"recipe {name}'s trainer defaults", RECIPE_TRAINER_DEFAULTS.get(name, {})),
               (f"task {task}'s preset", TASK_PRESETS[task] if task is not None else {}),
