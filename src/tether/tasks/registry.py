@@ -33,6 +33,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from ..algo.registry import Registry, is_spec
+from ..config.data import ArithmeticDataConfig, OrganismDataConfig
+from ..sections import default
 from . import reasoning_gym
 from .arithmetic import ArithmeticTask
 from .base import DataError
@@ -46,9 +48,15 @@ TASKS: Registry[Callable[..., Any]] = Registry("task", error=DataError, defaults
     "held_out": {}, "test_set": None, "preset": None})
 
 
+def _difficulty(cfg, section: type) -> int:
+    """``data.difficulty`` when the run trains on ``section``'s task, else that key's default: the held-out set of a
+    generated task evaluated beside another task (``eval.benchmarks=[arithmetic]`` while training on a file)."""
+    return cfg.data.difficulty if isinstance(cfg.data, section) else default(section, "difficulty")
+
+
 def _arithmetic_test_set(cfg, limit: int):
     """The synthetic task's test split (never trained on), with its reward."""
-    task = ArithmeticTask(seed=cfg.train.seed, difficulty=cfg.data.difficulty, split="test")
+    task = ArithmeticTask(seed=cfg.train.seed, difficulty=_difficulty(cfg, ArithmeticDataConfig), split="test")
     return task.examples(limit), load_reward("arithmetic")
 
 
@@ -70,7 +78,8 @@ ORGANISM_PRESET = {"model.name": "organism", "data.task": "organism", "data.diff
 
 def _organism_test_set(cfg, limit: int):
     """The organism task's test split (never trained on) at ``data.difficulty``, with its reward."""
-    return OrganismTask(seed=0, difficulty=cfg.data.difficulty, split="test").examples(limit), load_reward("arithmetic")
+    return (OrganismTask(seed=0, difficulty=_difficulty(cfg, OrganismDataConfig), split="test").examples(limit),
+            load_reward("arithmetic"))
 
 
 @TASKS.register("organism", reward="arithmetic", about="the model organism's task (docs/organism.md)",
