@@ -35,7 +35,8 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = False
     """recompute activations in backward (saves memory, costs ~30% time)"""
     lora_r: int = Field(0, ge=0)
-    """0 = full fine-tuning; >0 = LoRA via peft with this rank"""
+    """0 = full fine-tuning; >0 = LoRA via peft with this rank (for RL at about 10x full fine-tuning's learning rate:
+    rank 1 and 64 then end where full fine-tuning ends, docs/evidence.md "LoRA against full weights")"""
     lora_alpha: int = Field(16, gt=0)
     """LoRA scaling numerator (scale = alpha / r)"""
     lora_dropout: float = Field(0.0, ge=0, lt=1)
