@@ -206,7 +206,7 @@ def test_docs_sft_md_lists_every_option():
     doc = (os.path.join(os.path.dirname(__file__), "..", "docs", "sft.md"))
     text = open(doc).read()
     missing = [ln for ln in sft_reference().splitlines() if ln.strip() and ln not in text]
-    assert not missing, "docs/sft.md is out of date (paste tether.config.sft.sft_reference()):\n" + "\n".join(missing)
+    assert not missing, "docs/sft.md is out of date (paste tether.resolve.sft.sft_reference()):\n" + "\n".join(missing)
 
 
 @pytest.mark.slow
