@@ -241,6 +241,11 @@ class RunConfig(OutputsConfig):
     weights: not anchor.kind none or iterative)"""
 
 
+def _evaluating(earlier: dict) -> bool:
+    """Whether an eval section's keys validated so far (``before``, ``after``, ``every``) turn evaluation on."""
+    return bool(earlier.get("before", True) or earlier.get("after", True) or earlier.get("every", 1))
+
+
 class EvalConfig(Section):
     """Held-out evaluation inside a training run: before the first step and after the last (on by default, so
     a run ends by printing the held-out accuracy before -> after), and every N steps if asked; the same
@@ -272,7 +277,7 @@ class EvalConfig(Section):
 
     # the keys of an evaluation are refused while there is none
     _off = only_with("benchmarks", "limit", "n", "greedy", "temperature", "top_p", "max_new_tokens", "anchor",
-                     holds=lambda e: e.get("before", True) or e.get("after", True) or e.get("every", 1),
+                     holds=_evaluating,
                      text="has no effect while evaluation is off (eval.before=false, eval.after=false, eval.every=0)")
     _sampled = only_with("temperature", "top_p", holds=lambda e: not e.get("greedy", False),
                          text="has no effect with eval.greedy=true")
@@ -280,8 +285,7 @@ class EvalConfig(Section):
     @field_validator("n")
     @classmethod
     def _one_sample(cls, v: int, info: ValidationInfo) -> int:
-        on = info.data.get("before", True) or info.data.get("after", True) or info.data.get("every", 1)
-        if v != 1 and on and info.data.get("greedy", False) and not alone(info):
+        if v != 1 and _evaluating(info.data) and info.data.get("greedy", False) and not alone(info):
             raise ValueError(f"must be 1 with eval.greedy=true (greedy decoding gives {v} identical samples), or set "
                              f"eval.greedy=false")
         return v
