@@ -237,15 +237,15 @@ def chosen(kinds: dict[str, type], other: type, default_kind: str) -> Any:
                                          + (typing.Annotated[other, Tag("other")],)], Discriminator(tag)]
 
 
-def only_with(*names: str, holds: typing.Callable[[dict], bool], text: str) -> Any:
+def only_with(*names: str, holds: typing.Callable[[dict], bool], text: str | typing.Callable[[dict], str]) -> Any:
     """A validator of the fields ``names``, for a rule across keys of one section: a field set away from its default
     needs ``holds(earlier)`` (``earlier``: the section's fields declared above it, validated), else it is refused
-    with ``text``, said after the key (``rollout.max_refill_rounds only applies with rollout.dynamic_sampling=true``).
-    Declare it beside the keys it joins."""
+    with ``text`` (or ``text(earlier)``), said after the key (``rollout.max_refill_rounds only applies with
+    rollout.dynamic_sampling=true``). Declare it beside the keys it joins."""
 
     def check(cls, v: Any, info: ValidationInfo) -> Any:
         if not alone(info) and v != default(cls, info.field_name) and not holds(info.data):
-            raise ValueError(text)
+            raise ValueError(text(info.data) if callable(text) else text)
         return v
 
     return field_validator(*names)(classmethod(check))

@@ -149,17 +149,22 @@ class TrainConfig(OptimizerConfig):
     lr_scale_power: float = Field(1.0, gt=0, le=1)
     """lr_scale ess / seq_ess: p in (0, 1]; 1 scales the step with the effective batch, 0.5 is VCPO's square-root
     rule for Adam"""
+    _lr_scaled = only_with("lr_scale_floor", "lr_scale_power", holds=lambda t: t.get("lr_scale", "ess") != "none",
+                           text="only applies with train.lr_scale ess or seq_ess")
     epochs: int = Field(1, ge=1)
     """passes over each rollout batch (> 1 makes the update off-policy)"""
     mini_batches: int = Field(1, ge=1)
     """optimizer steps per epoch; each sees 1/mini_batches of the batch"""
-    micro_batch_size: int = Field(8, ge=1)
-    """sequences per forward/backward (gradient accumulation)"""
     micro_batch_tokens: int = Field(0, ge=0)
     """a token budget per forward/backward in place of micro_batch_size (0 = off: rows): each mini-batch's rows
     sorted by length (a group's rows kept together under share_prompt), a micro-batch takes rows while rows x
     its padded length (longest prompt + longest response; the sum of lengths under packing) stays within it, a
     longer row alone; the no-grad passes take twice it. Same gradient; less padding (pad_frac)"""
+    micro_batch_size: int = Field(8, ge=1)
+    """sequences per forward/backward (gradient accumulation)"""
+    _rows = only_with("micro_batch_size", holds=lambda t: t.get("micro_batch_tokens", 0) == 0,
+                      text="has no effect with train.micro_batch_tokens > 0 (micro-batches are cut by the token "
+                           "budget): set one of them")
     logprob_chunk: int = Field(1024, ge=1)
     """tokens per chunk in the log-prob engine (peak memory ~ chunk x vocab)"""
     share_prompt: bool = True
@@ -169,6 +174,9 @@ class TrainConfig(OptimizerConfig):
     """forward each micro-batch as one row without padding (its sequences one after another, positions restarting
     at 0 for each; checked against the padded forward at the first step; needs share_prompt=false). Same
     log-probs and gradient up to float rounding; pad_frac 0"""
+    _packed = only_with("packing", holds=lambda t: not t.get("share_prompt", False),
+                        text="runs each row's prompt in its own packed sequence, so train.share_prompt would have no "
+                             "effect: set train.share_prompt=false with train.packing=true")
     malloc_trim: bool = False
     """after the rollout and after the update, hand glibc's free heap pages back to the OS (malloc_trim(0);
     tether.memory): lower resident memory between phases, for other processes on the machine (the peak inside

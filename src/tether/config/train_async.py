@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ..sections import Section
+from ..sections import Section, only_with
 
 STALE_BATCHES = ("drop", "keep")
 
@@ -36,6 +36,10 @@ class AsyncConfig(Section):
     """workers > max_staleness + 1 (the only setting where a batch can be older than K): drop (discard it, its
     prompts skipped, counted in async/dropped; the default, as K stays a hard bound on what trains) | keep
     (train on it: the staleness is then bounded by workers - 1, and algo.tis_cap corrects it)"""
+    _stale = only_with("stale_batches", holds=lambda a: a.get("workers", 2) > a.get("max_staleness", 0) + 1,
+                       text=lambda a: f"has no effect: with train.async.workers={a.get('workers')} <= "
+                                      f"train.async.max_staleness + 1 no batch can be more than "
+                                      f"{a.get('max_staleness')} versions old")
     verify_sync: bool = False
     """checksum every pushed weights version on both sides (the trainer: what it pushed; a worker: its model's
     weights read back after loading) and stop with an error on a mismatch (one hash pass over the weights per

@@ -1,30 +1,26 @@
-"""Validation of the train.* section (part of ``tether.resolve.validate.check``): sizes and micro-batches, an
-iterative anchor that would be exactly on-policy, the ESS-scaled step (``train.lr_scale``), and asynchronous
-training (``train.async.max_staleness`` and the options of the rollout workers, `tether.asynchronous.workers`: their
-number, stale batches, verified sync, partial rollouts; the served engine's asynchronous mode). A key that has no
-effect under the resolved settings is a problem too.
+"""Validation of train.* against the other sections (part of ``tether.resolve.validate.check``): mini-batches
+against the batch, an iterative anchor that would be exactly on-policy, the ESS-scaled step (``train.lr_scale``)
+against the engine, and asynchronous training (``train.async`` and the options of the rollout workers,
+`tether.asynchronous.workers`, against the engine, the agent and the rollout; the served engine's asynchronous
+mode). A key that has no effect under the resolved settings is a problem too. The rules within train.* itself
+(micro-batches by count or by tokens, packing without a shared prompt, the ESS floor and power, stale batches) are
+validators beside their keys (`tether.config.schema.TrainConfig`, `tether.config.train_async.AsyncConfig`).
 """
 
 from __future__ import annotations
 
 from ..config.recipes import AlgoConfig
-from ..config.schema import Config, TrainConfig
+from ..config.schema import Config
 from ..rollout import ENGINES, engine_reports_logp, worker_records_logp
 from ..sections import default
 
 
 def check_train(cfg: Config) -> list[str]:
-    """train.*: sizes against the batch, an iterative anchor that would be exactly on-policy, and asynchronous
+    """train.*: mini-batches against the batch, an iterative anchor that would be exactly on-policy, and asynchronous
     training (`_check_async`)."""
     r, t, errs = cfg.rollout, cfg.train, []
     if r.prompts_per_step * r.n < t.mini_batches:
         errs.append("train.mini_batches exceeds the number of sequences per step")
-    if t.micro_batch_tokens > 0 and t.micro_batch_size != TrainConfig().micro_batch_size:
-        errs.append("train.micro_batch_size has no effect with train.micro_batch_tokens > 0 (micro-batches are cut "
-                    "by the token budget): set one of them")
-    if t.packing and t.share_prompt:
-        errs.append("train.packing runs each row's prompt in its own packed sequence, so train.share_prompt would "
-                    "have no effect: set train.share_prompt=false with train.packing=true")
     if (cfg.algo.anchor.kind == "iterative" and t.epochs == 1 and t.mini_batches == 1
             and cfg.algo.kl.estimator != "none"):
         errs.append("anchor 'iterative' with train.epochs=1 and train.mini_batches=1 is exactly on-policy: "
@@ -34,12 +30,11 @@ def check_train(cfg: Config) -> list[str]:
 
 
 def _check_lr_scale(cfg: Config) -> list[str]:
-    """train.lr_scale and its floor and power: never an option without effect (their values are typed)."""
-    t, dt, errs = cfg.train, TrainConfig(), []
+    """train.lr_scale where the sampler is the trainer's own policy (its floor and power without it: their
+    section's rule, `TrainConfig`)."""
+    t, r, errs = cfg.train, cfg.rollout, []
     if t.lr_scale == "none":
-        return [f"train.{k} only applies with train.lr_scale ess or seq_ess"
-                for k in ("lr_scale_floor", "lr_scale_power") if getattr(t, k) != getattr(dt, k)]
-    r = cfg.rollout
+        return []
     if t.max_staleness == 0 and r.engine.kind in ENGINES and not engine_reports_logp(r.engine.kind):
         errs.append(f"train.lr_scale={t.lr_scale} has no effect here: with train.async none and "
                     f"rollout.engine.kind={r.engine.kind} the sampler is the trainer's own policy (mu = pi_old, no "
@@ -74,9 +69,6 @@ def _check_async(cfg: Config) -> list[str]:
         if a.partial_rollout_tokens >= r.max_new_tokens:
             errs.append(f"train.async.partial_rollout_tokens={a.partial_rollout_tokens} has no effect: a response has "
                         f"at most rollout.max_new_tokens={r.max_new_tokens} tokens, one segment")
-    if a.stale_batches != default(type(a), "stale_batches") and a.workers <= a.max_staleness + 1:
-        errs.append(f"train.async.stale_batches has no effect: with train.async.workers={a.workers} <= "
-                    f"train.async.max_staleness + 1 no batch can be more than {a.max_staleness} versions old")
     if r.dynamic_sampling:
         errs.append("train.async does not support rollout.dynamic_sampling (its refills are decided after scoring, "
                     "in the trainer)")
