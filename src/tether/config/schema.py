@@ -290,6 +290,12 @@ class EvalConfig(Section):
     _sampled = only_with("temperature", "top_p", holds=lambda e: not e.get("greedy", False),
                          text="has no effect with eval.greedy=true")
 
+    @property
+    def scheduled(self) -> bool:
+        """Whether evaluation is on: before, after or every N steps (`tether.resolve.evaluating` asks, too, that
+        there be a benchmark to evaluate)."""
+        return _evaluating(vars(self))
+
     @field_validator("n")
     @classmethod
     def _one_sample(cls, v: int, info: ValidationInfo) -> int:

@@ -24,5 +24,4 @@ def eval_benchmarks(cfg: "Config") -> list[str]:
 
 def evaluating(cfg: "Config") -> bool:
     """Whether the run evaluates at all (before, after or every N steps) on at least one benchmark."""
-    e = cfg.eval
-    return bool((e.before or e.after or e.every) and eval_benchmarks(cfg))
+    return cfg.eval.scheduled and bool(eval_benchmarks(cfg))

@@ -158,7 +158,7 @@ def _check_eval(cfg: Config) -> list[str]:
     """eval.*: what the section's own rules (declared with its keys) cannot see: the anchor's weights, the
     benchmarks of the training task."""
     d, e, de, errs = cfg.data, cfg.eval, EvalConfig(), []
-    if e.before or e.after or e.every:
+    if e.scheduled:
         if e.anchor and not _anchor_has_weights(cfg.algo.anchor.kind):
             errs.append(f"eval.anchor=true needs an anchor with its own weights, not {cfg.algo.anchor.kind!r}")
         if not eval_benchmarks(cfg) and (e.every or e.benchmarks != de.benchmarks):
