@@ -199,10 +199,8 @@ def test_each_key_is_typed(over, msg):
 
 
 def test_validation():
-    cfg = recipe("dapo")
-    cfg.tis_mode = "sequence"
-    with pytest.raises(ConfigError, match="tis_mode has no effect"):
-        validate(cfg)
+    with pytest.raises(ConfigError, match="algo.tis_mode has no effect while algo.tis_cap is 0"):
+        load_config(None, {"algo.tis_mode": "sequence"}, recipe_name="dapo")
 
 
 def test_update_stats_reduces_each_extreme_by_its_own_op():

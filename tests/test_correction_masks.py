@@ -269,10 +269,8 @@ def test_each_key_is_typed(over, msg):
 
 @pytest.mark.parametrize("over,msg", [
     ({"mask_kl": "k3"}, "needs mask_kl_max > 0"),
-    ({"mask_kl_max": 0.1}, "mask_kl_max has no effect"),
     ({"tis_cap": 2.0, "mask_token_high": 2.0}, "set tis_cap=inf for masked IS"),
     ({"tis_cap": 3.0, "tis_mode": "sequence", "mask_seq_high": 2.0}, "set tis_cap=inf for masked IS"),
-    ({"mask_geo": 2.0, "tis_mode": "sequence"}, "tis_mode has no effect"),
     ({"kl_sampler": "mu"}, "kl_sampler 'mu' has no effect"),
 ])
 def test_validation(over, msg):
@@ -281,6 +279,16 @@ def test_validation(over, msg):
         setattr(cfg, k, v)
     with pytest.raises(ConfigError, match=msg):
         validate(cfg)
+
+
+@pytest.mark.parametrize("over,msg", [
+    ({"mask_kl_max": 0.1}, "algo.mask_kl_max has no effect while algo.mask_kl is 'none'"),
+    ({"mask_geo": 2.0, "tis_mode": "sequence"}, "algo.tis_mode has no effect while algo.tis_cap is 0"),
+])
+def test_a_key_without_the_key_it_needs_is_refused_as_it_is_set(over, msg):
+    """A rule within algo.* (declared beside its keys): refused when the keys are parsed, naming the key."""
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        load_config(None, {f"algo.{k}": v for k, v in over.items()}, recipe_name="dapo")
 
 
 def test_kl_sampler_mu_needs_a_sampling_weight():

@@ -65,9 +65,10 @@ def test_unknown_recipe_lists_choices():
     ({"advantage": "rloo", "adv_eps": 1e-3}, "adv_eps has no effect"),
 ])
 def test_bad_combinations_are_errors(keys, msg):
-    c = apply_keys(recipe("ema_pg"), keys, "test")
+    """Refused as the keys are set (a rule within the section, e.g. adv_eps's) or by validate (one across its
+    sections)."""
     with pytest.raises(ConfigError, match=msg):
-        validate(c)
+        validate(apply_keys(recipe("ema_pg"), keys, "test"))
 
 
 def test_ineffective_options_without_kl():

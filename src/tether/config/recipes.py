@@ -24,7 +24,7 @@ from ..algo.objectives import SURROGATES
 from ..algo.registry import unknown_choice
 from ..algo.trust_region import REGIONS, REINFORCE_ONLY_REGIONS, kl3_bounds
 from ..errors import ConfigError
-from ..sections import Section, default
+from ..sections import Section, only_with
 from .anchor import (
     ANCHOR,
     AnchorConfig,
@@ -47,6 +47,7 @@ from .region import (
 
 ANCHORS = ("none", *ANCHOR_KINDS.names())  # "none": no anchor and no KL term; the kinds: tether.algo.anchors
 KL_SAMPLERS = ("pi_old", "mu")  # AlgoConfig.kl_sampler
+STD_ADVANTAGES = ("grpo", "reinforce_pp", "reinforce_pp_baseline")  # the advantages that divide by a std (adv_eps)
 
 
 class AlgoConfig(Section):
@@ -58,6 +59,8 @@ class AlgoConfig(Section):
     """grpo | dr_grpo | group_mean | batch_mean | rloo | reinforce_pp | reinforce_pp_baseline"""
     adv_eps: float = 1e-6
     """grpo, reinforce_pp*: epsilon added to the std"""
+    _std = only_with("adv_eps", holds=lambda a: a.get("advantage", "grpo") in STD_ADVANTAGES,
+                     text=lambda a: f"has no effect with algo.advantage {a.get('advantage')!r} (no std normalization)")
     surrogate: str = "ratio"
     """ratio: -A*rho (PPO) | reinforce: -sg(A*rho)*log pi (RPG, CISPO); same gradient"""
     region: RegionConfig = Field(default_factory=RatioRegionConfig)
@@ -71,6 +74,8 @@ class AlgoConfig(Section):
     """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm"""
     agg_max_len: int = Field(0, ge=0)
     """seq-mean-token-sum-norm: the fixed length L (0 = the rollout's max_new_tokens)"""
+    _fixed_len = only_with("agg_max_len", holds=lambda a: a.get("aggregation") in (None, "seq-mean-token-sum-norm"),
+                           text="only applies to algo.aggregation seq-mean-token-sum-norm")
     tis_cap: float = 0.0
     """rollout correction (tether.algo.correction) for an engine that reports its log-probs (vLLM, async workers):
     tokens drawn by mu, r_t = pi_old/mu, pi_old recomputed by the trainer; the pg term is weighted by w_t = W_t
@@ -87,6 +92,8 @@ class AlgoConfig(Section):
     tis_mode: Literal[TIS_MODES] = "token"
     """tis_cap > 0: token (W_t = min(r_t, C)) | sequence (W = min(prod_t r_t, C) on the whole response; exact IS as
     C -> inf) | mask (token, and responses whose geometric-mean ratio exceeds C are masked)"""
+    _weighted = only_with("tis_mode", holds=lambda a: a.get("tis_cap", 1) != 0,
+                          text="has no effect while algo.tis_cap is 0 (no IS weight)")
     mask_token_low: float = Field(0.0, ge=0, lt=1)
     """mask tokens with r_t < a, 0 < a < 1 (IcePop's alpha: 0.5)"""
     mask_token_high: float = 0.0
@@ -108,6 +115,8 @@ class AlgoConfig(Section):
     exceeds mask_kl_max (k1 = -log r, k2 = (log r)^2/2, k3 = r - 1 - log r)"""
     mask_kl_max: float = Field(0.0, ge=0)
     """mask_kl: the threshold (> 0)"""
+    _kl_masked = only_with("mask_kl_max", holds=lambda a: a.get("mask_kl", "k1") != "none",
+                           text="has no effect while algo.mask_kl is 'none'")
     mask_opsm: float = Field(0.0, ge=0)
     """OPSM (DeepSeek-V3.2): delta > 0; mask the A < 0 tokens of responses whose mean_t log(mu/pi) > delta, pi the
     current policy (detached)"""
@@ -147,8 +156,9 @@ def validate(cfg: AlgoConfig) -> AlgoConfig:
 
 
 def _top_level_errors(cfg: AlgoConfig) -> list[str]:
-    """Unknown advantage / surrogate / aggregation, options they make ineffective, and the rollout
-    correction's settings (tis_cap, tis_mode)."""
+    """Unknown advantage / surrogate / aggregation (registered names), and the rollout correction's settings (the
+    keys they make ineffective are refused beside their declarations: adv_eps, agg_max_len, tis_mode,
+    mask_kl_max)."""
     errs: list[str] = []
     if cfg.advantage not in ADVANTAGES:
         errs.append(unknown_choice("advantage", cfg.advantage, ADVANTAGES.names()))
@@ -156,24 +166,15 @@ def _top_level_errors(cfg: AlgoConfig) -> list[str]:
         errs.append(unknown_choice("surrogate", cfg.surrogate, SURROGATES))
     if cfg.aggregation not in AGGREGATIONS:
         errs.append(unknown_choice("aggregation", cfg.aggregation, AGGREGATIONS))
-    if (cfg.adv_eps != default(AlgoConfig, "adv_eps")
-            and cfg.advantage not in ("grpo", "reinforce_pp", "reinforce_pp_baseline")):
-        errs.append(f"adv_eps has no effect with advantage {cfg.advantage!r} (no std normalization)")
-    if cfg.agg_max_len and cfg.aggregation != "seq-mean-token-sum-norm":
-        errs.append("agg_max_len only applies to aggregation seq-mean-token-sum-norm")
     return errs + _correction_errors(cfg)
 
 
 def _correction_errors(cfg: AlgoConfig) -> list[str]:
-    """The rollout correction's settings that have no effect or contradict each other (each key's own range is
-    declared with it)."""
+    """The rollout correction's settings that contradict each other or the KL term (each key's own range, and the
+    keys that need another key of the section set, are declared with it)."""
     errs = []
-    if cfg.tis_cap == 0 and cfg.tis_mode != default(AlgoConfig, "tis_mode"):
-        errs.append("tis_mode has no effect while tis_cap is 0 (no IS weight)")
     if cfg.mask_kl != "none" and not cfg.mask_kl_max > 0:
         errs.append(f"mask_kl {cfg.mask_kl!r} needs mask_kl_max > 0")
-    if cfg.mask_kl == "none" and cfg.mask_kl_max:
-        errs.append("mask_kl_max has no effect while mask_kl is 'none'")
     for f, mode in (("mask_token_high", "token"), ("mask_seq_high", "sequence")):
         b = getattr(cfg, f)
         if b and cfg.tis_mode == mode and math.isfinite(cfg.tis_cap) and 0 < b <= cfg.tis_cap:
