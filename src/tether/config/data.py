@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal, Optional
 from pydantic import Field
 
 from ..algo.registry import is_spec
-from ..sections import Section
+from ..sections import Section, only_with
 from .migration import Choice
 
 #: The largest difficulty of the organism's problems (operations per problem; `tether.tasks.organism_problems`)
@@ -40,6 +40,9 @@ class _Task(Section):
     """user rewards (module:function, path.py:function) run in a worker process, at most this many seconds per
     call: a call that runs longer is stopped, scores 0 and counts in reward_errors (0 = no limit, the reward
     runs in the trainer process, as the built-in rewards always do)"""
+    _user_reward = only_with("reward_timeout", holds=lambda d: is_spec(d.get("reward", "m:f")),
+                             text="only applies to a user reward (data.reward=module:function or path.py:function); "
+                                  "the built-in rewards run in the trainer process")
     format_weight: float = Field(0.0, allow_inf_nan=False)
     """reward += format_weight when the answer is in the requested format (0 = correctness only, the default: a 0.2
     bonus was gamed by responses of repeated "####" lines that collect it without a correct answer, see

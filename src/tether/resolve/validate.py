@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..agents import AGENTS
 from ..algo.objectives import uses_sampler_logp
-from ..algo.registry import is_spec, unknown_choice
+from ..algo.registry import unknown_choice
 from ..anchor import ANCHOR_KINDS
 from ..config.agent import (
     OtherEnvConfig,
@@ -65,8 +65,8 @@ def _check_algo(cfg: Config) -> list[str]:
 
 def _check_data(cfg: Config) -> list[str]:
     """data.*: the keys of its section the task has no use for and its own checks (its registered metadata: an
-    environment's task, a user's registered one; the keys each kind of task has are its section's), and the reward
-    timeout."""
+    environment's task, a user's registered one; the keys each kind of task has, and the reward timeout's need for a
+    user reward, are its section's)."""
     d, errs = cfg.data, []
     name = task_name(cfg)
     if name is None:
@@ -80,9 +80,6 @@ def _check_data(cfg: Config) -> list[str]:
                 errs.append(f"data.{k} has no effect with {meta['about']}" if meta["about"] else
                             f"data.{k} only applies to data.task={' or '.join(users)}")
         errs.extend(meta["check"](cfg) if meta["check"] else [])
-    if d.reward_timeout != default(type(d), "reward_timeout") and (d.reward == "auto" or not is_spec(d.reward)):
-        errs.append("data.reward_timeout only applies to a user reward (data.reward=module:function or "
-                    "path.py:function); the built-in rewards run in the trainer process")
     return errs
 
 
