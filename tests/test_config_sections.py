@@ -249,10 +249,26 @@ def test_agent_shorthand_and_kind_choose_the_section():
      "rollout.agent.env.retriever.url must be set: the retrieval server's base URL"),
     ({"rollout.agent.env.name": "nope_env"}, "unknown rollout.agent.env.name 'nope_env'"),
     ({"rollout.agent.env.max_context": 0}, "rollout.agent.env.max_context must be >= 1, got 0"),
+    # the keys of one response that a multi-turn agent has no use for (the environment stops each turn, lengths are
+    # per turn): refused beside their declarations, whatever order the keys come in
+    ({"rollout.stop": ["</answer>"]}, "rollout.stop with rollout.agent.kind=multi_turn: it would be ignored: the "
+                                      "environment's stop strings end each turn"),
+    ({"rollout.min_new_tokens": 4}, "rollout.min_new_tokens with rollout.agent.kind=multi_turn: it would be ignored "
+                                    "by the multi-turn agents"),
+    ({"rollout.overlong_buffer_frac": 0.25}, "rollout.overlong_buffer_frac with rollout.agent.kind=multi_turn: it "
+                                             "measures a response against rollout.max_new_tokens"),
 ])
 def test_agent_cross_field_rules(over, msg):
     with pytest.raises(ConfigError, match=msg):
         load_config(None, {"rollout.agent.kind": "multi_turn", "data.task": "multihop", **over})
+
+
+def test_the_keys_of_one_response_apply_to_a_single_turn_agent():
+    cfg = load_config(None, {"rollout.stop": ["</answer>"], "rollout.min_new_tokens": 4,
+                             "rollout.overlong_buffer_frac": 0.25})
+    assert cfg.rollout.stop == ["</answer>"] and cfg.rollout.min_new_tokens == 4
+    with pytest.raises(ConfigError, match="rollout.stop with rollout.agent.kind=multi_turn"):  # the agent set after
+        load_config(None, {"rollout.stop": ["</answer>"], "rollout.agent": "multi_turn", "data.task": "multihop"})
 
 
 def test_agent_keys_of_the_earlier_layout():

@@ -24,6 +24,12 @@ DEFAULT_RECIPE = "ema_pg"
 Schedule = Literal["constant", "cosine", "linear"]
 
 
+def _single_turn(earlier: dict) -> bool:
+    """Whether a rollout section's agent, validated above the key, is not the multi-turn one (whose environment sets
+    the stops, and whose lengths are per turn)."""
+    return getattr(earlier.get("agent"), "kind", None) != "multi_turn"
+
+
 class RolloutConfig(Section):
     """Generation: how many responses per step and how they are sampled."""
 
@@ -77,8 +83,13 @@ class RolloutConfig(Section):
         if not alone(info) and v > info.data.get("max_new_tokens", v):
             raise ValueError(f"must be <= rollout.max_new_tokens, got {v}")
         return v
+
+    _unstopped = only_with("min_new_tokens", holds=_single_turn,
+                           text="with rollout.agent.kind=multi_turn: it would be ignored by the multi-turn agents")
     stop: list = Field(default_factory=list)
     """stop strings; the response ends right after one (the held-out evaluations during training stop at them too)"""
+    _stops = only_with("stop", holds=_single_turn, text="with rollout.agent.kind=multi_turn: it would be ignored: the "
+                                                        "environment's stop strings end each turn")
     batch_size: int = Field(32, ge=1)
     """sequences per generate call (engine=hf; vLLM schedules a whole step's batch itself) and per held-out
     evaluation call (either engine)"""
@@ -95,6 +106,10 @@ class RolloutConfig(Section):
                         text="only applies with rollout.dynamic_sampling=true")
     overlong_buffer_frac: float = Field(0.0, ge=0, le=1)
     """DAPO soft overlong penalty: linear penalty over the last frac of max_new_tokens (0 = off)"""
+    _per_response = only_with("overlong_buffer_frac", holds=_single_turn,
+                              text="with rollout.agent.kind=multi_turn: it measures a response against "
+                                   "rollout.max_new_tokens, which a multi-turn agent caps each turn with, not the "
+                                   "episode (set it to 0)")
     overlong_penalty: float = 1.0
     """overlong_buffer_frac > 0: penalty at (and beyond) max_new_tokens"""
     _overlong = only_with("overlong_penalty", holds=lambda r: r.get("overlong_buffer_frac", 1) > 0,

@@ -22,7 +22,7 @@ from ..config.agent import (
 )
 from ..config.model import ModelConfig
 from ..config.recipes import validate
-from ..config.schema import Config, EvalConfig, RolloutConfig, RunConfig
+from ..config.schema import Config, EvalConfig, RunConfig
 from ..envs import ENVS
 from ..envs.verifiers import OPTIONS as VERIFIERS_OPTIONS
 from ..envs.verifiers import TOOL_FORMATS, is_task_api
@@ -39,7 +39,7 @@ from .validate_train import check_train
 def check(cfg: Config) -> Config:
     """Validate the algorithm and the trainer settings together; errors list every problem."""
     errs: list[str] = []
-    for section in (_check_algo, _check_data, _check_rollout_choices, _check_env, _check_rollout_values,
+    for section in (_check_algo, _check_data, _check_rollout_choices, _check_env,
                     check_train, _check_eval, _check_run, _check_values):
         errs.extend(section(cfg))
     raise_problems(errs)
@@ -134,20 +134,6 @@ def _check_verifiers(e, p: str, cfg: Config) -> list[str]:
                     f"{e.options['args']!r}")
     if cfg.data.system_prompt:
         errs.append(f"data.system_prompt has no effect with {p}.name={e.name} (its rows carry their own)")
-    return errs
-
-
-def _check_rollout_values(cfg: Config) -> list[str]:
-    """rollout.*: the keys a multi-turn agent cannot use (their ranges, and the rules among them, are declared with
-    the keys)."""
-    r, dr, errs = cfg.rollout, RolloutConfig(), []
-    if r.agent.kind == "multi_turn":  # the environment sets stops; lengths are per turn
-        for k, why in (("overlong_buffer_frac", "measures a response against rollout.max_new_tokens, which a "
-                        "multi-turn agent caps each turn with, not the episode (set it to 0)"),
-                       ("stop", "would be ignored: the environment's stop strings end each turn"),
-                       ("min_new_tokens", "would be ignored by the multi-turn agents")):
-            if getattr(r, k) != getattr(dr, k):
-                errs.append(f"rollout.{k} with rollout.agent.kind=multi_turn: it {why}")
     return errs
 
 
