@@ -249,14 +249,6 @@ def test_agent_shorthand_and_kind_choose_the_section():
      "rollout.agent.env.retriever.url must be set: the retrieval server's base URL"),
     ({"rollout.agent.env.name": "nope_env"}, "unknown rollout.agent.env.name 'nope_env'"),
     ({"rollout.agent.env.max_context": 0}, "rollout.agent.env.max_context must be >= 1, got 0"),
-    # the keys of one response that a multi-turn agent has no use for (the environment stops each turn, lengths are
-    # per turn): refused beside their declarations, whatever order the keys come in
-    ({"rollout.stop": ["</answer>"]}, "rollout.stop with rollout.agent.kind=multi_turn: it would be ignored: the "
-                                      "environment's stop strings end each turn"),
-    ({"rollout.min_new_tokens": 4}, "rollout.min_new_tokens with rollout.agent.kind=multi_turn: it would be ignored "
-                                    "by the multi-turn agents"),
-    ({"rollout.overlong_buffer_frac": 0.25}, "rollout.overlong_buffer_frac with rollout.agent.kind=multi_turn: it "
-                                             "measures a response against rollout.max_new_tokens"),
 ])
 def test_agent_cross_field_rules(over, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -264,6 +256,8 @@ def test_agent_cross_field_rules(over, msg):
 
 
 def test_the_keys_of_one_response_apply_to_a_single_turn_agent():
+    """rollout.stop / min_new_tokens / overlong_buffer_frac: refused under a multi-turn agent (its messages:
+    tests/test_multi_turn_agent.py) beside their declarations, whatever order the keys come in."""
     cfg = load_config(None, {"rollout.stop": ["</answer>"], "rollout.min_new_tokens": 4,
                              "rollout.overlong_buffer_frac": 0.25})
     assert cfg.rollout.stop == ["</answer>"] and cfg.rollout.min_new_tokens == 4
