@@ -47,3 +47,16 @@ has agent_lr && run rep_agent_lr evidence_agent_lr $rep
 for s in long lora normalization; do
   if has "$s" && [ -f "configs/sweeps/evidence_$s.yaml" ]; then run "$s" "evidence_$s"; fi
 done
+# ... and their second sets, and the arms that followed from the first (docs/evidence.md gives each report's command)
+if has long; then
+  run long_beta evidence_long_beta --seeds 2-9      # seeds 0 and 1: pilot_long_beta.yaml's runs
+  run long_beta2 evidence_long_beta $rep
+  run long2 evidence_long --arms none $rep
+  run long_beta_anchors evidence_long_beta_anchors
+fi
+has lora && run lora2 evidence_lora $rep --arms "full_lr=1.0e-05,r1_lr=1.0e-04,r8_lr=1.0e-04,r64_lr=1.0e-04"
+if has normalization; then
+  run normalization2 evidence_normalization $rep --arms "grpo+token-mean+lr=0.00015,grpo+seq-mean-token-mean+lr=0.00015,reinforce_pp_baseline+seq-mean-token-mean+lr=0.00015,dr_grpo+seq-mean-token-mean+lr=0.00015,grpo+token-mean+lr=3.0e-05,dr_grpo+seq-mean-token-mean+lr=3.0e-05"
+  run normalization_ema_pg evidence_normalization_ema_pg
+  run normalization_ema_pg2 evidence_normalization_ema_pg $rep
+fi
