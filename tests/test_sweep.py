@@ -233,6 +233,20 @@ def test_at_most_six_curves_on_one_axis(monkeypatch, tmp_path):
     assert len(set(colours)) == 6
 
 
+def test_a_learning_rate_grid_keeps_to_one_axis():
+    """LoRA's layout: four grids of four learning rates; each grid gets its own axis (not six curves cut across
+    two grids), arms without a learning rate pack six to an axis as before, and a grid over six is split."""
+    from tether.sweep.report import curve_groups
+
+    arms = [f"{r}_lr={lr}" for r in ("full", "r1", "r8", "r64") for lr in ("1e-05", "3e-05", "1e-04", "3e-04")]
+    arms.append("full_lr=3e-06")  # added to the spec later: still drawn with its grid
+    groups = curve_groups(arms)
+    assert [sorted({g.split("_lr=")[0] for g in grp}) for grp in groups] == [["full"], ["r1"], ["r8"], ["r64"]]
+    assert groups[0][0] == "full_lr=3e-06" and [len(g) for g in groups] == [5, 4, 4, 4]  # in lr order
+    assert [len(g) for g in curve_groups([f"arm{i}" for i in range(8)])] == [6, 2]
+    assert [len(g) for g in curve_groups([f"a+lr={i}" for i in range(8)] + ["b+lr=1", "b+lr=2"])] == [6, 4]
+
+
 @pytest.mark.slow  # about 15 s: out of the default suite's 15 minutes, run by CI's slow step
 def test_shards_into_two_dirs_report_as_one_sweep(swept, tmp_path):
     """--shard 1/2 and 2/2 into separate DIRs (run at once); the report over both equals the report of the

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import replace
 from itertools import combinations
 from pathlib import Path
@@ -265,17 +266,51 @@ def _save(fig, png: Path) -> None:
         plt.close(fig)
 
 
+def _family(arm: str) -> str:
+    """An arm's name without its learning-rate part (``r8_lr=1.0e-04`` -> ``r8``; ``grpo+lr=3.0e-05`` ->
+    ``grpo``): the arms of one learning-rate grid share a family."""
+    return re.sub(r"[_+]?lr=[^_+]*", "", arm) or arm
+
+
+def _lr_of(arm: str) -> float:
+    """The learning rate an arm's name states (``lr=1.0e-04``), or 0 where it states none."""
+    m = re.search(r"lr=([0-9.eE+-]+?)(?:[_+]|$)", arm)
+    try:
+        return float(m.group(1)) if m else 0.0
+    except ValueError:
+        return 0.0
+
+
+def curve_groups(arms: list[str]) -> list[list[str]]:
+    """``arms`` (in order) split into the curves of each axis: a family (`_family`: one learning-rate grid)
+    stays on one axis in the order of its learning rates, families packed in order while at most
+    `CURVES_PER_AXIS` curves share it (a family larger than that is split)."""
+    groups: list[list[str]] = []
+    families: dict[str, list[str]] = {}
+    for a in arms:
+        families.setdefault(_family(a), []).append(a)
+    for fam in families.values():
+        fam.sort(key=_lr_of)  # a grid in the order of its learning rates (stable: others keep theirs)
+        for i in range(0, len(fam), CURVES_PER_AXIS):
+            part = fam[i:i + CURVES_PER_AXIS]
+            if groups and len(groups[-1]) + len(part) <= CURVES_PER_AXIS:
+                groups[-1].extend(part)
+            else:
+                groups.append(list(part))
+    return groups or [[]]
+
+
 def plot(panels: list[tuple[str, dict]], png: Path, title: str) -> None:
     """One row per (metric, bands), a line per arm (its mean across seeds) and its 95 % band, at most
-    `CURVES_PER_AXIS` arms on one axis (more go to the next panel of the row, same y scale)."""
+    `CURVES_PER_AXIS` arms on one axis (more go to the next panel of the row, same y scale; a learning-rate
+    grid's arms share one, `curve_groups`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     def chunks(bands: dict) -> list[list[str]]:
-        arms = [a for a, b in bands.items() if b["steps"]] or list(bands)
-        return [arms[i:i + CURVES_PER_AXIS] for i in range(0, len(arms), CURVES_PER_AXIS)] or [[]]
+        return curve_groups([a for a, b in bands.items() if b["steps"]] or list(bands))
 
     cols = max(len(chunks(b)) for _, b in panels)
     fig, axes = plt.subplots(len(panels), cols, figsize=(6.5 * cols, 4.2 * len(panels)), squeeze=False)
