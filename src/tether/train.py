@@ -105,7 +105,7 @@ class Trainer:
         # the cheap checks, before the (slow) model load and before a run directory is made
         plan = RolloutPlan(cfg)  # the agent and its tools, e.g. the search environment's retriever: corpus checked
         self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row
-        self.score_rewards = training_reward(cfg, self.data, plan.env_reward)  # a bad reward spec fails here, too
+        self.score_rewards = training_reward(cfg.data, self.data, plan.env_reward)  # a bad reward spec fails here, too
         dist.check_supported(cfg.rollout.prompts_per_step, cfg.rollout.dynamic_sampling)
         if run_guard is not None:
             run_guard.open(cfg)  # after the cheap checks (a bad config leaves no directory), before the model load

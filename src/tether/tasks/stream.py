@@ -5,7 +5,7 @@
   fits the task (``data.reward=auto``), and ``examples`` holds a finite dataset's rows (None for a
   generated task) so that they can be checked before the first step.
 * `prompt_stream(cfg)` / `held_out_sets(cfg, names)` -- build them from a config, and
-  `training_reward(cfg, stream)` scores the stream's responses. They look the task up in the task
+  `training_reward(cfg.data, stream)` scores the stream's responses. They look the task up in the task
   registry (`tether.tasks.registry.TASKS`: the synthetic ``arithmetic`` task, datasets, the search
   agent's QA data, or a user's ``module:function``); nothing here or in the trainer branches on a name.
 
@@ -71,13 +71,13 @@ def prompt_stream(cfg) -> PromptStream:
     return PromptStream(examples=list(rows), reward_name=reward, seed=seed, shuffle=shuffle)
 
 
-def training_reward(cfg, stream: PromptStream, default: Optional[str] = None):
-    """The scorer of the training responses (`tether.tasks.reward_worker.reward_scorer`): ``data.reward``;
-    with ``data.reward=auto``, ``default`` (an environment's own reward) or else the stream's task reward. A
-    user reward runs in a worker process with ``data.reward_timeout`` per call; a bad spec is a RewardError
-    here, before the model load."""
-    spec = (default or stream.reward_name) if cfg.data.reward == "auto" else cfg.data.reward
-    return reward_scorer(spec, format_weight=cfg.data.format_weight, timeout=cfg.data.reward_timeout)
+def training_reward(data, stream: PromptStream, default: Optional[str] = None):
+    """The scorer of the training responses (`tether.tasks.reward_worker.reward_scorer`) from the ``data``
+    section: ``data.reward``; with ``data.reward=auto``, ``default`` (an environment's own reward) or else the
+    stream's task reward. A user reward runs in a worker process with ``data.reward_timeout`` per call; a bad
+    spec is a RewardError here, before the model load."""
+    spec = (default or stream.reward_name) if data.reward == "auto" else data.reward
+    return reward_scorer(spec, format_weight=data.format_weight, timeout=data.reward_timeout)
 
 
 def held_out_sets(cfg, names: list[str]) -> dict:
