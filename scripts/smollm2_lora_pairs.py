@@ -55,13 +55,14 @@ def finals(dirs: list[Path], arm: str, steps: int = 16) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
-def step_time(dirs: list[Path], arm: str, seed: int) -> float:
-    """Mean time_step_s of one run (its steps 1-16)."""
+def cost(dirs: list[Path], arm: str, seed: int) -> tuple[float, float]:
+    """Mean time_step_s (its steps 1-16) and the largest peak_rss_mb of one run."""
     for d in dirs:
         path = d / "runs" / arm / f"seed-{seed}" / "metrics.jsonl"
         if path.exists():
             rows = [json.loads(x) for x in path.read_text().splitlines()]
-            return statistics.mean(r["time_step_s"] for r in rows if "time_step_s" in r)
+            return (statistics.mean(r["time_step_s"] for r in rows if "time_step_s" in r),
+                    max(r["peak_rss_mb"] for r in rows if "peak_rss_mb" in r))
     raise SystemExit(f"no run {arm} seed {seed} in {', '.join(map(str, dirs))}")
 
 
@@ -98,8 +99,9 @@ def main() -> int:
           f"t 95 % CI [{m - t * se:+.1f}, {m + t * se:+.1f}]; r1 higher on {sum(d > 0 for d in diff)} of {n}")
     for s in sorted(again):
         if s in lora:
-            ratio = step_time(a.dirs, LORA, s) / step_time([a.rerun], FULL, s)
-            print(f"step time r1 / full, seed {s} (run side by side): {ratio:.2f}x")
+            (t_lora, m_lora), (t_full, m_full) = cost(a.dirs, LORA, s), cost([a.rerun], FULL, s)
+            print(f"r1 / full, seed {s} (run side by side): step time {t_lora / t_full:.2f}x, "
+                  f"peak RSS {m_lora / m_full:.2f}x ({m_lora:.0f} / {m_full:.0f} MB)")
     return 0
 
 
