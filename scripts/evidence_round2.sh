@@ -7,7 +7,7 @@
 #
 #   bash scripts/evidence_round2.sh            # all, in order
 #   bash scripts/evidence_round2.sh anchors    # one of: staleness_sync staleness_async anchors trust_regions
-#                                              #         recipes agent_lr long lora normalization
+#                                              #         recipes agent_lr long lora normalization smollm2_lora
 #
 # Sweep directories go to $SWEEPS (default sweeps/); reports are written by docs/evidence.md's commands.
 set -uo pipefail
@@ -59,4 +59,12 @@ if has normalization; then
   run normalization2 evidence_normalization $rep --arms "grpo+token-mean+lr=0.00015,grpo+seq-mean-token-mean+lr=0.00015,reinforce_pp_baseline+seq-mean-token-mean+lr=0.00015,dr_grpo+seq-mean-token-mean+lr=0.00015,grpo+token-mean+lr=3.0e-05,dr_grpo+seq-mean-token-mean+lr=3.0e-05"
   run normalization_ema_pg evidence_normalization_ema_pg
   run normalization_ema_pg2 evidence_normalization_ema_pg $rep
+fi
+# LoRA on SmolLM2-135M, five seeds an arm (23-30 CPU minutes a run): rank 1 at 10x; the full arm's seed 0 re-run (it
+# must reproduce the committed synchronous run of docs/evidence/smollm2_runs, whose finals the comparison pairs);
+# the two-seed pilot at 30x. Then: python scripts/smollm2_lora_pairs.py $SWEEPS/smollm2_lora --rerun $SWEEPS/smollm2_lora_full
+if has smollm2_lora; then
+  run smollm2_lora evidence_smollm2_lora --arms r1_lr=1.0e-04
+  run smollm2_lora_full evidence_smollm2_lora --arms full_lr=1.0e-05 --seeds 0-0
+  run smollm2_lora_pilot evidence_smollm2_lora --arms r1_lr=3.0e-04 --seeds 0-1
 fi
