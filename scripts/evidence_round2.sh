@@ -62,7 +62,8 @@ if has normalization; then
 fi
 # LoRA on SmolLM2-135M, five seeds an arm (23-30 CPU minutes a run): rank 1 at 10x; the full arm's seed 0 re-run (it
 # must reproduce the committed synchronous run of docs/evidence/smollm2_runs, whose finals the comparison pairs);
-# the two-seed pilot at 30x. Then: python scripts/smollm2_lora_pairs.py $SWEEPS/smollm2_lora --rerun $SWEEPS/smollm2_lora_full
+# the two-seed pilot at 30x. Then (with the default $SWEEPS):
+#   python scripts/smollm2_lora_pairs.py sweeps/smollm2_lora --rerun sweeps/smollm2_lora_full
 if has smollm2_lora; then
   run smollm2_lora evidence_smollm2_lora --arms r1_lr=1.0e-04
   run smollm2_lora_full evidence_smollm2_lora --arms full_lr=1.0e-05 --seeds 0-0
