@@ -70,7 +70,7 @@ def every_key() -> set[str]:
     keys |= set(leaf_keys(OtherDataConfig(task="my_ext:task"), "data."))
     keys |= set(leaf_keys(OtherRegionConfig(kind="my.module:Region"), "algo.region."))
     keys |= set(leaf_keys(OtherAnchorConfig(kind="my_anchor"), "algo.anchor."))
-    keys |= set(leaf_keys(OtherKLConfig(estimator="my_kl"), "algo.kl."))
+    keys |= set(leaf_keys(OtherKLConfig(estimator="my_kl", beta=0.1), "algo.kl."))
     for env in (*(SearchEnvConfig(retriever=retriever_config(k, url="http://x")) for k in ("http", "my_ext:R")),
                 SkyRLGymEnvConfig(name="skyrl_gym:x"), VerifiersEnvConfig(name="verifiers:x"),
                 OtherEnvConfig(name="my_env:Env")):

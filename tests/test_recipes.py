@@ -119,10 +119,17 @@ def test_region_surrogate_compatibility():
     c = AlgoConfig(surrogate="ratio", region=RegionConfig("cispo"))
     with pytest.raises(ConfigError, match="defined for surrogate 'reinforce'"):
         validate(c)
-    with pytest.raises(ConfigError, match="needs region.clip_c > 1"):
-        validate(AlgoConfig(region=RegionConfig("dual")))
-    with pytest.raises(ConfigError, match="needs region.delta > 0"):
-        validate(AlgoConfig(region=RegionConfig("kl3")))
+    # a bound the kind needs is refused where the region is declared: as the section is built, and in a config
+    with pytest.raises(ValueError, match="needs region.clip_c > 1"):
+        AlgoConfig(region=RegionConfig("dual"))
+    with pytest.raises(ValueError, match="needs region.delta > 0"):
+        AlgoConfig(region=RegionConfig("kl3"))
+    with pytest.raises(ConfigError, match=r"override: algo.region: trust region 'rpg_clip' needs region.clip_c > 1"):
+        load_config(None, {"algo.region": "rpg_clip"}, recipe_name="grpo")
+    with pytest.raises(ConfigError, match=r"override: algo.anchor: anchor 'kl_reset' needs anchor.kappa > 0"):
+        load_config(None, {"algo.anchor": "kl_reset"}, recipe_name="grpo")
+    assert load_config(None, {"algo.anchor": "kl_reset", "algo.anchor.kappa": 0.1},
+                       recipe_name="grpo").algo.anchor.kappa == 0.1
 
 
 def test_every_registered_estimator_validates_with_an_anchor():

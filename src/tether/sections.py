@@ -10,6 +10,7 @@ validators never need to know which section they hold. Imports only pydantic (ev
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
 import types
@@ -85,14 +86,22 @@ def user_value(value: Any, tp: Any) -> Any:
 def validate_field(cls: type, name: str, value: Any) -> Any:
     """``value`` validated as field ``name`` of section class ``cls`` alone (its type, range and validators, not the
     rules that join it to other keys: `alone`); raises pydantic's ValidationError."""
-    return getattr(cls.__pydantic_validator__.validate_assignment(cls.model_construct(), name, value,
-                                                                  context={"alone": True}), name)
+    token = _ALONE.set(True)
+    try:
+        return getattr(cls.__pydantic_validator__.validate_assignment(cls.model_construct(), name, value), name)
+    finally:
+        _ALONE.reset(token)
+
+
+#: set while `validate_field` runs (a context variable, not pydantic's validation context: a section's own
+#: ``__init__``, which pydantic calls for a nested section, does not pass that context on)
+_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("tether_validate_alone", default=False)
 
 
 def alone(info: ValidationInfo) -> bool:
-    """Whether a field is being validated alone (`validate_field`: a flag's value), so a rule joining it to the
-    section's other keys does not apply."""
-    return bool(info.context and info.context.get("alone"))
+    """Whether a field is being validated alone (`validate_field`: a flag's value, a section's shorthand), so a rule
+    joining it to the section's other keys does not apply."""
+    return _ALONE.get()
 
 
 def is_section(value: Any) -> bool:
@@ -291,8 +300,9 @@ def validation_problems(e: ValidationError, key: str, name: str, section: Any = 
             out.append(f"{where}: expected {_TYPE_ERRORS[err['type']]}, got {value!r}")
         elif err["type"] == "too_short":
             out.append(f"{where} must hold at least {ctx.get('min_length')} item(s), got {value!r}")
-        elif err["type"] == "value_error":  # a field validator's own sentence ("must be two numbers in [0, 1)")
-            out.append(f"{where} {err['msg'].removeprefix('Value error, ')}")
+        elif err["type"] == "value_error":  # a field validator's own sentence ("must be two numbers in [0, 1)"),
+            sep = ": " if isinstance(value, dict) else " "  # or a section's rule joining its keys (after a colon)
+            out.append(f"{where}{sep}{err['msg'].removeprefix('Value error, ')}")
         else:
             shown = repr(value)
             got = f" (got {shown})" if not isinstance(value, (dict, type(None))) and shown not in err["msg"] else ""

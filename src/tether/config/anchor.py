@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, model_validator
 
-from ..sections import Section
+from ..sections import Section, alone
 from .migration import Choice
 
 #: algo.anchor.dtype (kind fixed)
@@ -79,6 +79,12 @@ class KLResetAnchorConfig(_Kind):
     """reset when the moving average of the token KL exceeds kappa (> 0: the kind needs it set)"""
     kl_smoothing: float = Field(0.9, ge=0, lt=1)
     """the moving average's factor m in kl_ma <- m*kl_ma + (1-m)*kl"""
+
+    @model_validator(mode="after")
+    def _kappa_set(self, info: ValidationInfo):
+        if not alone(info) and self.kind == "kl_reset" and not self.kappa > 0:
+            raise ValueError("anchor 'kl_reset' needs anchor.kappa > 0")
+        return self
 
 
 class OtherAnchorConfig(KLResetAnchorConfig, EMAAnchorConfig, FixedAnchorConfig):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ..algo.kl import EXACT_ESTIMATORS, KL_ESTIMATORS, RPG_ESTIMATORS, TOPK_ESTIMATORS
-from ..sections import Section
+from ..sections import Section, alone
 from .migration import Choice
 
 #: algo.kl.placement
@@ -29,6 +29,12 @@ class _Estimator(Section):
     """the estimator (tether.algo.kl.KL_ESTIMATORS)"""
     beta: float = Field(0.0, ge=0, allow_inf_nan=False)
     """KL coefficient, > 0 (an estimator needs it set)"""
+
+    @model_validator(mode="after")
+    def _beta_set(self, info: ValidationInfo):
+        if not alone(info) and self.estimator != "none" and not self.beta > 0:
+            raise ValueError(f"kl.estimator {self.estimator!r} needs kl.beta > 0")
+        return self
 
 
 class _Placed(Section):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from ..sections import Section
+from ..sections import Section, alone
 from .migration import Choice
 
 
@@ -46,6 +46,26 @@ class _Radius(Section):
     """the divergence radius, > 0 (the kinds that read it need it set)"""
 
 
+class _CapNeeded(Section):
+    """A kind that is the dual cap: clip_c > 1 is required, not optional (a rule joining the kind to the key)."""
+
+    @model_validator(mode="after")
+    def _cap_set(self, info: ValidationInfo):
+        if not alone(info) and not self.clip_c > 1:
+            raise ValueError(f"trust region {self.kind!r} needs region.clip_c > 1 (RPG uses 3)")
+        return self
+
+
+class _RadiusNeeded(Section):
+    """A kind bounded by a divergence: delta > 0 is required (0 would clip every token that moves)."""
+
+    @model_validator(mode="after")
+    def _radius_set(self, info: ValidationInfo):
+        if not alone(info) and not self.delta > 0:
+            raise ValueError(f"trust region {self.kind!r} needs region.delta > 0")
+        return self
+
+
 class NoRegionConfig(_Kind):
     """``algo.region.kind=none``: every token's gradient passes (no trust region)."""
 
@@ -60,14 +80,14 @@ class RatioRegionConfig(_DualCap, _Interval, _Kind):
     """ratio"""
 
 
-class DualRegionConfig(_DualCap, _Interval, _Kind):
+class DualRegionConfig(_CapNeeded, _DualCap, _Interval, _Kind):
     """``algo.region.kind=dual``: the ratio clip plus the dual cap at clip_c for A < 0 (needs clip_c > 1)."""
 
     kind: Literal["dual"] = "dual"
     """dual"""
 
 
-class RPGClipRegionConfig(_DualCap, _Interval, _Kind):
+class RPGClipRegionConfig(_CapNeeded, _DualCap, _Interval, _Kind):
     """``algo.region.kind=rpg_clip``: RPG-Style Clip, the dual clip in REINFORCE form (surrogate reinforce; needs
     clip_c > 1)."""
 
@@ -83,21 +103,21 @@ class GSPORegionConfig(_DualCap, _Interval, _Kind):
     """gspo"""
 
 
-class KL3RegionConfig(_DualCap, _Radius, _Kind):
+class KL3RegionConfig(_RadiusNeeded, _DualCap, _Radius, _Kind):
     """``algo.region.kind=kl3``: k3(rho) = rho - 1 - log rho <= delta, i.e. Lambert-W bounds on rho (ATR-GRPO)."""
 
     kind: Literal["kl3"] = "kl3"
     """kl3"""
 
 
-class TVRegionConfig(_DualCap, _Radius, _Kind):
+class TVRegionConfig(_RadiusNeeded, _DualCap, _Radius, _Kind):
     """``algo.region.kind=tv``: abs(pi(y) - pi_old(y)) <= delta (binary total variation, DPPO)."""
 
     kind: Literal["tv"] = "tv"
     """tv"""
 
 
-class BinaryKLRegionConfig(_DualCap, _Radius, _Kind):
+class BinaryKLRegionConfig(_RadiusNeeded, _DualCap, _Radius, _Kind):
     """``algo.region.kind=binary_kl``: KL(Bern(pi_old(y)) || Bern(pi(y))) <= delta (binary KL, DPPO)."""
 
     kind: Literal["binary_kl"] = "binary_kl"
