@@ -44,6 +44,8 @@ def _deep_jsonl(path):
 DEEP_LOADERS = {  # the command reading the file given as {f}; {t}: the test's directory
     "sft --data": ["sft", "--data", "{f}", "--model", "{t}/nope", "--output-dir", "{t}/run"],
     "train data.task=": ["train", "data.task={f}", "--model", "{t}/nope", "--output-dir", "{t}/run"],
+    # a held-out set loads with the cheap checks: before the run directory and the model ({t}/nope is never read)
+    "train eval.benchmarks=": ["train", "eval.benchmarks={f}", "--model", "{t}/nope", "--output-dir", "{t}/run"],
     "eval --benchmarks": ["eval", "--model", "{t}/nope", "--benchmarks", "{f}", "--out", "{t}/run"],
     "demos --data": ["demos", "calculator", "--data", "{f}", "--out", "{t}/run"],
     "retrieve serve --corpus": ["retrieve", "serve", "--corpus", "{f}", "--port", "0", "--cache-dir", "{t}/run"],

@@ -55,29 +55,39 @@ def rollout_metrics(seen: list, kept_rewards: torch.Tensor, kept_groups: torch.T
 
 
 class HeldOut:
-    """The held-out evaluation of a run (``eval.*``; `tether.tasks.stream.held_out_sets`).
+    """The held-out evaluation of a run (``eval.*``): its sets, when it is due, the policy's (and the anchor's)
+    scores, the lines printed before and after training.
 
-    ``sets`` maps a benchmark's name to (examples, reward function); it is empty when the run does
-    not evaluate (a run that asked for eval.before / eval.after without a held-out set is told why).
-    Every rank evaluates the whole set (not split across ranks).
+    ``sets`` maps a benchmark's name to (examples, reward function); it is empty when the run does not evaluate.
+    ``e`` is the run's ``eval`` section; ``steps`` its ``train.steps``; ``sampling`` what the evaluation takes from
+    the run besides ``eval.*`` (``rollout.batch_size``, ``train.seed``, ``rollout.stop``). `HeldOut.of` builds it from
+    a whole config. Every rank evaluates the whole set (not split across ranks).
     """
 
-    def __init__(self, cfg, log: Callable = print):
-        self.cfg, self.log = cfg, log
-        self.sets = held_out_sets(cfg, eval_benchmarks(cfg)) if evaluating(cfg) else {}
-        if (cfg.eval.before or cfg.eval.after) and not self.sets and dist.is_main():
+    def __init__(self, sets: dict, e, steps: int, sampling: dict, log: Callable = print):
+        self.sets, self.e, self.steps, self.sampling, self.log = sets, e, steps, sampling, log
+
+    @classmethod
+    def of(cls, cfg, log: Callable = print) -> "HeldOut":
+        """The held-out evaluation ``cfg`` asks for (`tether.tasks.stream.held_out_sets`: the sets load here, so a
+        set that cannot load fails before a run directory or a model). A run that asked for eval.before /
+        eval.after without a held-out set is told why."""
+        sets = held_out_sets(cfg, eval_benchmarks(cfg)) if evaluating(cfg) else {}
+        if (cfg.eval.before or cfg.eval.after) and not sets and dist.is_main():
             log(f"[tether] no held-out evaluation: data.task={cfg.data.task!r} has no held-out set for "
                 f"eval.benchmarks=auto (name one, e.g. eval.benchmarks=[gsm8k], or set eval.before=false "
                 f"eval.after=false)")
+        sampling = dict(batch_size=cfg.rollout.batch_size, seed=cfg.train.seed, stop=list(cfg.rollout.stop))
+        return cls(sets, cfg.eval, cfg.train.steps, sampling, log)
 
     def due_before(self, step: int) -> bool:
         """Whether to evaluate the initial policy (a run at trainer step ``step`` that has not trained)."""
-        return bool(self.cfg.eval.before and self.sets and step == 0)
+        return bool(self.e.before and self.sets and step == 0)
 
     def due(self, step: int) -> bool:
         """Whether to evaluate after trainer step ``step``: every ``eval.every`` steps, and after the last
         one with ``eval.after`` (or ``eval.every``)."""
-        e, last = self.cfg.eval, step == self.cfg.train.steps
+        e, last = self.e, step == self.steps
         return bool(((e.every and step % e.every == 0) or (last and (e.after or e.every))) and self.sets)
 
     def evaluate(self, model, agent, engine, anchor) -> dict:
@@ -87,10 +97,9 @@ class HeldOut:
         anchor the engine gets the anchor's weights for the evaluation, and the policy's back after it
         (``sync_weights``: nothing to do for transformers, a reload for vLLM's copy)."""
         t0 = time.perf_counter()
-        e = self.cfg.eval
+        e = self.e
         settings = dict(n=e.n, greedy=e.greedy, temperature=0.0 if e.greedy else e.temperature, top_p=e.top_p,
-                        max_new_tokens=e.max_new_tokens, batch_size=self.cfg.rollout.batch_size,
-                        seed=self.cfg.train.seed, stop=list(self.cfg.rollout.stop))
+                        max_new_tokens=e.max_new_tokens, **self.sampling)
         examples = {k: v[0] for k, v in self.sets.items()}
         rewards = {k: v[1] for k, v in self.sets.items()}
         with dist.gathered(model):
@@ -116,8 +125,8 @@ class HeldOut:
 
     def after(self, run_dir: Path, step: int) -> None:
         """Print the before -> after line once a run that evaluated reached its last step ``step``."""
-        e = self.cfg.eval
-        if dist.is_main() and self.sets and step == self.cfg.train.steps and (e.after or e.every):
+        e = self.e
+        if dist.is_main() and self.sets and step == self.steps and (e.after or e.every):
             self.log(f"[tether] held-out accuracy, before -> after training: {before_after(run_dir, e, self.sets)}")
 
 

@@ -85,7 +85,7 @@ class Trainer:
     """Owns the model, optimizer, anchor and data stream of one run; ``run()`` trains to ``train.steps``.
 
     ``run_guard`` (`tether.rundir.guard.RunDirectory`, passed by `train` / `resume`) creates, locks and
-    checks the run directory once the data, reward and tools have loaded, before the model does; it
+    checks the run directory once the data, reward, tools and held-out sets have loaded, before the model does; it
     writes config.yaml (a resume: after the checkpoint is restored). Without it (tests, benchmarks)
     the directory is only created.
     """
@@ -106,6 +106,7 @@ class Trainer:
         plan = RolloutPlan(cfg)  # the agent and its tools, e.g. the search environment's retriever: corpus checked
         self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row
         self.score_rewards = training_reward(cfg.data, self.data, plan.env_reward)  # a bad reward spec fails here, too
+        self.held_out = HeldOut.of(cfg, self.log)  # tether.report: eval.*'s sets, loaded (none if it does not evaluate)
         dist.check_supported(cfg.rollout.prompts_per_step, cfg.rollout.dynamic_sampling)
         if run_guard is not None:
             run_guard.open(cfg)  # after the cheap checks (a bad config leaves no directory), before the model load
@@ -134,7 +135,6 @@ class Trainer:
         self.scheduler = self.schedule.scheduler
         self.step, self.skipped_updates = 0, 0
         self.reward_errors = RewardErrorLog(self.run_dir, self.log)  # counted; the first of each kind logged
-        self.held_out = HeldOut(cfg, self.log)  # tether.report: eval.* sets (none when the run does not evaluate)
         self.needs = loss_needs(cfg.algo, model.get_output_embeddings().weight.shape[0])
         self._on_policy = t.epochs == 1 and t.mini_batches == 1  # one optimizer step per (fresh) rollout
         self.passes = Passes(model, self.anchor, self.needs, on_policy=self._on_policy,
