@@ -248,6 +248,8 @@ def test_agent_shorthand_and_kind_choose_the_section():
     ({"rollout.agent.env.name": "search", "rollout.agent.env.retriever.kind": "http"},
      "rollout.agent.env.retriever.url must be set: the retrieval server's base URL"),
     ({"rollout.agent.env.name": "nope_env"}, "unknown rollout.agent.env.name 'nope_env'"),
+    # a verifiers environment names its env_id (refused where the section declares its name)
+    ({"rollout.agent.env.name": "verifiers:"}, r"rollout.agent.env.name names no environment \(verifiers:<env_id>"),
     ({"rollout.agent.env.max_context": 0}, "rollout.agent.env.max_context must be >= 1, got 0"),
 ])
 def test_agent_cross_field_rules(over, msg):

@@ -212,6 +212,14 @@ class VerifiersEnvConfig(_Env):
     choice_prefix: ClassVar[str] = "verifiers:"
     name: str = Field(pattern=r"^verifiers:")
     """verifiers:<env_id>, the module with load_environment (or the 0.4 task API's environment)"""
+
+    @field_validator("name")
+    @classmethod
+    def _names_one(cls, v: str) -> str:
+        if not v[len(cls.choice_prefix):]:
+            raise ValueError("names no environment (verifiers:<env_id>, the module with load_environment)")
+        return v
+
     observation_format: Literal["chat"] = "chat"
     """chat (its messages are chat turns)"""
     #: its messages carry their own roles (no observation_role to set)

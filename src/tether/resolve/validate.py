@@ -117,8 +117,6 @@ def _check_verifiers(e, p: str, cfg: Config) -> list[str]:
     """A verifiers environment (``verifiers:<env_id>``): chat turns, its options (load_environment's ``args``, the
     ``tool_format``), no observation role (its messages carry theirs), no system prompt (its rows carry theirs)."""
     errs = []
-    if not e.name[len(e.choice_prefix):]:
-        errs.append(f"{p}.name=verifiers: names no environment (verifiers:<env_id>, the module with load_environment)")
     if is_task_api():  # verifiers 0.4: its own options, checked where the environment is built (envs/verifiers_v1.py)
         if cfg.data.system_prompt:
             errs.append(f"data.system_prompt has no effect with {p}.name={e.name} (its tasks carry their own)")
