@@ -202,6 +202,24 @@ def test_lora_sft_run_loads_as_a_merged_model(data, tiny_model_dir, tmp_path):
         assert not torch.allclose(base(input_ids=ids).logits, want, atol=1e-3)  # SFT moved it
 
 
+@pytest.mark.parametrize("over, msg", [
+    ({"train.steps": 5, "train.epochs": 2}, "override: train.steps=5 and train.epochs=2 both set the length"),
+    ({"train.micro_batch_size": 8, "train.batch_size": 4}, "override: train.micro_batch_size=8 exceeds "
+                                                           "train.batch_size=4"),
+    ({"train.steps": 3, "train.warmup_steps": 4}, "override: train.warmup_steps=4 exceeds the run's 3 optimizer steps"),
+    ({"data.val_fraction": 0.2, "data.val_path": "v.jsonl"}, "override: data.val_fraction and data.val_path both "
+                                                             "choose the validation rows"),
+    ({"run.overwrite": True}, "override: run.overwrite=true needs run.output_dir"),
+])
+def test_the_rules_joining_keys_of_one_section_are_refused_as_it_is_read(over, msg, tmp_path):
+    """Declared with the keys they join (tether.config.sft), said once, naming the source and the keys."""
+    (tmp_path / "d.jsonl").write_text("")
+    with pytest.raises(ConfigError, match=msg.replace("(", r"\(")) as e:
+        load_sft_config(None, {"data.path": str(tmp_path / "d.jsonl"), **over})
+    assert str(e.value).count(msg.partition(": ")[2]) == 1
+    load_sft_config(None, {"data.path": str(tmp_path / "d.jsonl"), "train.steps": 3, "train.warmup_steps": 3})
+
+
 def test_docs_sft_md_lists_every_option():
     doc = (os.path.join(os.path.dirname(__file__), "..", "docs", "sft.md"))
     text = open(doc).read()

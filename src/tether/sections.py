@@ -301,8 +301,11 @@ def validation_problems(e: ValidationError, key: str, name: str, section: Any = 
         elif err["type"] == "too_short":
             out.append(f"{where} must hold at least {ctx.get('min_length')} item(s), got {value!r}")
         elif err["type"] == "value_error":  # a field validator's own sentence ("must be two numbers in [0, 1)"),
-            sep = ": " if isinstance(value, dict) else " "  # or a section's rule joining its keys (after a colon)
-            out.append(f"{where}{sep}{err['msg'].removeprefix('Value error, ')}")
+            msg = err["msg"].removeprefix("Value error, ")  # or a section's rule joining its keys: after a colon,
+            if not isinstance(value, dict):  # or alone when it names its own key (train.warmup_steps=...)
+                out.append(f"{where} {msg}")
+            else:
+                out.append(msg if msg.startswith(f"{where.rpartition('.')[2]}.") else f"{where}: {msg}")
         else:
             shown = repr(value)
             got = f" (got {shown})" if not isinstance(value, (dict, type(None))) and shown not in err["msg"] else ""

@@ -95,7 +95,7 @@ def kind_at(tree: dict, dotted: str, key: str = "kind") -> Any:
 def _source(problem: str, origin: dict[str, str]) -> str:
     """Where the key a validation problem names was set (the longest key set that is the key, a section above it,
     or a key under it), else "config"."""
-    key = problem.removeprefix("unknown ").split(" ")[0].rstrip(":")
+    key = problem.removeprefix("unknown ").split(" ")[0].partition("=")[0].rstrip(":")  # (train.warmup_steps=4 ...)
     hits = [k for k in origin if key == k or key.startswith(k + ".") or k.startswith(key + ".")]
     return origin[max(hits, key=len)] if hits else "config"
 

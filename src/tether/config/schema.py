@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ..algo.correction import LR_SCALES
 from ..sections import Section, alone, as_dict, only_with
@@ -170,6 +170,14 @@ class TrainConfig(OptimizerConfig):
     """passes over each rollout batch (> 1 makes the update off-policy)"""
     mini_batches: int = Field(1, ge=1)
     """optimizer steps per epoch; each sees 1/mini_batches of the batch"""
+
+    @model_validator(mode="after")
+    def _warmup_within_run(self, info: ValidationInfo):
+        total = self.steps * self.epochs * self.mini_batches
+        if not alone(info) and self.warmup_steps > total:
+            raise ValueError(f"train.warmup_steps={self.warmup_steps} exceeds the run's {total} optimizer steps "
+                             "(train.steps x train.epochs x train.mini_batches): the LR would never reach train.lr")
+        return self
     micro_batch_tokens: int = Field(0, ge=0)
     """a token budget per forward/backward in place of micro_batch_size (0 = off: rows): each mini-batch's rows
     sorted by length (a group's rows kept together under share_prompt), a micro-batch takes rows while rows x
@@ -227,6 +235,13 @@ class OutputsConfig(Section):
     """a fresh run into a non-empty run.output_dir first deletes the run there (config, logs, checkpoints: only what
     tether wrote, a run of the same command); false refuses it (CLI: --overwrite; needs run.output_dir; not with
     --resume)"""
+
+    @model_validator(mode="after")
+    def _overwrite_names_a_dir(self, info: ValidationInfo):
+        if not alone(info) and self.overwrite and not self.output_dir:
+            raise ValueError("run.overwrite=true needs run.output_dir (--output-dir): the default run directory is a "
+                             "new one, so there is nothing to overwrite")
+        return self
     save_every: int = Field(10, ge=0)
     """checkpoint every N trainer steps (0 = only at the end)"""
     keep_checkpoints: int = 2

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, model_validator
 
-from ..sections import Section
+from ..sections import Section, alone
 from .model import ModelConfig
 from .schema import OptimizerConfig, OutputsConfig, Schedule
 
@@ -37,6 +37,12 @@ class SFTDataConfig(Section):
     """a conversation longer than data.max_length: error (names the file and line; raised before the first step) |
     truncate (keep its first data.max_length tokens; it must still hold a trained token)"""
 
+    @model_validator(mode="after")
+    def _one_validation_source(self, info: ValidationInfo):
+        if not alone(info) and self.val_fraction > 0 and self.val_path:
+            raise ValueError("data.val_fraction and data.val_path both choose the validation rows: set one")
+        return self
+
 
 class SFTTrainConfig(OptimizerConfig):
     """Optimization: AdamW on the mean negative log-likelihood of the trained tokens of each batch (the optimizer's
@@ -52,6 +58,21 @@ class SFTTrainConfig(OptimizerConfig):
     micro_batch_size: int = Field(4, ge=1)
     """conversations per forward / backward (gradient accumulation); the loss is divided by the trained tokens of
     the whole batch, so the gradient does not depend on it"""
+
+    @model_validator(mode="after")
+    def _length_and_batches(self, info: ValidationInfo):
+        if alone(info):
+            return self
+        if self.steps > 0 and self.epochs != 1:
+            raise ValueError(f"train.steps={self.steps} and train.epochs={self.epochs} both set the length of the "
+                             "run: set one")
+        if self.micro_batch_size > self.batch_size:
+            raise ValueError(f"train.micro_batch_size={self.micro_batch_size} exceeds train.batch_size="
+                             f"{self.batch_size}")
+        if self.warmup_steps > self.steps > 0:  # (with train.epochs the length is known once the rows are read)
+            raise ValueError(f"train.warmup_steps={self.warmup_steps} exceeds the run's {self.steps} optimizer "
+                             "steps (train.steps): the LR would never reach train.lr")
+        return self
     batching: Literal[BATCHING] = "padded"
     """which conversations share a batch and how they are laid out: padded (random batches, each micro-batch padded
     to its longest) | length_grouped (batches of similar lengths: less padding, but a batch's contents correlate

@@ -154,8 +154,7 @@ def _anchor_has_weights(kind: str) -> bool:
 
 
 def _check_run(cfg: Config) -> list[str]:
-    """run.*: overwrite needs an output directory; the loggers need their packages; the exact-KL diagnostic needs
-    an anchor with its own weights."""
+    """run.*: the loggers need their packages; the exact-KL diagnostic needs an anchor with its own weights."""
     errs = check_outputs(cfg.run)
     n, kind = cfg.run.exact_kl_samples, cfg.algo.anchor.kind
     if n and n != RunConfig().exact_kl_samples and not _anchor_has_weights(kind):
@@ -166,11 +165,9 @@ def _check_run(cfg: Config) -> list[str]:
 
 def check_outputs(run) -> list[str]:
     """The output keys a training run and an SFT run share (``run``: a `RunConfig` or
-    `tether.config.sft.SFTRunConfig`): overwrite needs an output directory, the loggers their packages."""
+    `tether.config.sft.SFTRunConfig`): the loggers need their packages (overwrite's need for an output directory is
+    declared with the keys, `tether.config.schema.OutputsConfig`)."""
     errs = []
-    if run.overwrite and not run.output_dir:
-        errs.append("run.overwrite=true needs run.output_dir (--output-dir): the default run directory is a new "
-                    "one, so there is nothing to overwrite")
     if run.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401
@@ -185,24 +182,10 @@ def check_outputs(run) -> list[str]:
 
 
 def _check_values(cfg: Config) -> list[str]:
-    """What the keys' declared types and ranges cannot say: the warm-up against the run's length, the model's device
-    and LoRA keys, the reward's spec."""
-    t, errs = cfg.train, []
-    errs.extend(check_optimizer(t, t.steps * t.epochs * t.mini_batches,
-                                "train.steps x train.epochs x train.mini_batches"))
-    errs.extend(check_model(cfg.model))
+    """What the keys' declarations cannot say, since it depends on this machine or on what is installed: the model's
+    device, the reward's spec (the warm-up against the run's length is `tether.config.schema.TrainConfig`'s)."""
+    errs = check_model(cfg.model)
     errs.extend(_check_reward_spec(cfg.data.reward))
-    return errs
-
-
-def check_optimizer(t, total: int, total_is: str) -> list[str]:
-    """The warm-up against the run's ``total`` optimizer steps (0: not known yet), which ``total_is`` names (the
-    optimizer keys training and SFT runs share, ``t``: their ``train`` section; each key's own range is declared
-    with it, `tether.config.schema.OptimizerConfig`)."""
-    errs = []
-    if t.warmup_steps > total > 0:
-        errs.append(f"train.warmup_steps={t.warmup_steps} exceeds the run's {total} optimizer steps "
-                    f"({total_is}): the LR would never reach train.lr")
     return errs
 
 
