@@ -46,24 +46,27 @@ class _Radius(Section):
     """the divergence radius, > 0 (the kinds that read it need it set)"""
 
 
-class _CapNeeded(Section):
-    """A kind that is the dual cap: clip_c > 1 is required, not optional (a rule joining the kind to the key)."""
+def _needs(key: str, above: float, why: str = ""):
+    """A kind that needs bound ``key`` set above ``above`` (a rule joining the kind to the key)."""
 
-    @model_validator(mode="after")
-    def _cap_set(self, info: ValidationInfo):
-        if not alone(info) and not self.clip_c > 1:
-            raise ValueError(f"trust region {self.kind!r} needs region.clip_c > 1 (RPG uses 3)")
+    def check(self, info: ValidationInfo):
+        if not alone(info) and not getattr(self, key) > above:
+            raise ValueError(f"trust region {self.kind!r} needs region.{key} > {above:g}{why}")
         return self
+
+    return model_validator(mode="after")(check)
+
+
+class _CapNeeded(Section):
+    """A kind that is the dual cap: clip_c > 1 is required, not optional."""
+
+    _cap = _needs("clip_c", 1, " (RPG uses 3)")
 
 
 class _RadiusNeeded(Section):
     """A kind bounded by a divergence: delta > 0 is required (0 would clip every token that moves)."""
 
-    @model_validator(mode="after")
-    def _radius_set(self, info: ValidationInfo):
-        if not alone(info) and not self.delta > 0:
-            raise ValueError(f"trust region {self.kind!r} needs region.delta > 0")
-        return self
+    _radius = _needs("delta", 0)
 
 
 class NoRegionConfig(_Kind):
