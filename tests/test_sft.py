@@ -220,6 +220,14 @@ def test_the_rules_joining_keys_of_one_section_are_refused_as_it_is_read(over, m
     load_sft_config(None, {"data.path": str(tmp_path / "d.jsonl"), "train.steps": 3, "train.warmup_steps": 3})
 
 
+def test_a_warmup_past_the_length_the_rows_give_is_refused(data, tiny_model_dir, tmp_path):
+    """With train.epochs the length is known once the rows are read (24 rows, batches of 4: 6 steps a pass); the
+    same rule as train.steps' (OptimizerConfig.warmup_problem)."""
+    with pytest.raises(ConfigError, match=r"^train.warmup_steps=7 exceeds the run's 6 optimizer steps: the LR would "
+                                          r"never reach train.lr$"):
+        sft(config(data, tiny_model_dir, **{"train.warmup_steps": 7}), tmp_path / "run")
+
+
 def test_docs_sft_md_lists_every_option():
     doc = (os.path.join(os.path.dirname(__file__), "..", "docs", "sft.md"))
     text = open(doc).read()

@@ -145,6 +145,16 @@ class OptimizerConfig(Section):
     grad_clip: float = Field(1.0, ge=0, allow_inf_nan=False)
     """max global grad norm (0 = off)"""
 
+    def warmup_problem(self, total: int, total_is: str = "") -> Optional[str]:
+        """The problem of a warm-up longer than the run's ``total`` optimizer steps (``total_is``: how they are
+        counted), or None: the rule `TrainConfig`, `tether.config.sft.SFTTrainConfig` and the SFT loop (once the
+        rows give the length) share."""
+        if self.warmup_steps <= total:
+            return None
+        how = f" ({total_is})" if total_is else ""
+        return (f"train.warmup_steps={self.warmup_steps} exceeds the run's {total} optimizer steps{how}: the LR "
+                "would never reach train.lr")
+
 
 class TrainConfig(OptimizerConfig):
     """Optimization: the update over one rollout batch (the optimizer's keys first, `OptimizerConfig`)."""
@@ -173,10 +183,10 @@ class TrainConfig(OptimizerConfig):
 
     @model_validator(mode="after")
     def _warmup_within_run(self, info: ValidationInfo):
-        total = self.steps * self.epochs * self.mini_batches
-        if not alone(info) and self.warmup_steps > total:
-            raise ValueError(f"train.warmup_steps={self.warmup_steps} exceeds the run's {total} optimizer steps "
-                             "(train.steps x train.epochs x train.mini_batches): the LR would never reach train.lr")
+        problem = self.warmup_problem(self.steps * self.epochs * self.mini_batches,
+                                      "train.steps x train.epochs x train.mini_batches")
+        if problem and not alone(info):
+            raise ValueError(problem)
         return self
     micro_batch_tokens: int = Field(0, ge=0)
     """a token budget per forward/backward in place of micro_batch_size (0 = off: rows): each mini-batch's rows

@@ -69,9 +69,9 @@ class SFTTrainConfig(OptimizerConfig):
         if self.micro_batch_size > self.batch_size:
             raise ValueError(f"train.micro_batch_size={self.micro_batch_size} exceeds train.batch_size="
                              f"{self.batch_size}")
-        if self.warmup_steps > self.steps > 0:  # (with train.epochs the length is known once the rows are read)
-            raise ValueError(f"train.warmup_steps={self.warmup_steps} exceeds the run's {self.steps} optimizer "
-                             "steps (train.steps): the LR would never reach train.lr")
+        problem = self.warmup_problem(self.steps, "train.steps")
+        if problem and self.steps > 0:  # (with train.epochs the length is known once the rows are read: the loop's)
+            raise ValueError(problem)
         return self
     batching: Literal[BATCHING] = "padded"
     """which conversations share a batch and how they are laid out: padded (random batches, each micro-batch padded

@@ -85,9 +85,8 @@ class SFTTrainer:
         self.plan = BatchPlan([len(e.ids) for e in self.train_set], t.batch_size, t.seed,
                               grouped=t.batching == "length_grouped")
         self.total = t.steps or t.epochs * self.plan.steps_per_epoch
-        if t.warmup_steps > self.total:
-            raise ConfigError(f"train.warmup_steps={t.warmup_steps} exceeds the run's {self.total} optimizer steps: "
-                              f"the LR would never reach train.lr")
+        if problem := t.warmup_problem(self.total):  # the length, now that the rows give it (tether.config.schema)
+            raise ConfigError(problem)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_adamw(self.params, t)
         # the schedule of tether train, over this run's optimizer steps (one per step)
