@@ -274,7 +274,7 @@ def test_variant_runs_under_its_label_and_resume_merges_parts(cr, tiny_model_dir
     (["x", "grpo"], "give LABEL RECIPE KEY=VALUE"),
     (["dapo", "grpo", "train.lr=1"], "already a recipe"),
     (["x", "nope", "train.lr=1"], "unknown recipe 'nope'"),
-    (["x", "grpo", "algo.aggregation=nope"], "unknown aggregation 'nope'"),
+    (["x", "grpo", "algo.aggregation=nope"], "unknown algo.aggregation 'nope'"),
     (["x/y", "grpo", "train.lr=1"], "letters, digits"),
 ])
 def test_bad_variant_is_a_clear_error(cr, variant, message, capsys):

@@ -284,3 +284,24 @@ def test_algo_keys_are_typed(key, value, msg):
 def test_anchor_dtype_is_a_choice():
     with pytest.raises(ConfigError, match=r"unknown algo.anchor.dtype 'fp16'.* Valid choices: policy, bfloat16$"):
         load_config(None, {"algo.anchor.dtype": "fp16"}, recipe_name="grpo")
+
+
+@pytest.mark.parametrize("kl,msg", [
+    (dict(estimator="k3", beta=0.1, placement="advantage"), "needs kl.estimator rpg_rkl or rpg_urkl"),
+    (dict(estimator="topk_fwd_centered", beta=0.1, truncated=True), "use 'topk_fwd'"),
+    (dict(estimator="topk_rev", beta=0.1, truncated=True, s_min=0.5), "which kl.truncated=true drops"),
+    (dict(estimator="topk_rev", beta=0.0), "needs kl.beta > 0"),
+])
+def test_the_kl_terms_own_rules_are_its_sections(kl, msg, tmp_path):
+    """A rule joining keys of algo.kl is the section's validator: refused as the section is built in Python, and in
+    a config, once, under the source that set the section's keys (an override; a file: named)."""
+    with pytest.raises(ValueError, match=msg):
+        kl_config(**kl)
+    with pytest.raises(ConfigError, match=f"^override: kl.*{msg}"):
+        load_config(None, {f"algo.kl.{k}": v for k, v in kl.items()}, recipe_name="ema_pg")
+    f = tmp_path / "c.yaml"
+    f.write_text("algo:\n  kl:\n" + "".join(f"    {k}: {v}\n" for k, v in kl.items()))
+    with pytest.raises(ConfigError, match=f"^{f}: kl.*{msg}"):
+        load_config(f, {}, recipe_name="ema_pg")
+    assert validate(AlgoConfig(kl=kl_config("rpg_urkl", beta=0.1, placement="advantage"), anchor=FixedAnchorConfig(),
+                               surrogate="reinforce"))

@@ -42,12 +42,32 @@ class _Placed(Section):
     """loss: + beta*KL in the loss | reward: per-token penalty-to-go in the advantage | advantage: RPG's A' = A -
     beta*C_KL (rpg_rkl/rpg_urkl)"""
 
+    @model_validator(mode="after")
+    def _advantage_form(self, info: ValidationInfo):
+        if not alone(info) and self.placement == "advantage" and self.estimator not in ("rpg_rkl", "rpg_urkl"):
+            raise ValueError("kl.placement 'advantage' (RPG-Style Clip's A') needs kl.estimator rpg_rkl or rpg_urkl")
+        return self
+
 
 class _Head(Section):
     topk: int = Field(32, ge=0)
     """head size k (EMA-PG: 32); 0 = pure sampled tail; >= |V| = exact"""
     truncated: bool = False
-    """drop the tail, KL over the head only (a biased, distillation-style KL)"""
+    """drop the tail, KL over the head only (a biased, distillation-style KL); not with a *_centered estimator, nor
+    with s_min / s_max (which clip the tail's weight)"""
+
+    @model_validator(mode="after")
+    def _head_alone(self, info: ValidationInfo):
+        if alone(info) or not self.truncated:
+            return self
+        if self.estimator.endswith("_centered"):
+            raise ValueError(f"kl.truncated drops the tail, and {self.estimator!r}'s baseline is unbiased only with "
+                             "it (the head alone would not have the truncated KL's gradient); use "
+                             f"{self.estimator[:-9]!r}")
+        if getattr(self, "s_min", 0) or getattr(self, "s_max", 0):
+            raise ValueError("kl.s_min/s_max clip the sampling weight of the top-k estimators' sampled tail, which "
+                             "kl.truncated=true drops")
+        return self
 
 
 class _Weight(Section):

@@ -94,9 +94,13 @@ def kind_at(tree: dict, dotted: str, key: str = "kind") -> Any:
 
 def _source(problem: str, origin: dict[str, str]) -> str:
     """Where the key a validation problem names was set (the longest key set that is the key, a section above it,
-    or a key under it), else "config"."""
+    or a key under it; for a rule of a section that names its keys from the section, ``kl.estimator 'k3' needs
+    kl.beta > 0``, a key set in that section), else "config"."""
     key = problem.removeprefix("unknown ").split(" ")[0].partition("=")[0].rstrip(":")  # (train.warmup_steps=4 ...)
     hits = [k for k in origin if key == k or key.startswith(k + ".") or k.startswith(key + ".")]
+    section = key.rpartition(".")[0]
+    if not hits and section:  # a short key: the section's keys, wherever the section sits (algo.kl.beta)
+        hits = [k for k in origin if f".{section}." in f".{k}."]
     return origin[max(hits, key=len)] if hits else "config"
 
 

@@ -70,7 +70,7 @@ class AlgoConfig(Section):
     the keys it reads)"""
     anchor: AnchorConfig = Field(default_factory=NoAnchorConfig)
     """which policy the KL term ties to, and how it moves (tether.config.anchor: a section per kind)"""
-    aggregation: str = "token-mean"
+    aggregation: Literal[AGGREGATIONS] = "token-mean"
     """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm"""
     agg_max_len: int = Field(0, ge=0)
     """seq-mean-token-sum-norm: the fixed length L (0 = the rollout's max_new_tokens)"""
@@ -157,16 +157,14 @@ def validate(cfg: AlgoConfig) -> AlgoConfig:
 
 
 def _top_level_errors(cfg: AlgoConfig) -> list[str]:
-    """Unknown advantage / surrogate / aggregation (registered names), and the rollout correction's settings (the
-    keys they make ineffective are refused beside their declarations: adv_eps, agg_max_len, tis_mode,
-    mask_kl_max)."""
+    """Unknown advantage / surrogate (registered names a user can extend; the aggregations are a fixed choice, typed
+    with the key), and the rollout correction's settings (the keys they make ineffective are refused beside their
+    declarations: adv_eps, agg_max_len, tis_mode, mask_kl_max)."""
     errs: list[str] = []
     if cfg.advantage not in ADVANTAGES:
         errs.append(unknown_choice("advantage", cfg.advantage, ADVANTAGES.names()))
     if cfg.surrogate not in SURROGATES:
         errs.append(unknown_choice("surrogate", cfg.surrogate, SURROGATES))
-    if cfg.aggregation not in AGGREGATIONS:
-        errs.append(unknown_choice("aggregation", cfg.aggregation, AGGREGATIONS))
     return errs + _correction_errors(cfg)
 
 
@@ -211,9 +209,9 @@ def _region_errors(cfg: AlgoConfig) -> list[str]:
 
 
 def _kl_errors(cfg: AlgoConfig) -> list[str]:
-    """An unknown KL estimator or anchor, and the KL term's combinations: beta > 0 and an anchor exactly when there is
-    an estimator, a placement the estimator supports, its options together (a key the estimator does not read
-    cannot be set, and each key's range is declared with it: tether.config.kl)."""
+    """An unknown KL estimator or anchor, an anchor exactly when there is an estimator, and a placement the surrogate
+    supports (a key the estimator does not read cannot be set; each key's range, beta > 0, the advantage placement's
+    estimators and truncated's companions are declared with the keys: tether.config.kl)."""
     errs: list[str] = []
     k, a = cfg.kl, cfg.anchor
     if k.estimator != "none" and k.estimator not in KL_ESTIMATORS:
@@ -228,17 +226,8 @@ def _kl_errors(cfg: AlgoConfig) -> list[str]:
     if a.kind == "none":
         errs.append(f"kl.estimator {k.estimator!r} needs an anchor; choose anchor.kind from: "
                     + ", ".join(x for x in ANCHORS if x != "none"))
-    if k.placement == "advantage" and k.estimator not in ("rpg_rkl", "rpg_urkl"):
-        errs.append("kl.placement 'advantage' (RPG-Style Clip's A') needs kl.estimator rpg_rkl or rpg_urkl")
     if k.placement == "reward" and k.estimator in RPG_ESTIMATORS and cfg.surrogate == "reinforce":
         errs.append("kl.placement 'reward' uses the estimator's value; the RPG REINFORCE form has none")
-    truncated = getattr(k, "truncated", False)
-    if truncated and k.estimator.endswith("_centered"):
-        errs.append(f"kl.truncated drops the tail, and {k.estimator!r}'s baseline is unbiased only with it (the "
-                    f"head alone would not have the truncated KL's gradient); use {k.estimator[:-9]!r}")
-    if truncated and (getattr(k, "s_min", 0) or getattr(k, "s_max", 0)):
-        errs.append("kl.s_min/s_max clip the sampling weight of the top-k estimators' sampled tail, which "
-                    "kl.truncated=true drops")
     return errs
 
 
