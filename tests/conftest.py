@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,27 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
     for item in cuda:
         item.add_marker(skip)
+
+
+#: a `slow` test's expected minutes on the slowest machine CI has run on, where its marker does not say
+#: (``pytest.mark.slow(minutes=N)``); tests not marked slow are expected to take seconds
+SLOW_MINUTES = 2
+
+
+def pytest_runtest_setup(item):
+    """``TETHER_TEST_DEADLINE`` (seconds since the epoch; .ci/run sets it, since CI must end within 90 minutes): a
+    test expected to end past it is skipped, with the deadline in its reason (``-rs`` lists them); past it, every
+    test is. A test's expected time is its ``slow`` marker's ``minutes`` (``SLOW_MINUTES`` without one), 0 for the
+    others."""
+    deadline = os.environ.get("TETHER_TEST_DEADLINE")
+    if not deadline:
+        return
+    slow = item.get_closest_marker("slow")
+    minutes = 0 if slow is None else slow.kwargs.get("minutes", SLOW_MINUTES)
+    left = float(deadline) - time.time()
+    if minutes * 60 > left or left <= 0:
+        pytest.skip(f"TETHER_TEST_DEADLINE: expected to take {minutes} min, {max(left, 0) / 60:.1f} min left "
+                    f"(run it alone: bash scripts/test.sh {item.nodeid})")
 
 
 @pytest.fixture(scope="session")
