@@ -109,7 +109,7 @@ def run(a, k: int, w: int, out: Path) -> list[dict]:
     import torch
 
     from tether.resolve import load_config
-    from tether.train import Trainer
+    from tether.train import build_trainer
 
     over = {"model.name": a.model, "rollout.prompts_per_step": a.prompts, "rollout.n": a.n,
             "rollout.max_new_tokens": a.max_new_tokens, "rollout.min_new_tokens": a.max_new_tokens,
@@ -122,7 +122,7 @@ def run(a, k: int, w: int, out: Path) -> list[dict]:
             over["train.async.stale_batches"] = "keep"  # every batch trains, as in the synchronous run
     torch.set_num_threads(a.trainer_threads if k else a.sync_threads)
     os.environ["OMP_NUM_THREADS"] = str(a.worker_threads)  # read by the spawned workers' torch
-    t = Trainer(load_config(None, over, recipe_name="grpo"), out / f"k{k}w{w}", log=lambda *x: None)
+    t = build_trainer(load_config(None, over, recipe_name="grpo"), out / f"k{k}w{w}", log=lambda *x: None)
     rows = []
     try:
         for step in range(a.steps + a.warmup):

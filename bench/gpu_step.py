@@ -30,7 +30,7 @@ def run() -> int:
     import vs_trl
     from _memory import rss_bytes
     from tether.resolve import load_config
-    from tether.train import Trainer
+    from tether.train import build_trainer
 
     baseline = rss_bytes()
     out, engine, steps = Path(os.environ["GPU_CHECK_OUT"]), os.environ.get("GPU_CHECK_ENGINE", "hf"), \
@@ -43,7 +43,7 @@ def run() -> int:
         ov["rollout.engine.gpu_memory_utilization"] = 0.3
     cfg = load_config(None, ov, recipe_name="grpo")
     cfg.run.output_dir = tempfile.mkdtemp(prefix=f"gpu-{engine}-")
-    trainer = Trainer(cfg, Path(cfg.run.output_dir), log=lambda *x: print(*x, flush=True))
+    trainer = build_trainer(cfg, Path(cfg.run.output_dir), log=lambda *x: print(*x, flush=True))
     load_s = time.perf_counter() - _T_START
     rows = []
     for _ in range(steps):

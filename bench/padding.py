@@ -85,7 +85,7 @@ def table(results: list[dict]) -> str:
 def rollout(a, task: str, out: Path):
     """One rollout batch of ``task`` with the default run's settings; returns it and the config."""
     from tether.resolve import load_config
-    from tether.train import Trainer
+    from tether.train import build_trainer
 
     over = {"model.name": a.model, "run.progress": False, "run.plot": False, "train.seed": a.seed,
             "eval.before": False, "eval.after": False}
@@ -94,7 +94,7 @@ def rollout(a, task: str, out: Path):
     if a.max_new_tokens:
         over["rollout.max_new_tokens"] = a.max_new_tokens
     cfg = load_config(None, over, task="search" if task == "search" else None)
-    t = Trainer(cfg, out / task, log=lambda *x: None)
+    t = build_trainer(cfg, out / task, log=lambda *x: None)
     try:
         examples = t.data.take(cfg.rollout.prompts_per_step)
         return t.agent.rollout(examples, t._sampling(0)), cfg

@@ -82,7 +82,7 @@ def main(argv=None) -> int:
 
     from tether.config import parse_overrides
     from tether.resolve import load_config
-    from tether.train import Trainer
+    from tether.train import build_trainer
 
     ov = {
         "model.name": a.model, "model.dtype": "float32", "model.device": "cpu",
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
 
     run_dir = Path(tempfile.mkdtemp(prefix=f"scaling-{a.recipe}-"))
     cfg.run.output_dir = str(run_dir)
-    trainer = Trainer(cfg, run_dir, log=lambda *x: print(*x, flush=True))
+    trainer = build_trainer(cfg, run_dir, log=lambda *x: print(*x, flush=True))
 
     def run_point(G: int, T: int, repeats: int) -> list[dict]:
         trainer.cfg.rollout.n = G  # read afresh by every train_step

@@ -60,7 +60,7 @@ def parse_args(argv=None):
 
 def trainer(a, task: str, out: Path, model=None, tokenizer=None):
     from tether.resolve import load_config
-    from tether.train import Trainer
+    from tether.train import build_trainer
 
     over = {"model.name": a.model, "rollout.prompts_per_step": a.prompts, "rollout.n": a.n,
             "rollout.max_new_tokens": a.max_new_tokens, "train.steps": a.steps + 1, "run.progress": False,
@@ -70,7 +70,7 @@ def trainer(a, task: str, out: Path, model=None, tokenizer=None):
         over.update({"rollout.agent.env.max_turns": a.max_searches + 1, "rollout.agent.env.max_context": 2048,
                      "rollout.reuse_kv": task == "search_reuse"})
     cfg = load_config(None, over, recipe_name="ema_pg", task="search" if search else None)
-    return Trainer(cfg, out / task, model=model, tokenizer=tokenizer, log=lambda *x: None)
+    return build_trainer(cfg, out / task, model=model, tokenizer=tokenizer, log=lambda *x: None)
 
 
 def main(argv=None) -> int:

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     from tether.resolve import load_config
     from tether.tasks.arithmetic import ArithmeticTask
     from tether.tasks.rewards import load_reward
-    from tether.train import Trainer
+    from tether.train import build_trainer
 
     over = parse_overrides(a.overrides)
     over.update({"run.progress": False, "run.plot": False, "run.output_dir": a.out,
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         p.error("the validation slice is the synthetic arithmetic task's: data.task must be arithmetic")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, out, log=lambda *x: None)
+    trainer = build_trainer(cfg, out, log=lambda *x: None)
     val = ArithmeticTask(seed=VAL_SEED, difficulty=cfg.data.difficulty, split="train").examples(a.val)
     reward = load_reward("arithmetic")
     settings = dict(n=1, greedy=True, temperature=0.0, max_new_tokens=a.eval_tokens, batch_size=100, seed=0)

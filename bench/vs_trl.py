@@ -114,7 +114,7 @@ def child_tether(a, recipe: str, extra: dict | None = None, breakdown: bool = Fa
 
     from _memory import rss_bytes
     from tether.resolve import load_config
-    from tether.train import Trainer
+    from tether.train import build_trainer
 
     baseline_rss = rss_bytes()  # the interpreter and libraries, before the model load
     ov = {**_tether_overrides(a, recipe), **(extra or {})}
@@ -123,7 +123,7 @@ def child_tether(a, recipe: str, extra: dict | None = None, breakdown: bool = Fa
     cfg = load_config(None, ov, recipe_name=recipe)
     run_dir = Path(tempfile.mkdtemp(prefix=f"tether-{recipe}-", dir=a.workdir))
     cfg.run.output_dir = str(run_dir)
-    trainer = Trainer(cfg, run_dir, log=lambda *x: print(*x, flush=True))
+    trainer = build_trainer(cfg, run_dir, log=lambda *x: print(*x, flush=True))
     if a.full_length:
         bu.force_full_length(trainer)
     load_s = time.perf_counter() - _T_START  # imports + model load + set-up, to the first step

@@ -25,7 +25,7 @@ from tether.asynchronous.workers import Job
 from tether.errors import ConfigError
 from tether.rollout import SamplingParams
 from tether.rundir.checkpoint import latest_checkpoint
-from tether.train import Trainer, train
+from tether.train import build_trainer, train
 
 REWARD = DIGITS + '''
 import os, signal
@@ -89,7 +89,7 @@ def test_k0_is_the_synchronous_loop_bit_for_bit(workdir, tiny_model_dir, tmp_pat
     out = []
     for name, over in (("absent", {}), ("none", {"train.async": None})):
         cfg = tiny_config(workdir, tiny_model_dir, "grpo", 3, **{"train.mini_batches": 2, **over})
-        t = Trainer(cfg, tmp_path / name, **QUIET)
+        t = build_trainer(cfg, tmp_path / name, **QUIET)
         assert t.feed is None
         ms = [strip(t.train_step()) for _ in range(3)]
         assert not any(k.startswith("async/") for m in ms for k in m)
@@ -190,7 +190,7 @@ def test_an_agent_that_drops_the_log_probs_is_a_named_error(workdir, tiny_model_
     (tmp_path / "drop.py").write_text(DROP_LOGP_AGENT)
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", 2,
                       **asynchronous(1, **{"rollout.agent": f"{tmp_path / 'drop.py'}:drop_logp"}))
-    t = Trainer(cfg, tmp_path / "run", **QUIET)
+    t = build_trainer(cfg, tmp_path / "run", **QUIET)
     try:
         with pytest.raises(ConfigError, match=r"rollout.agent.kind=.*drop.py:drop_logp did not pass them on \(or "
                                               r"train.async.correction=false"):
@@ -211,7 +211,7 @@ def test_async_trains_with_staleness_at_most_k(k, over, workdir, tiny_model_dir,
     and their ESS are logged with or without a correction; train.lr_scale=ess scales each step by it."""
     steps = 5
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", steps, **asynchronous(k, **over))
-    t = Trainer(cfg, tmp_path / "run", **QUIET)
+    t = build_trainer(cfg, tmp_path / "run", **QUIET)
     try:
         before = [p.detach().clone() for p in t.model.parameters()]
         ms = [t.train_step() for _ in range(steps)]
@@ -244,12 +244,13 @@ def test_async_at_staleness_0_is_the_synchronous_loop_bit_for_bit(workdir, tiny_
     K >= 1 run changes is which version samples a batch (#28's held-out deficit is the lag's, not the pipeline's)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the worker's torch threads, as the trainer's (one_thread)
     steps, over = 3, {"train.mini_batches": 2, "algo.anchor.every": 2}
-    sync = Trainer(tiny_config(workdir, tiny_model_dir, "ema_pg", steps, **over), tmp_path / "sync", **QUIET)
+    sync = build_trainer(tiny_config(workdir, tiny_model_dir, "ema_pg", steps, **over), tmp_path / "sync", **QUIET)
     ms = [strip(sync.train_step()) for _ in range(steps)]
     # uncorrected (train.async.correction=false): the default correction re-weights by pi_old / mu, which at the
     # current version is 1 only up to the engine's numerics, so it would not be bit for bit
-    t = Trainer(tiny_config(workdir, tiny_model_dir, "ema_pg", steps,
-                            **asynchronous(1, **over, **{"train.async.correction": False})), tmp_path / "k1", **QUIET)
+    t = build_trainer(tiny_config(workdir, tiny_model_dir, "ema_pg", steps,
+                                  **asynchronous(1, **over, **{"train.async.correction": False})), tmp_path / "k1",
+                      **QUIET)
     t.feed.pool.lookahead = 1
     try:
         ma = [strip(t.train_step()) for _ in range(steps)]
@@ -274,7 +275,7 @@ def _job(t, i: int, n_examples: int = 2) -> Job:
 
 def test_verified_sync_catches_a_corrupted_and_a_stale_push(workdir, tiny_model_dir, tmp_path, monkeypatch):
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", 2, **asynchronous(1))
-    t = Trainer(cfg, tmp_path / "run", **QUIET)
+    t = build_trainer(cfg, tmp_path / "run", **QUIET)
     w = t.feed.pool
     try:
         w.submit(_job(t, 100))  # version 0, as pushed: checksums agree
@@ -318,7 +319,7 @@ def test_lora_and_tied_weights_reach_the_workers(kind, workdir, tiny_model_dir, 
     else:
         model_dir, over = make_tiny_model_dir(tmp_path_factory.mktemp("tied"), tie_word_embeddings=True), {}
     cfg = tiny_config(workdir, model_dir, "grpo", 2, **asynchronous(1, **over))
-    t = Trainer(cfg, tmp_path / "run", **QUIET)
+    t = build_trainer(cfg, tmp_path / "run", **QUIET)
     try:
         t.train_step()  # the update changes the adapter / the (tied) embeddings; version 1 is pushed
         eff = effective_weights(t.model)
@@ -458,7 +459,8 @@ def test_a_batch_older_than_k_is_dropped_or_kept(policy, workdir, tiny_model_dir
     monkeypatch.setattr(feed, "RolloutWorkers", ScriptedWorkers)
     # scripted batches carry no engine log-probs: uncorrected (train.async.correction=false)
     over = {"train.async.workers": 3, "train.async.stale_batches": policy, "train.async.correction": False}
-    t = Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 3, **asynchronous(1, **over)), tmp_path / "r", **QUIET)
+    t = build_trainer(tiny_config(workdir, tiny_model_dir, "grpo", 3, **asynchronous(1, **over)), tmp_path / "r",
+                      **QUIET)
     t.feed.pool.agent = t.agent
     sampled = []  # per step: the batch was stale, and the sampler pass recomputed pi_old
     sampler = t.passes.sampler

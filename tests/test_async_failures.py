@@ -16,7 +16,7 @@ import pytest
 
 from helpers import DIGITS, cli_args, rows, subprocess_env, tiny_config, worker_pid
 from tether.rundir.checkpoint import checkpoints
-from tether.train import Trainer
+from tether.train import build_trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TIMEOUT = 420
@@ -45,7 +45,7 @@ def test_a_killed_local_worker_is_restarted_and_its_job_resubmitted(workdir, tin
     (the data stream is the trainer's, and a resubmitted job keeps its examples)."""
     steps, logs = 4, []
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", steps, **asynchronous(1))
-    t = Trainer(cfg, tmp_path / "run", log=logs.append)
+    t = build_trainer(cfg, tmp_path / "run", log=logs.append)
     try:
         ms, seen = [t.train_step()], [ids(t)]
         old = t.feed.pool.pids()[0]
@@ -62,7 +62,8 @@ def test_a_killed_local_worker_is_restarted_and_its_job_resubmitted(workdir, tin
     for step, m in enumerate(ms):
         assert 0 <= m["async/staleness"] <= 1 and m["async/version"] == step - m["async/staleness"]
     assert t.feed.consumed == steps and t.state()["data_position"] == cfg.rollout.prompts_per_step * steps
-    ref = Trainer(tiny_config(workdir, tiny_model_dir, "grpo", steps, **asynchronous(1)), tmp_path / "ref", **QUIET)
+    ref = build_trainer(tiny_config(workdir, tiny_model_dir, "grpo", steps, **asynchronous(1)), tmp_path / "ref",
+                        **QUIET)
     try:
         want = []
         for _ in range(steps):
@@ -79,7 +80,7 @@ def test_resume_pushes_the_checkpoint_version_and_continues_the_stream(workdir, 
     trainer restored from it pushes version 2 first, so its first batch is sampled by version 2 (staleness 0),
     with the examples of job 2, as in an uninterrupted run; job count and data position are the consumed jobs'."""
     over = asynchronous(2)
-    t = Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 4, **over), tmp_path / "run", **QUIET)
+    t = build_trainer(tiny_config(workdir, tiny_model_dir, "grpo", 4, **over), tmp_path / "run", **QUIET)
     P = t.cfg.rollout.prompts_per_step
     try:
         seen = []
@@ -93,7 +94,7 @@ def test_resume_pushes_the_checkpoint_version_and_continues_the_stream(workdir, 
             seen.append(ids(t))
     finally:
         t.close()
-    r = Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 4, **over), tmp_path / "run", **QUIET)
+    r = build_trainer(tiny_config(workdir, tiny_model_dir, "grpo", 4, **over), tmp_path / "run", **QUIET)
     try:
         r.restore(ckpt)
         assert r.step == 2 and max(r.feed.pool.checksums) == 2 and r.feed.pool.shared.version.value == 2

@@ -19,7 +19,7 @@ from tether.errors import ConfigError
 from tether.logprobs import response_stats
 from tether.models import ModelConfig, load_model
 from tether.rollout import HFEngine, SamplingParams
-from tether.train import Trainer
+from tether.train import build_trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = ["Hello world", "What is 2 + 2? The answer", "x y z"]
@@ -115,7 +115,7 @@ def test_a_trainer_with_partial_rollouts(workdir, tiny_model_dir, tmp_path):
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", steps, **{
         "train.async.max_staleness": 1, "train.async.verify_sync": True, "train.async.partial_rollout_tokens": 3,
         "algo.tis_cap": 2.0})
-    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     try:
         ms = [t.train_step() for _ in range(steps)]
     finally:

@@ -11,7 +11,7 @@ from tether.rollout import SamplingParams
 from tether.rollout.hf import HFEngine
 from tether.tasks.base import Example
 from tether.tasks.prompts import encode_prompts
-from tether.train import Trainer
+from tether.train import build_trainer
 
 
 def eos_eager(model, tok):
@@ -47,7 +47,7 @@ def test_force_full_length_follows_max_new_tokens(bu, tiny_model_dir, tmp_path):
                              "rollout.prompts_per_step": 2, "rollout.n": 2, "train.steps": 3, "run.progress": False,
                              "run.plot": False, "run.exact_kl_samples": 0, "run.save_every": 0,
                              "run.output_dir": str(tmp_path)}, recipe_name="grpo")
-    trainer = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    trainer = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     generate = trainer.engine.generate
 
     def eager_generate(prompts, params):  # EOS-eager while sampling only (the log-prob passes check the head)

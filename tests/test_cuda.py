@@ -100,10 +100,10 @@ def test_bf16_chunked_logprob_gradient_matches_fp32(device, gpu_model_dir):
 
 @CUDA
 def test_bf16_training_steps_on_cuda_with_the_transformers_engine(workdir, gpu_model_dir, tmp_path):
-    from tether.train import Trainer
+    from tether.train import build_trainer
 
     cfg = tiny_config(workdir, gpu_model_dir, "grpo", 2, **{"model.dtype": "bfloat16", "model.device": "cuda"})
-    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     before = [p.detach().clone() for p in t.model.parameters()]
     for _ in range(2):
         m = t.train_step()
@@ -115,11 +115,11 @@ def test_bf16_training_steps_on_cuda_with_the_transformers_engine(workdir, gpu_m
 @CUDA
 def test_memory_breakdown_on_cuda(workdir, gpu_model_dir, tmp_path, bench_script):
     """bench/_memory.py on the GPU: the per-phase CUDA peaks are recorded and the breakdown names the overhead."""
-    from tether.train import Trainer
+    from tether.train import build_trainer
 
     bm = bench_script("_memory")
     cfg = tiny_config(workdir, gpu_model_dir, "grpo", 2, **{"model.dtype": "bfloat16", "model.device": "cuda"})
-    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     t.train_step()
     _, mem = bm.StepMemory(t).step()
     assert all(r["cuda_peak_allocated"] > 0 for r in mem["phases"].values())
@@ -196,7 +196,7 @@ def test_async_workers_sample_on_cuda_with_the_trainers_weights(kind, workdir, g
     from tether.asynchronous.workers import Job
     from tether.logprobs import response_stats
     from tether.rollout import SamplingParams
-    from tether.train import Trainer
+    from tether.train import build_trainer
 
     over = {"model.dtype": "bfloat16", "model.device": "cuda", "train.async.max_staleness": 1,
             "train.async.verify_sync": True,
@@ -204,7 +204,7 @@ def test_async_workers_sample_on_cuda_with_the_trainers_weights(kind, workdir, g
     model_dir = gpu_tied_model_dir if kind == "tied" else gpu_model_dir
     if kind == "lora":
         over.update({"model.lora_r": 4, "model.lora_target_modules": ["q_proj", "v_proj"]})
-    t = Trainer(tiny_config(workdir, model_dir, "grpo", 3, **over), tmp_path / "run", log=lambda *a: None)
+    t = build_trainer(tiny_config(workdir, model_dir, "grpo", 3, **over), tmp_path / "run", log=lambda *a: None)
     try:
         ms = [t.train_step() for _ in range(3)]
         for step, m in enumerate(ms):

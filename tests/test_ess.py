@@ -20,7 +20,7 @@ from tether.algo.correction import ess_frac, ess_moments, lr_scale, mismatch_met
 from tether.config.recipes import recipe, validate
 from tether.errors import ConfigError
 from tether.metrics import UpdateStats
-from tether.train import Trainer
+from tether.train import Trainer, build_trainer
 
 QUIET = dict(log=lambda *a: None)
 LOG2 = math.log(2.0)
@@ -288,7 +288,7 @@ def test_the_scaled_lr_is_lr_times_the_ess_of_a_constructed_batch(level, over, w
     the scheduled LR between steps."""
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"rollout.engine": "shifted", "train.lr_scale": level,
                                                             **over})
-    t = Trainer(cfg, tmp_path / "run", **QUIET)
+    t = build_trainer(cfg, tmp_path / "run", **QUIET)
     lrs = recording(t)
     p, floor = cfg.train.lr_scale_power, cfg.train.lr_scale_floor
     for step in range(2):
@@ -316,7 +316,7 @@ def test_with_mu_equal_to_pi_old_the_scaled_run_is_the_plain_run_bit_for_bit(wor
     for name, over in (("plain", {}), ("scaled", {"train.lr_scale": "ess"})):
         cfg = tiny_config(workdir, tiny_model_dir, "grpo", 3, **{"rollout.engine": "same", "train.mini_batches": 2,
                                                                 **over})
-        t = Trainer(cfg, tmp_path / name, **QUIET)
+        t = build_trainer(cfg, tmp_path / name, **QUIET)
         real = t.passes.sampler
 
         def sampler(b, real=real):
@@ -339,16 +339,16 @@ def test_resume_with_the_scaled_lr_is_exact(workdir, tiny_model_dir, tmp_path, s
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", 4, **{
         "rollout.engine": "shifted", "train.lr_scale": "ess", "train.schedule": "cosine", "train.warmup_steps": 1,
         "train.mini_batches": 2})
-    full = Trainer(cfg, tmp_path / "full", **QUIET)
+    full = build_trainer(cfg, tmp_path / "full", **QUIET)
     lrs_full = recording(full)
     full.run()
-    part = Trainer(cfg, tmp_path / "part", **QUIET)
+    part = build_trainer(cfg, tmp_path / "part", **QUIET)
     lrs_part = recording(part)
     for _ in range(2):
         part.train_step()
     part.save()
     assert part.optimizer.state_dict()["param_groups"][0]["lr"] == part.scheduler.get_last_lr()[0]
-    again = Trainer(cfg, tmp_path / "part", **QUIET)
+    again = build_trainer(cfg, tmp_path / "part", **QUIET)
     recording(again, lrs_part)
     again.run(resume=True)
     a, b = rows(tmp_path / "full"), rows(tmp_path / "part")

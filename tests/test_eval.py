@@ -463,18 +463,18 @@ def test_named_gsm8k_plumbing(tiny_model_dir, tmp_path):
 
 
 def test_held_out_evaluation_runs_through_the_trainers_agent_and_engine(tiny_model_dir, tmp_path, monkeypatch):
-    """The trainer's held-out evaluation (tether.report.HeldOut) samples with the trainer's own agent
+    """The trainer's held-out evaluation (tether.eval.held_out.HeldOut) samples with the trainer's own agent
     and engine (so rollout.engine=vllm evaluates with vLLM); with eval.anchor the engine is given the
     anchor's weights for the anchor's evaluation and the policy's back after it (a no-op for
     transformers, a reload for vLLM's copy). It stops at the training rollouts' stop strings."""
-    from tether.train import Trainer
+    from tether.train import build_trainer
 
     cfg = load_config(None, {
         "model.name": str(tiny_model_dir), "data.task": "arithmetic", "train.steps": 1, "train.lr": 1e-2,
         "rollout.max_new_tokens": 4, "rollout.prompts_per_step": 2, "rollout.n": 2, "run.progress": False,
         "run.plot": False, "run.exact_kl_samples": 0, "run.save_every": 0, "eval.limit": 3, "eval.max_new_tokens": 4,
         "eval.anchor": True, "algo.anchor.every": 1, "rollout.stop": ["\n\n"]}, recipe_name="ema_pg")
-    trainer = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    trainer = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     rollouts, synced, stops = [], [], set()
     real_rollout = trainer.agent.rollout
 

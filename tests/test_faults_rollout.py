@@ -17,7 +17,7 @@ from tether.models import ModelConfig, load_model
 from tether.rollout import HFEngine, SamplingParams
 from tether.rollout.hf import _InverseCDFSampler
 from tether.tasks.base import Example
-from tether.train import Trainer, train
+from tether.train import build_trainer, train
 
 pytestmark = pytest.mark.faults
 
@@ -122,7 +122,7 @@ def tiny(tiny_model_dir):
 
 def test_nan_weights_stop_training_naming_the_step(workdir, tiny_model_dir, tmp_path):
     cfg = cfg_for(workdir, tiny_model_dir, steps=3, **{"data.reward": f"{workdir / 'rew.py'}:garbage"})
-    tr = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    tr = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     tr.train_step()
     with torch.no_grad():
         tr.model.lm_head.weight[5].fill_(float("nan"))  # one vocabulary row: NaN reaches every row's softmax
@@ -196,14 +196,14 @@ def test_overlong_row_fails_before_the_first_step(workdir, long_data, tiny_model
     cfg = cfg_for(workdir, tiny_model_dir, **{"data.task": str(long_data / "long.jsonl")})
     with pytest.raises(GenerationError, match=r"example long:3: the prompt has \d+ tokens, more than the 1020 "
                                               r"that fit in the model's context \(1024 tokens"):
-        Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+        build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
 
 
 def test_overlong_row_at_its_step_names_step_and_row(workdir, long_data, tiny_model_dir, tmp_path):
     """A row the early check cannot see (appended after it) fails at the step that draws it."""
     cfg = cfg_for(workdir, tiny_model_dir, steps=2, **{"data.task": str(long_data / "long.jsonl"),
                                                        "rollout.prompts_per_step": 2, "data.limit": 2})
-    tr = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    tr = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     tr.data.examples[1] = Example("word " * 1500, "1", "late:1")
     with pytest.raises(GenerationError, match=r"trainer step 1: example late:1: the prompt has \d+ tokens"):
         tr.train_step()
@@ -214,7 +214,7 @@ def test_huge_row_is_rejected_without_tokenizing_it(workdir, long_data, tiny_mod
     (the message counts characters: the row was never tokenized)."""
     cfg = cfg_for(workdir, tiny_model_dir, **{"data.task": str(long_data / "huge.jsonl")})
     with pytest.raises(GenerationError, match=r"example huge:1: the prompt has 20000000 characters \(so at least"):
-        Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+        build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
 
 
 def test_cli_overlong_row_exits_2_before_training(workdir, long_data, tiny_model_dir, tmp_path):

@@ -18,7 +18,7 @@ from tether.config.recipes import AlgoConfig, validate
 from tether.errors import ConfigError
 from tether.logprobs import response_stats
 from tether.memory import malloc_trim
-from tether.train import Trainer
+from tether.train import build_trainer
 
 F32 = 4  # bytes per float32
 
@@ -87,7 +87,7 @@ def _memory_trainer(workdir, tiny_model_dir, tmp_path, **over):
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", 3, **{"rollout.min_new_tokens": 8,
                                                              "rollout.engine.share_prompt": False,
                                                              "rollout.engine.prune_every": 0, **over})
-    return Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    return build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
 
 
 def test_step_breakdown_matches_hand_computed_bytes(bm, workdir, tiny_model_dir, tmp_path, one_thread):

@@ -205,13 +205,13 @@ def test_token_budget_and_packing_give_the_count_based_gradient(recipe, workdir,
                                                                 one_thread):  # seq-mean-token-sum-norm, top-k KL
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tether.train import Trainer
+    from tether.train import build_trainer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = tiny_config(workdir, tiny_model_dir, recipe, 1, **{"train.mini_batches": 2, "train.micro_batch_size": 3,
                                                               "rollout.temperature": 1.0})
-    trainer = Trainer(cfg, tmp_path / "run", model=model, tokenizer=tok, log=lambda *a: None)
+    trainer = build_trainer(cfg, tmp_path / "run", model=model, tokenizer=tok, log=lambda *a: None)
     batch, _ = trainer._rollout()
     assert len(set((batch.rb.prompt_mask.sum(-1) + batch.rb.response_mask.sum(-1)).tolist())) > 1  # lengths vary
     longest = int((batch.rb.prompt_mask.sum(-1) + batch.rb.response_mask.sum(-1)).max())

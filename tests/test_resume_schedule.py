@@ -11,7 +11,7 @@ from tether.config import TrainConfig
 from tether.errors import ConfigError
 from tether.rundir.checkpoint import latest_checkpoint
 from tether.schedule import LRSchedule
-from tether.train import Trainer
+from tether.train import Trainer, build_trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fast on a shared machine (no thread oversubscription)
 
@@ -34,7 +34,7 @@ def recording(t: Trainer, lrs: list) -> Trainer:
 def stopped_at(cfg, run, steps: int, lrs: list, resume: bool = False) -> Trainer:
     """A run of ``cfg`` (resumed from its latest checkpoint when ``resume``) that stopped, with a
     checkpoint, at trainer step ``steps`` before its ``train.steps``."""
-    t = recording(Trainer(cfg, run, **QUIET), lrs)
+    t = recording(build_trainer(cfg, run, **QUIET), lrs)
     if resume:
         t.restore(latest_checkpoint(run))
     while t.step < steps:
@@ -50,7 +50,7 @@ def test_extended_cosine_run_continues_without_a_jump(workdir, tiny_model_dir, t
     stopped_at(tiny_config(workdir, tiny_model_dir, "grpo", 6, **COSINE), tmp_path / "run", 4, lrs)
     assert len(lrs) == 8 and lrs[-1] > 0
     stopped_at(tiny_config(workdir, tiny_model_dir, "grpo", 8, **COSINE), tmp_path / "run", 6, lrs, resume=True)
-    recording(Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 10, **COSINE), tmp_path / "run", **QUIET),
+    recording(build_trainer(tiny_config(workdir, tiny_model_dir, "grpo", 10, **COSINE), tmp_path / "run", **QUIET),
               lrs).run(resume=True)
     assert len(lrs) == 20  # 10 trainer steps x 2 mini-batches
     assert lrs[:2] == [0.005, 0.01]  # warm-up
@@ -67,16 +67,16 @@ def test_extended_cosine_matches_the_saved_segment_on_an_exact_resume(workdir, t
     a, b = [], []
     for run, lrs in ((tmp_path / "a", a), (tmp_path / "b", b)):
         stopped_at(tiny_config(workdir, tiny_model_dir, "grpo", 6, **COSINE), run, 4, lrs)
-    recording(Trainer(cfg8, tmp_path / "a", **QUIET), a).run(resume=True)
+    recording(build_trainer(cfg8, tmp_path / "a", **QUIET), a).run(resume=True)
     stopped_at(cfg8, tmp_path / "b", 5, b, resume=True)  # stopped at step 5 of the extended run
-    recording(Trainer(cfg8, tmp_path / "b", **QUIET), b).run(resume=True)
+    recording(build_trainer(cfg8, tmp_path / "b", **QUIET), b).run(resume=True)
     assert a == b
 
 
 def test_extending_a_run_decayed_to_zero_is_refused(workdir, tiny_model_dir, tmp_path):
     """A finished cosine run has lr 0: extending it would train at lr 0, so it is an error naming the fix."""
-    Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 4, **COSINE), tmp_path / "run", **QUIET).run()
-    t = Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 8, **COSINE), tmp_path / "run", **QUIET)
+    build_trainer(tiny_config(workdir, tiny_model_dir, "grpo", 4, **COSINE), tmp_path / "run", **QUIET).run()
+    t = build_trainer(tiny_config(workdir, tiny_model_dir, "grpo", 8, **COSINE), tmp_path / "run", **QUIET)
     with pytest.raises(ConfigError, match="decayed to 0.*train.schedule=constant"):
         t.run(resume=True)
     assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3, 4]  # nothing trained
@@ -87,11 +87,11 @@ def test_extending_with_a_constant_schedule_trains_at_train_lr(first, workdir, t
     """train.schedule=constant on resume (the fix the refusal names, or a constant run extended): the
     new steps train at train.lr from the first one (not at the 0 the finished cosine run had reached)."""
     lrs = []
-    recording(Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 4, **{**COSINE, "train.schedule": first}),
-                      tmp_path / "run", **QUIET), lrs).run()
+    recording(build_trainer(tiny_config(workdir, tiny_model_dir, "grpo", 4, **{**COSINE, "train.schedule": first}),
+                            tmp_path / "run", **QUIET), lrs).run()
     over = {**COSINE, "train.schedule": "constant"}
-    recording(Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 6, **over), tmp_path / "run", **QUIET), lrs).run(
-        resume=True)
+    recording(build_trainer(tiny_config(workdir, tiny_model_dir, "grpo", 6, **over), tmp_path / "run", **QUIET),
+              lrs).run(resume=True)
     assert lrs[8:] == [0.01] * 4
     assert [r["lr"] for r in rows(tmp_path / "run")][4:] == [0.01, 0.01]
 
@@ -101,9 +101,10 @@ def test_train_lr_given_on_resume_applies(workdir, tiny_model_dir, tmp_path):
     the optimizer's saved learning rate won)."""
     lrs = []
     over = {"rollout.prompts_per_step": 2, "rollout.n": 2}
-    recording(Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 2, **over), tmp_path / "run", **QUIET), lrs).run()
-    recording(Trainer(tiny_config(workdir, tiny_model_dir, "grpo", 4, **{**over, "train.lr": 1e-3}),
-                      tmp_path / "run", **QUIET), lrs).run(resume=True)
+    recording(build_trainer(tiny_config(workdir, tiny_model_dir, "grpo", 2, **over), tmp_path / "run", **QUIET),
+              lrs).run()
+    recording(build_trainer(tiny_config(workdir, tiny_model_dir, "grpo", 4, **{**over, "train.lr": 1e-3}),
+                            tmp_path / "run", **QUIET), lrs).run(resume=True)
     assert lrs == [1e-2, 1e-2, 1e-3, 1e-3]
 
 

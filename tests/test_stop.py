@@ -22,7 +22,7 @@ from helpers import DIGITS, rows, strip, subprocess_env, terminal_sigint, tiny_c
 from tether.resolve import save_config
 from tether.rundir import stop
 from tether.rundir.checkpoint import latest_checkpoint
-from tether.train import Trainer, train
+from tether.train import build_trainer, train
 
 REWARD = DIGITS + '''
 import os, signal, time
@@ -194,7 +194,7 @@ def test_python_api_returns_after_a_stop_and_restores_the_handlers(stopdir, tiny
     old = signal.signal(signal.SIGTERM, mine)
     lines = []
     try:
-        t = Trainer(cfg, tmp_path / "run", log=lines.append)
+        t = build_trainer(cfg, tmp_path / "run", log=lines.append)
         assert t.run() == tmp_path / "run"
         assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is before_int
     finally:
@@ -203,7 +203,7 @@ def test_python_api_returns_after_a_stop_and_restores_the_handlers(stopdir, tiny
     assert [r["step"] for r in rows(tmp_path / "run")] == [1]
     assert latest_checkpoint(tmp_path / "run").name == "step-000001"
     assert any("stopped by SIGTERM after step 1" in ln and "--resume" in ln for ln in lines), lines
-    t2 = Trainer(cfg, tmp_path / "run", log=lines.append)  # resumes to the end; not stopped this time
+    t2 = build_trainer(cfg, tmp_path / "run", log=lines.append)  # resumes to the end; not stopped this time
     t2.run(resume=True)
     assert t2.stopped_by is None and stop.last_stop() is None
     assert [r["step"] for r in rows(tmp_path / "run")] == list(range(1, STEPS + 1))
@@ -216,7 +216,7 @@ def test_ignored_signal_stays_ignored_and_threads_install_nothing(stopdir, tiny_
     monkeypatch.setenv("TETHER_TEST_SIGNAL", "SIGINT")
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        t = Trainer(cfg, tmp_path / "ignored", log=lambda *a: None)
+        t = build_trainer(cfg, tmp_path / "ignored", log=lambda *a: None)
         t.run()
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:

@@ -204,13 +204,13 @@ def test_algo_imports_only_torch_stdlib_and_itself():
     assert not bad, "tether.algo must import only torch, the standard library and tether.algo:\n  " + "\n  ".join(bad)
 
 
-@pytest.mark.parametrize("name", ["tether.train", "tether.algo.objectives"])
+@pytest.mark.parametrize("name", ["tether.assemble", "tether.algo.objectives"])
 def test_lazy_and_relative_imports_are_read(name):
     """Sanity check on the real tree: relative imports resolve, and imports inside functions count."""
     graph = import_graph()
-    if name == "tether.train":
-        assert "tether.anchor" in graph[name]  # 'from .anchor import make_anchor' at the top
-        assert "tether.models" in graph[name]  # 'from .models import load_model' inside Trainer.__init__
+    if name == "tether.assemble":
+        assert "tether.anchor" in graph[name]  # 'from .anchor import Anchor, make_anchor' at the top
+        assert "tether.models" in graph[name]  # 'from . import models': a module imported from its package
     else:
         assert {"tether.algo.kl", "tether.algo.trust_region", "tether.algo.aggregation"} <= graph[name]
 
@@ -246,6 +246,7 @@ LAYERS = [
     ("evaluation", ["tether.eval"]),
     ("reports and export", ["tether.report", "tether.export"]),
     ("the run loop (RL and SFT)", ["tether.loop"]),
+    ("the RL trainer's parts, built from its config", ["tether.assemble"]),
     ("the RL trainer", ["tether.train"]),
     ("supervised fine-tuning", ["tether.sft"]),
     ("command line", ["tether.cli", "tether.__main__"]),
@@ -321,3 +322,19 @@ if __name__ == "__main__":
     print(f"{n_mod} modules, {n_edges} import edges between them, {len(up)} from a lower layer up")
     for a, b in up:
         print(f"  {a} -> {b}")
+
+
+#: the builders of a run's parts (tether.assemble.build_parts calls them): the trainer imports none of them
+PART_BUILDERS = {"RolloutPlan", "build_rollout", "make_engine", "prompt_stream", "training_reward", "HeldOut",
+                 "load_model", "models", "shard_model", "make_anchor", "make_adamw", "LRSchedule", "Passes",
+                 "loss_needs", "RewardErrorLog"}
+
+
+def test_the_trainer_builds_none_of_its_parts():
+    """``tether.train`` runs a run's parts; ``tether.assemble`` builds them from the config (one module owns that
+    arrow). A builder imported into train.py (a name of PART_BUILDERS, or a module of the same name) fails here."""
+    tree = ast.parse((SRC / "train.py").read_text())
+    imported = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for a in node.names}
+    assert "build_parts" in imported  # the check reads the right file
+    assert not imported & PART_BUILDERS, f"tether.train imports builders of its parts: {imported & PART_BUILDERS}"

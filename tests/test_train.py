@@ -11,7 +11,7 @@ from tether.errors import ConfigError
 from tether.resolve import load_config
 from tether.rundir.checkpoint import latest_checkpoint, load_checkpoint
 from tether.tasks.base import DataError
-from tether.train import Trainer, resume, train
+from tether.train import build_trainer, resume, train
 
 REWARD = DIGITS + '''
 CALLS = {"n": 0}
@@ -71,7 +71,7 @@ def test_centered_topk_kl_leaves_a_step_without_reward_signal_at_rest(workdir, t
     for est in ("topk_rev", "topk_rev_centered"):
         cfg = tiny_config(workdir, tiny_model_dir, "ema_pg", 1, **{"algo.kl.estimator": est, "algo.kl.topk": 4,
                                                                     "algo.kl.beta": 1.0})
-        t = Trainer(cfg, tmp_path / est, log=lambda *a: None)
+        t = build_trainer(cfg, tmp_path / est, log=lambda *a: None)
         t.score_rewards = lambda texts, examples: ([0.0] * len(texts), [False] * len(texts), [])
         m = t.train_step()
         assert m["reward_mean"] == 0.0 and math.isfinite(m["kl"])
@@ -97,7 +97,7 @@ def test_train_step_emits_no_future_warning(workdir, tiny_model_dir, tmp_path):
     import warnings
 
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", 1)
-    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         m = t.train_step()
@@ -111,7 +111,7 @@ def test_bad_row_fails_before_training(workdir, tiny_model_dir, tmp_path, monkey
     import tether.models
     monkeypatch.setattr(tether.models, "load_model", lambda *a, **k: pytest.fail("model loaded before data check"))
     with pytest.raises(DataError, match=r"bad.jsonl.* 2.*answer"):
-        Trainer(cfg, tmp_path / "run")
+        build_trainer(cfg, tmp_path / "run")
 
 
 
@@ -155,7 +155,7 @@ def test_non_finite_loss_skips_the_update(workdir, tiny_model_dir, tmp_path, mon
 
     monkeypatch.setattr(train_mod, "compute_loss", poisoned)
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"train.micro_batch_size": 16})
-    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     before = [p.detach().clone() for p in t.params]
     m = t.train_step()
     assert m["skipped_updates"] == 1
@@ -182,7 +182,7 @@ def test_interrupted_checkpoint_write_leaves_previous_loadable(workdir, tiny_mod
     import tether.rundir.checkpoint as ck
 
     cfg = tiny_config(workdir, tiny_model_dir, "ema_pg", 1, **{"run.save_every": 1})
-    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     t.train_step()
     good = t.save()
     t.train_step()
@@ -199,7 +199,7 @@ def test_interrupted_checkpoint_write_leaves_previous_loadable(workdir, tiny_mod
     monkeypatch.setattr(ck, "_save_tensors", real)
     assert latest_checkpoint(tmp_path / "run") == good
     assert any(".tmp-" in p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
-    t2 = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t2 = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     st = load_checkpoint(good, t2.model, t2.anchor, t2.optimizer, t2.scheduler)
     assert st["step"] == 1
     t.save()  # the next successful save cleans the leftover
@@ -223,7 +223,7 @@ def test_cli_bad_key_exit_code(capsys):
 ])
 def test_needless_passes_are_skipped(recipe, want, workdir, tiny_model_dir, tmp_path, monkeypatch):
     cfg = tiny_config(workdir, tiny_model_dir, recipe, 1)
-    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     calls = []
     real = t.passes._pass
     monkeypatch.setattr(t.passes, "_pass",
@@ -239,7 +239,7 @@ def test_needless_passes_are_skipped(recipe, want, workdir, tiny_model_dir, tmp_
 ])
 def test_lora_bf16_and_checkpointing(over, workdir, tiny_model_dir, tmp_path):
     cfg = tiny_config(workdir, tiny_model_dir, "ema_pg", 2, **{"algo.anchor.every": 1, **over})
-    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     if "model.lora_r" in over:
         assert t.anchor.names and all("lora_" in n for n in t.anchor.names)
     assert all(m.dtype == torch.float32 for m in t.anchor.master)  # the EMA is fp32 whatever the policy
@@ -264,7 +264,7 @@ def test_plot_cli_overlays_runs(workdir, tiny_model_dir, tmp_path):
 def test_dynamic_sampling_drops_zero_variance_groups_and_refills(workdir, tiny_model_dir, tmp_path):
     cfg = tiny_config(workdir, tiny_model_dir, "dapo", 1, reward="half_constant",
                       **{"data.shuffle": False, "rollout.overlong_buffer_frac": 0.0})
-    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     b, m = t._rollout()
     # prompts 0..3 give 2 informative groups; one refill round of 2 prompts (4, 5) gives 1 more, then 6, 7 ...
     answers = sorted({int(e.answer) for e in b.examples})
@@ -278,7 +278,7 @@ def test_overlong_penalty_and_truncation_mask(workdir, tiny_model_dir, tmp_path)
                                                               "rollout.overlong_penalty": 2.0,
                                                               "rollout.mask_truncated": True,
                                                               "data.reward": f"{workdir / 'rew.py'}:flaky"})
-    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     b, _ = t._rollout()
     L = b.rb.response_mask.sum(-1).float()
     start, cache = 4.0, 4.0  # max_new_tokens 8, buffer 50%
@@ -371,7 +371,7 @@ def test_lockstep_helpers_are_the_identity_in_one_process():
 
 def test_exact_kl_sample_matches_full_logits(workdir, tiny_model_dir, tmp_path):
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", 1, **{"run.exact_kl_samples": 2})
-    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     with torch.no_grad():  # move the policy away from the fixed anchor so the KL is not zero
         for p in t.params:
             p.add_(0.05 * torch.randn_like(p))
@@ -431,7 +431,7 @@ def test_sync_weights_is_called_once_per_trainer_step_as_documented(workdir, tin
 
     assert "once per trainer step" in " ".join(Engine.sync_weights.__doc__.split())
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"train.mini_batches": 2})
-    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     calls = []
     real = t.engine.sync_weights
     t.engine.sync_weights = lambda model: calls.append(t.step) or real(model)
@@ -475,7 +475,7 @@ def test_rollout_correction_with_an_engine_that_reports_logprobs(shift, trunc, w
     monkeypatch.setitem(ENGINES, "logp", _logp_engine(shift))
     cfg = tiny_config(workdir, tiny_model_dir, "grpo", 2, **{"rollout.engine": "logp", "algo.tis_cap": 2.0})
     assert cfg.algo.name == "grpo+custom" and "tis=token(C=2)" in describe(cfg.algo)
-    t = Trainer(cfg, tmp_path / "run", log=lambda *a: None)
+    t = build_trainer(cfg, tmp_path / "run", log=lambda *a: None)
     calls = []
     real = t.passes._pass
     monkeypatch.setattr(t.passes, "_pass",

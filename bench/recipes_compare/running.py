@@ -71,7 +71,7 @@ def one_run(a, task: str, recipe: str, seed: int, base_model, tok, evals: dict) 
     from tether.config.recipes import describe
     from tether.metrics import read_metrics
     from tether.resolve import RECIPE_TRAINER_DEFAULTS, load_config, save_config
-    from tether.train import Trainer
+    from tether.train import build_trainer
 
     run_dir = a.work_dir / task / f"{recipe}-seed{seed}"
     rec = {"task": task, "recipe": recipe, "seed": seed, "run_dir": str(run_dir), "status": "running"}
@@ -89,7 +89,7 @@ def one_run(a, task: str, recipe: str, seed: int, base_model, tok, evals: dict) 
     fresh_run_dir(run_dir)
     save_config(cfg, run_dir / "config.yaml")
     policy = copy.deepcopy(base_model)  # a fresh copy of the initial weights for every run
-    trainer = Trainer(cfg, run_dir, model=policy, tokenizer=tok, log=lambda *x: print(*x, flush=True))
+    trainer = build_trainer(cfg, run_dir, model=policy, tokenizer=tok, log=lambda *x: print(*x, flush=True))
     t0 = time.perf_counter()
     trainer.run()
     rec["train_wall_s"] = time.perf_counter() - t0

@@ -9,14 +9,15 @@
              --push--> the new weights version to the rollout workers (train.async.max_staleness >= 1)
              --log--> metrics.jsonl, samples.jsonl, checkpoint      (tether.report, tether.metrics, tether.rundir)
 
-`Trainer` builds a run's pieces from its config and calls them in this order; it moves tensors
-between them and decides nothing they own (docs/architecture.md names each arrow's owner). The
+`Trainer` calls a run's pieces in this order; it moves tensors between them and decides nothing they
+own (docs/architecture.md names each arrow's owner). It builds none of them: ``tether.assemble.build_parts``
+makes them from the config, and `build_trainer` is both in one call. The
 mathematics lives in ``tether.algo`` and ``tether.anchor``. Under ``torchrun`` the policy is
 sharded with FSDP2 and rollouts are data-parallel: the loop calls ``tether.distributed``'s helpers
 (``rank_share``, ``lockstep``, ``gathered``, ``all_reduce``...), no-ops in a single process.
 With ``train.async`` (max_staleness K >= 1) the rollout arrow runs ahead in worker processes
-(``tether.asynchronous``: ``feed``, the trainer's side; ``workers``; on other nodes with
-``train.async.transport.kind=remote``, ``remote``; docs/async.md):
+(``tether.asynchronous``: ``feed``, the trainer's side; ``workers``, local processes; ``served``, vLLM servers
+driven as jobs with ``rollout.engine.kind=vllm_server``; docs/async.md):
 the trainer submits each step's examples as a job, takes the batch of the oldest job (sampled by weights at most K
 updates old) and scores it, and pushes its weights after each step; K = 0 is the synchronous loop, unchanged.
 `train` / `resume` run a Trainer inside its locked run directory (``tether.rundir.guard``).
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import time
 from datetime import datetime
 from pathlib import Path
@@ -35,12 +35,10 @@ from typing import Optional
 import torch
 
 from . import distributed as dist
-from . import models  # models.load_model: an attribute read at call time (tests patch it)
 from .agents import env_correct, reward_parts
-from .agents.build import RolloutPlan
-from .algo import LossInputs, compute_advantages, compute_loss, loss_needs, overlong_penalty, zero_variance_groups
+from .algo import LossInputs, compute_advantages, compute_loss, overlong_penalty, zero_variance_groups
 from .algo.correction import lr_scale
-from .anchor import make_anchor
+from .assemble import RunParts, build_parts
 from .asynchronous.feed import RolloutFeed, rank_groups
 from .asynchronous.partial import token_metrics
 from .asynchronous.weights import WeightSyncError
@@ -52,20 +50,17 @@ from .logprobs import response_stats
 from .loop import run_guarded, run_steps
 from .memory import malloc_trim
 from .metrics import UpdateStats, peak_memory_mb
-from .optim import make_adamw, optimizer_step, skipped_update_line
-from .passes import Passes, StepBatch, exact_kl_sample, forwarded_positions, head_inputs, idle_backward, micro_batches
-from .report import HeldOut, RewardErrorLog, rollout_metrics, sample_rows
-from .resolve import apply_async_correction, evaluating
+from .optim import optimizer_step, skipped_update_line
+from .passes import StepBatch, exact_kl_sample, forwarded_positions, head_inputs, idle_backward, micro_batches
+from .report import rollout_metrics, sample_rows
+from .resolve import apply_async_correction
 from .resolve.saved import resume_config
 from .rollout import RolloutBatch, SamplingParams
 from .rollout.servers import ServerError
 from .rundir.checkpoint import checkpoints, load_checkpoint, save_checkpoint
 from .rundir.guard import RunDirectory
 from .rundir.stop import resume_hint
-from .schedule import LRSchedule
-from .sections import replace
 from .tasks import Example
-from .tasks.stream import prompt_stream, training_reward
 
 
 class StepProbes:
@@ -82,65 +77,28 @@ class StepProbes:
 
 
 class Trainer:
-    """Owns the model, optimizer, anchor and data stream of one run; ``run()`` trains to ``train.steps``.
-
-    ``run_guard`` (`tether.rundir.guard.RunDirectory`, passed by `train` / `resume`) creates, locks and
-    checks the run directory once the data, reward, tools and held-out sets have loaded, before the model does; it
-    writes config.yaml (a resume: after the checkpoint is restored). Without it (tests, benchmarks)
-    the directory is only created.
+    """Runs a run's parts (`tether.assemble.RunParts`: the model, engine, agent, anchor, optimizer, data stream...);
+    ``run()`` trains to ``train.steps``. It reads ``cfg``'s sections each step and builds nothing from it but the
+    rollout feed (``train.async``), which samples by the trainer's schedule. ``build_trainer(cfg, run_dir)`` builds
+    the parts and the trainer in one call.
     """
 
     stopped_by: Optional[str] = None  # "SIGINT" / "SIGTERM" after run() stopped early on that signal
 
-    def __init__(self, cfg: Config, run_dir: Path, model=None, tokenizer=None, log=print,
-                 run_guard: Optional[RunDirectory] = None):
-        dist.init()
-        cfg = apply_async_correction(cfg)  # a Config built in Python gets load_config's asynchronous default
-        self.cfg, self.run_dir = cfg, Path(run_dir)
-        self.log = log if dist.is_main() else (lambda *a, **k: None)
-        self.guard = run_guard
-        t = cfg.train
-        random.seed(t.seed)
-        torch.manual_seed(t.seed)
-        # the cheap checks, before the (slow) model load and before a run directory is made
-        plan = RolloutPlan(cfg)  # the agent and its tools, e.g. the search environment's retriever: corpus checked
-        self.data = prompt_stream(cfg)  # tether.tasks.stream; validates every row
-        self.score_rewards = training_reward(cfg.data, self.data, plan.env_reward)  # a bad reward spec fails here, too
-        self.held_out = HeldOut.of(cfg, self.log)  # tether.report: eval.*'s sets, loaded (none if it does not evaluate)
-        dist.check_supported(cfg.rollout.prompts_per_step, cfg.rollout.dynamic_sampling)
-        if run_guard is not None:
-            run_guard.open(cfg)  # after the cheap checks (a bad config leaves no directory), before the model load
-        else:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        if model is None:
-            self.log(f"[tether] loading model {models.describe_model(cfg.model.name)}")
-            model, tokenizer = models.load_model(cfg.model)
-        model = dist.shard_model(model)  # FSDP2 under torchrun (before the engine, the optimizer and the anchor see it)
-        self.model, self.tokenizer = model, tokenizer
-        self.device = next(model.parameters()).device
-        engine_cfg = self._engine_config()
-        served = engine_cfg.engine.kind == "vllm_server"  # the servers' logs in RUN/servers/, their seed the run's
-        parts = plan.assemble(model, tokenizer, engine_cfg=engine_cfg,  # the engine, and the agent on it
-                              engine_options=dict(log_dir=self.run_dir / "servers", seed=t.seed) if served else None)
+    def __init__(self, cfg: Config, parts: RunParts, log=print):
+        self.cfg, self.log = cfg, log
+        self.run_dir, self.guard = parts.run_dir, parts.guard  # the guard: a resume checks the checkpoint with it
+        self.data, self.score_rewards = parts.data, parts.score_rewards
+        self.held_out, self.reward_errors = parts.held_out, parts.reward_errors
+        self.model, self.tokenizer, self.params = parts.model, parts.tokenizer, parts.params
+        self.device = next(self.model.parameters()).device
         self.engine, self.agent = parts.engine, parts.agent
-        prompts = getattr(self.agent, "prompts", None)  # the agent's PromptEncoder (tether.tasks.prompts)
-        if prompts is not None and self.data.examples is not None:  # an overlong row fails now, not at its step
-            prompts.check(self.data.examples, cfg.rollout.max_new_tokens)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.anchor = make_anchor(cfg.algo.anchor, model)
-        self.optimizer = make_adamw(self.params, t)
-        # a resume that extends the run re-lays it (continue_from)
-        self.schedule = LRSchedule(self.optimizer, t.schedule, t.warmup_steps, t.steps, t.lr,
-                                   per_step=t.epochs * t.mini_batches)
+        self.anchor, self.optimizer, self.schedule = parts.anchor, parts.optimizer, parts.schedule
         self.scheduler = self.schedule.scheduler
+        self.needs, self.passes = parts.needs, parts.passes
         self.step, self.skipped_updates = 0, 0
-        self.reward_errors = RewardErrorLog(self.run_dir, self.log)  # counted; the first of each kind logged
-        self.needs = loss_needs(cfg.algo, model.get_output_embeddings().weight.shape[0])
+        t = cfg.train
         self._on_policy = t.epochs == 1 and t.mini_batches == 1  # one optimizer step per (fresh) rollout
-        self.passes = Passes(model, self.anchor, self.needs, on_policy=self._on_policy,
-                             temperature=cfg.rollout.temperature, micro_batch_size=t.micro_batch_size,
-                             chunk_size=t.logprob_chunk, share_prompt=t.share_prompt,
-                             micro_batch_tokens=t.micro_batch_tokens, packed=t.packing)
         # Under FSDP all ranks must make the same forward calls with gradients: the shared-prompt forward
         # makes two when a micro-batch repeats a prompt (data-dependent), so only no-grad passes share.
         self._share_grad = t.share_prompt and not dist.enabled()
@@ -149,20 +107,11 @@ class Trainer:
         self.probes = StepProbes()  # observers of each step's phases (bench/_memory.py's StepMemory)
         self.feed: Optional[RolloutFeed] = None  # train.async: jobs to the rollout workers, batches back
         self._sync_error: Optional[ServerError] = None  # the servers failed to take the weights (raised next step)
-        if t.max_staleness > 0:  # last in __init__: nothing after the workers start can fail
-            self.feed = RolloutFeed(cfg, model, self.data.take, lambda: self.data.position,
-                                    lambda job: self._sampling(0, step=job), self.step, self.log, tokenizer,
-                                    served=(self.engine, lambda: plan.agent(self.engine, tokenizer)) if served
-                                    else None)
-
-    def _engine_config(self):
-        """rollout.* for the trainer's own engine. With K >= 1 the workers sample; the trainer's engine only serves
-        the held-out evaluation (and its agent encodes prompts), so a run that does not evaluate gives the trainer
-        the hf engine on its own model, not a second vLLM copy of the weights reloaded every step."""
-        r = self.cfg.rollout
-        if self.cfg.train.max_staleness > 0 and r.engine.kind not in ("hf", "vllm_server") and not evaluating(self.cfg):
-            return replace(r, engine="hf")  # (a served engine is the one the jobs drive: the trainer holds it)
-        return r
+        if t.max_staleness > 0:  # last: nothing after the workers start can fail
+            served = parts.served_agent
+            self.feed = RolloutFeed(cfg, self.model, self.data.take, lambda: self.data.position,
+                                    lambda job: self._sampling(0, step=job), self.step, self.log, self.tokenizer,
+                                    served=(self.engine, served) if served is not None else None)
 
     # ------------------------------------------------------------ rollout and rewards
 
@@ -466,6 +415,20 @@ class Trainer:
         ckpt = latest if latest is not None and latest.name == f"step-{self.step:06d}" else self.save()
         return type(e)(f"{e}; step {self.step}'s checkpoint: {ckpt} (resume with: {resume_hint(self.run_dir)})")
 
+def build_trainer(cfg: Config, run_dir: Path, model=None, tokenizer=None, log=print,
+                  run_guard: Optional[RunDirectory] = None) -> Trainer:
+    """The run's parts (`tether.assemble.build_parts`: the cheap checks, then the run directory, then the model) and
+    the Trainer that runs them. ``run_guard`` (`tether.rundir.guard.RunDirectory`, passed by `train` / `resume`)
+    creates, locks and checks the run directory once the data, reward, tools and held-out sets have loaded, before
+    the model does; it writes config.yaml (a resume: after the checkpoint is restored). Without it (tests,
+    benchmarks) the directory is only created."""
+    dist.init()
+    cfg = apply_async_correction(cfg)  # a Config built in Python gets load_config's asynchronous default
+    log = log if dist.is_main() else (lambda *a, **k: None)
+    parts = build_parts(cfg, run_dir, model, tokenizer, log=log, run_guard=run_guard)
+    return Trainer(cfg, parts, log=log)
+
+
 def default_run_dir(cfg: Config) -> Path:
     task = Path(cfg.data.task).stem.replace("/", "_")
     return Path("runs") / f"{cfg.recipe}-{task}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
@@ -484,7 +447,8 @@ def train(cfg: Config, run_dir: Optional[Path] = None, model=None, tokenizer=Non
     if dist.is_main():
         log(f"[tether] {describe(cfg.algo)}")
     guard = RunDirectory(run_dir, fresh=True, overwrite=cfg.run.overwrite, log=log)
-    return run_guarded(guard, lambda: Trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard), resume=False)
+    return run_guarded(guard, lambda: build_trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard),
+                       resume=False)
 
 
 def resume(run_dir: Path, overrides: Optional[dict] = None, model=None, tokenizer=None, log=print) -> Path:
@@ -497,4 +461,5 @@ def resume(run_dir: Path, overrides: Optional[dict] = None, model=None, tokenize
     cfg = resume_config(run_dir, overrides)
     dist.init()
     guard = RunDirectory(run_dir, fresh=False, log=log)
-    return run_guarded(guard, lambda: Trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard), resume=True)
+    return run_guarded(guard, lambda: build_trainer(cfg, run_dir, model, tokenizer, log=log, run_guard=guard),
+                       resume=True)

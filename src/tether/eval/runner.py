@@ -3,7 +3,7 @@
 :func:`evaluate` takes an already-built agent (`tether.agents`): the caller decides how the
 episodes run and which engine samples them. ``tether eval`` builds one per run with
 :func:`tether.rollout.make_engine` and :func:`tether.agents.make_agent` from the loaded model;
-the trainer's held-out evaluation (`tether.report.HeldOut`) passes the trainer's own agent, so it
+the trainer's held-out evaluation (`tether.eval.held_out.HeldOut`) passes the trainer's own agent, so it
 encodes prompts, runs episodes and samples (transformers or vLLM, ``rollout.engine``) exactly as
 training does. Each response is scored with the benchmark's reward by
 :func:`tether.tasks.rewards.call_reward` (`tether.tasks.rewards.score_one`, the normalisation the

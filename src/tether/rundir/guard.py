@@ -3,7 +3,7 @@ a resume that fails leaves the run as it was, write failures end as clean errors
 
 What ``tether.train.train`` / ``resume`` do with a run directory ``RUN`` (through `RunDirectory`):
 
-* **Validate first.** ``Trainer.__init__`` loads the data rows, the reward spec and the agent's
+* **Validate first.** ``tether.assemble.build_parts`` loads the data rows, the reward spec and the agent's
   tools, then calls :meth:`RunDirectory.open`, then loads the model. A bad config, data file or
   reward leaves no directory behind (a rerun would be refused as "not empty"); a directory that
   cannot be created or written is a `RunError` before the slow model load. A fresh run whose
