@@ -114,6 +114,15 @@ def test_bad_row_fails_before_training(workdir, tiny_model_dir, tmp_path, monkey
         build_trainer(cfg, tmp_path / "run")
 
 
+def test_a_trainer_given_a_run_directory_says_what_builds_it(workdir, tiny_model_dir, tmp_path):
+    """Trainer(cfg, parts) runs built parts; the earlier Trainer(cfg, run_dir) is one TypeError naming build_trainer,
+    before anything is built or made on disk."""
+    from tether.train import Trainer
+
+    cfg = tiny_config(workdir, tiny_model_dir, "grpo", 1)
+    with pytest.raises(TypeError, match=r"got PosixPath .*build_trainer\(cfg, run_dir"):
+        Trainer(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_yaml_then_overrides_and_saved_config(workdir, tiny_model_dir, tmp_path):

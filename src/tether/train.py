@@ -86,6 +86,9 @@ class Trainer:
     stopped_by: Optional[str] = None  # "SIGINT" / "SIGTERM" after run() stopped early on that signal
 
     def __init__(self, cfg: Config, parts: RunParts, log=print):
+        if not isinstance(parts, RunParts):  # the earlier Trainer(cfg, run_dir, ...)
+            raise TypeError(f"Trainer(cfg, parts) runs a run's built parts, got {type(parts).__name__} {parts!r}: "
+                            f"build_trainer(cfg, run_dir, ...) (tether.train) builds them and the Trainer")
         self.cfg, self.log = cfg, log
         self.run_dir, self.guard = parts.run_dir, parts.guard  # the guard: a resume checks the checkpoint with it
         self.data, self.score_rewards = parts.data, parts.score_rewards
