@@ -327,7 +327,7 @@ if __name__ == "__main__":
 #: the builders of a run's parts (tether.assemble.build_parts calls them): the trainer imports none of them
 PART_BUILDERS = {"RolloutPlan", "build_rollout", "make_engine", "prompt_stream", "training_reward", "HeldOut",
                  "load_model", "models", "shard_model", "make_anchor", "make_adamw", "LRSchedule", "Passes",
-                 "loss_needs", "RewardErrorLog"}
+                 "loss_needs", "RewardErrorLog", "RolloutFeed", "RolloutWorkers"}
 
 
 def test_the_trainer_builds_none_of_its_parts():

@@ -1,6 +1,5 @@
 """A run's parts, built from its config: the one place the trainer's pieces are made. `tether.train.Trainer` runs
-them; it reads its config's sections each step but builds nothing from it (but its rollout feed, which needs the
-trainer's own sampling schedule).
+them; it reads its config's sections each step but builds nothing from it.
 
     parts = build_parts(cfg, run_dir)      # checked and loaded in this order:
         the agent's plan and tools         (tether.agents.build: an environment's corpus is checked here)
@@ -11,6 +10,7 @@ trainer's own sampling schedule).
         the engine and the agent on it     (tether.rollout, tether.agents)
         the anchor, optimizer, LR schedule (tether.anchor, tether.optim, tether.schedule)
         the passes                         (tether.passes: what runs is algo.loss_needs)
+        the rollout feed (train.async)     (tether.asynchronous.feed: its workers start last)
     trainer = Trainer(cfg, parts)
 
 ``tether.train.build_trainer(cfg, run_dir)`` is both in one call, for `train`, `resume`, tests and benchmarks; a
@@ -32,13 +32,14 @@ from .agents import Agent
 from .agents.build import RolloutPlan
 from .algo import LossNeeds, loss_needs
 from .anchor import Anchor, make_anchor
+from .asynchronous.feed import RolloutFeed
 from .config import Config
 from .eval.held_out import HeldOut
 from .optim import make_adamw
 from .passes import Passes
 from .report import RewardErrorLog
 from .resolve import evaluating
-from .rollout import Engine
+from .rollout import Engine, SamplingParams
 from .rundir.guard import RunDirectory
 from .schedule import LRSchedule
 from .sections import replace
@@ -59,13 +60,13 @@ class RunParts:
     params: list  # the policy's trained parameters (requires_grad: all, or LoRA's)
     engine: Engine  # the trainer's own engine (with train.async K >= 1 it only serves the held-out evaluation)
     agent: Agent  # the agent driving it
-    served_agent: Optional[Callable[[], Agent]]  # rollout.engine vllm_server with K >= 1: the feed's agent maker
     anchor: Optional[Anchor]  # algo.anchor's policy (None: no anchor term)
     optimizer: torch.optim.Optimizer
     schedule: LRSchedule
     reward_errors: RewardErrorLog  # reward exceptions, counted; the first of each kind logged
     needs: LossNeeds  # which log-probabilities and KL heads the loss reads
     passes: Passes  # the no-grad passes that compute them
+    feed: Optional[RolloutFeed]  # train.async (K >= 1): jobs to the rollout workers, batches back (None: K = 0)
 
 
 def trainer_engine_config(cfg: Config):
@@ -85,6 +86,8 @@ def build_parts(cfg: Config, run_dir: Path, model=None, tokenizer=None, log=prin
     `resume`) creates, locks and checks the run directory; without it (tests, benchmarks) the directory is only
     created. ``model`` / ``tokenizer``: a policy already loaded (else ``cfg.model``'s)."""
     t, run_dir = cfg.train, Path(run_dir)
+    engine_cfg = trainer_engine_config(cfg)
+    served = engine_cfg.engine.kind == "vllm_server"  # the servers' logs in RUN/servers/, their seed the run's
     random.seed(t.seed)
     torch.manual_seed(t.seed)
     plan = RolloutPlan(cfg)  # the agent and its tools, e.g. the search environment's retriever: corpus checked
@@ -100,8 +103,6 @@ def build_parts(cfg: Config, run_dir: Path, model=None, tokenizer=None, log=prin
         log(f"[tether] loading model {models.describe_model(cfg.model.name)}")
         model, tokenizer = models.load_model(cfg.model)
     model = dist.shard_model(model)  # FSDP2 under torchrun (before the engine, the optimizer and the anchor see it)
-    engine_cfg = trainer_engine_config(cfg)
-    served = engine_cfg.engine.kind == "vllm_server"  # the servers' logs in RUN/servers/, their seed the run's
     rollout = plan.assemble(model, tokenizer, engine_cfg=engine_cfg,  # the engine, and the agent on it
                             engine_options=dict(log_dir=run_dir / "servers", seed=t.seed) if served else None)
     engine = rollout.engine
@@ -110,17 +111,21 @@ def build_parts(cfg: Config, run_dir: Path, model=None, tokenizer=None, log=prin
         prompts.check(data.examples, cfg.rollout.max_new_tokens)
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = make_anchor(cfg.algo.anchor, model)
+    reward_errors = RewardErrorLog(run_dir, log)  # counted; the first of each kind logged (a file once one fails)
     optimizer = make_adamw(params, t)
+    # a resume that extends the run re-lays it (continue_from)
+    schedule = LRSchedule(optimizer, t.schedule, t.warmup_steps, t.steps, t.lr, per_step=t.epochs * t.mini_batches)
     needs = loss_needs(cfg.algo, model.get_output_embeddings().weight.shape[0])
-    on_policy = t.epochs == 1 and t.mini_batches == 1  # one optimizer step per (fresh) rollout
-    return RunParts(
-        run_dir=run_dir, guard=run_guard, data=data, score_rewards=score_rewards, held_out=held_out, model=model,
-        tokenizer=tokenizer, params=params, engine=engine, agent=rollout.agent,
-        served_agent=(lambda: plan.agent(engine, tokenizer)) if served else None,
-        anchor=anchor, optimizer=optimizer,
-        # a resume that extends the run re-lays it (continue_from)
-        schedule=LRSchedule(optimizer, t.schedule, t.warmup_steps, t.steps, t.lr, per_step=t.epochs * t.mini_batches),
-        reward_errors=RewardErrorLog(run_dir, log), needs=needs,
-        passes=Passes(model, anchor, needs, on_policy=on_policy, temperature=cfg.rollout.temperature,
-                      micro_batch_size=t.micro_batch_size, chunk_size=t.logprob_chunk, share_prompt=t.share_prompt,
-                      micro_batch_tokens=t.micro_batch_tokens, packed=t.packing))
+    passes = Passes(model, anchor, needs, on_policy=t.epochs == 1 and t.mini_batches == 1,
+                    temperature=cfg.rollout.temperature, micro_batch_size=t.micro_batch_size,
+                    chunk_size=t.logprob_chunk, share_prompt=t.share_prompt, micro_batch_tokens=t.micro_batch_tokens,
+                    packed=t.packing)
+    feed = None
+    if t.max_staleness > 0:  # last: nothing after the workers start can fail
+        feed = RolloutFeed(cfg, model, data.take, lambda: data.position,
+                           lambda job: SamplingParams.for_step(cfg.rollout, t.seed, job), 0, log, tokenizer,
+                           served=(engine, lambda: plan.agent(engine, tokenizer)) if served else None)
+    return RunParts(run_dir=run_dir, guard=run_guard, data=data, score_rewards=score_rewards, held_out=held_out,
+                    model=model, tokenizer=tokenizer, params=params, engine=engine, agent=rollout.agent,
+                    anchor=anchor, optimizer=optimizer, schedule=schedule, reward_errors=reward_errors,
+                    needs=needs, passes=passes, feed=feed)

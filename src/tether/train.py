@@ -39,7 +39,7 @@ from .agents import env_correct, reward_parts
 from .algo import LossInputs, compute_advantages, compute_loss, overlong_penalty, zero_variance_groups
 from .algo.correction import lr_scale
 from .assemble import RunParts, build_parts
-from .asynchronous.feed import RolloutFeed, rank_groups
+from .asynchronous.feed import rank_groups
 from .asynchronous.partial import token_metrics
 from .asynchronous.weights import WeightSyncError
 from .asynchronous.workers import WorkerError
@@ -78,9 +78,8 @@ class StepProbes:
 
 class Trainer:
     """Runs a run's parts (`tether.assemble.RunParts`: the model, engine, agent, anchor, optimizer, data stream...);
-    ``run()`` trains to ``train.steps``. It reads ``cfg``'s sections each step and builds nothing from it but the
-    rollout feed (``train.async``), which samples by the trainer's schedule. ``build_trainer(cfg, run_dir)`` builds
-    the parts and the trainer in one call.
+    ``run()`` trains to ``train.steps``. It reads ``cfg``'s sections each step and builds nothing from it;
+    ``build_trainer(cfg, run_dir)`` builds the parts and the trainer in one call.
     """
 
     stopped_by: Optional[str] = None  # "SIGINT" / "SIGTERM" after run() stopped early on that signal
@@ -108,22 +107,13 @@ class Trainer:
         self._fwd = dict(temperature=cfg.rollout.temperature, chunk_size=t.logprob_chunk)  # as every pass runs
         self._trim = malloc_trim if t.malloc_trim else (lambda: False)  # after the rollout and the update
         self.probes = StepProbes()  # observers of each step's phases (bench/_memory.py's StepMemory)
-        self.feed: Optional[RolloutFeed] = None  # train.async: jobs to the rollout workers, batches back
+        self.feed = parts.feed  # train.async: jobs to the rollout workers, batches back
         self._sync_error: Optional[ServerError] = None  # the servers failed to take the weights (raised next step)
-        if t.max_staleness > 0:  # last: nothing after the workers start can fail
-            served = parts.served_agent
-            self.feed = RolloutFeed(cfg, self.model, self.data.take, lambda: self.data.position,
-                                    lambda job: self._sampling(0, step=job), self.step, self.log, self.tokenizer,
-                                    served=(self.engine, served) if served is not None else None)
 
     # ------------------------------------------------------------ rollout and rewards
 
-    def _sampling(self, round_: int, step: Optional[int] = None) -> SamplingParams:
-        r, step = self.cfg.rollout, self.step if step is None else step  # an async job: its id
-        seed = dist.rank_seed((self.cfg.train.seed * 1_000_003 + step * 1009 + round_) % (2**31))
-        return SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
-                              stop=list(r.stop), seed=seed)
+    def _sampling(self, round_: int) -> SamplingParams:
+        return SamplingParams.for_step(self.cfg.rollout, self.cfg.train.seed, self.step, round_)
 
     def _score(self, rb: RolloutBatch, examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
         """Rewards [B] (with DAPO's overlong shaping when on) and correctness [B] of one rollout."""

@@ -34,6 +34,8 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from .. import distributed as dist
+
 #: The ``GenerationError`` message of an engine that met NaN or infinite logits (the trainer adds its step).
 NONFINITE_LOGITS = ("the model's logits are NaN or infinite: its weights have diverged or are broken. In training, "
                     "lower train.lr; otherwise check the checkpoint or model that was loaded")
@@ -53,6 +55,16 @@ class SamplingParams:
     seed: int | None = None  # seed for this call's sampling (same call + seed -> same output); None = global RNG
     greedy: bool = False  # argmax decoding (same as temperature 0); n copies are then identical
     min_new_tokens: int = 0  # EOS is banned before this many new tokens (vLLM's min_tokens); 0 = no floor
+
+    @classmethod
+    def for_step(cls, rollout, seed: int, step: int, round_: int = 0) -> "SamplingParams":
+        """How trainer step ``step`` samples (an asynchronous job: its id), refill round ``round_`` (dynamic
+        sampling): the ``rollout`` section's settings with the run's seed schedule (``seed``: ``train.seed``; each
+        rank its own, `tether.distributed.rank_seed`)."""
+        r = rollout
+        return cls(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                   min_new_tokens=r.min_new_tokens, stop=list(r.stop),
+                   seed=dist.rank_seed((seed * 1_000_003 + step * 1009 + round_) % (2**31)))
 
     @property
     def is_greedy(self) -> bool:
