@@ -126,7 +126,7 @@ def test_asynchronous_training_is_corrected_by_default(workdir, tiny_model_dir, 
     """train.async.correction (docs/evidence.md, staleness): with K >= 1, an engine whose workers pass log-probs
     on and no correction key set, the resolved config carries TIS cap 2 + IcePop [0.5, 5]; false leaves the lag
     uncorrected; a correction set by hand is used as given (and then false is refused as having no effect, as it is
-    with K = 0); a Config built in Python gets the same default from the Trainer (apply_async_correction,
+    with K = 0); a Config built in Python gets the same default from build_parts (apply_async_correction,
     idempotent)."""
     from tether.config import Config
     from tether.resolve import apply_async_correction

@@ -38,7 +38,7 @@ from .eval.held_out import HeldOut
 from .optim import make_adamw
 from .passes import Passes
 from .report import RewardErrorLog
-from .resolve import evaluating
+from .resolve import apply_async_correction, evaluating
 from .rollout import Engine, SamplingParams
 from .rundir.guard import RunDirectory
 from .schedule import LRSchedule
@@ -84,7 +84,10 @@ def build_parts(cfg: Config, run_dir: Path, model=None, tokenizer=None, log=prin
     """Every part of a run, the cheap checks first: a bad config, row, reward or corpus fails before a run directory
     is made and before the (slow) model load. ``run_guard`` (`tether.rundir.guard.RunDirectory`, passed by `train` /
     `resume`) creates, locks and checks the run directory; without it (tests, benchmarks) the directory is only
-    created. ``model`` / ``tokenizer``: a policy already loaded (else ``cfg.model``'s)."""
+    created. ``model`` / ``tokenizer``: a policy already loaded (else ``cfg.model``'s). Under torchrun it joins the
+    process group first; a Config built in Python gets load_config's asynchronous default here (in place)."""
+    dist.init()
+    apply_async_correction(cfg)
     t, run_dir = cfg.train, Path(run_dir)
     engine_cfg = trainer_engine_config(cfg)
     served = engine_cfg.engine.kind == "vllm_server"  # the servers' logs in RUN/servers/, their seed the run's

@@ -53,7 +53,6 @@ from .metrics import UpdateStats, peak_memory_mb
 from .optim import optimizer_step, skipped_update_line
 from .passes import StepBatch, exact_kl_sample, forwarded_positions, head_inputs, idle_backward, micro_batches
 from .report import rollout_metrics, sample_rows
-from .resolve import apply_async_correction
 from .resolve.saved import resume_config
 from .rollout import RolloutBatch, SamplingParams
 from .rollout.servers import ServerError
@@ -415,8 +414,7 @@ def build_trainer(cfg: Config, run_dir: Path, model=None, tokenizer=None, log=pr
     creates, locks and checks the run directory once the data, reward, tools and held-out sets have loaded, before
     the model does; it writes config.yaml (a resume: after the checkpoint is restored). Without it (tests,
     benchmarks) the directory is only created."""
-    dist.init()
-    cfg = apply_async_correction(cfg)  # a Config built in Python gets load_config's asynchronous default
+    dist.init()  # (build_parts also applies load_config's asynchronous default to a Config built in Python)
     log = log if dist.is_main() else (lambda *a, **k: None)
     parts = build_parts(cfg, run_dir, model, tokenizer, log=log, run_guard=run_guard)
     return Trainer(cfg, parts, log=log)

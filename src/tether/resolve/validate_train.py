@@ -89,7 +89,8 @@ def correction_set(algo: AlgoConfig) -> bool:
 def apply_async_correction(cfg: Config) -> Config:
     """train.async.correction: with train.async on, an engine whose workers pass their log-probs on, and no
     correction key set, set ASYNC_CORRECTION in ``cfg.algo`` (in place; idempotent: once set, the keys are no
-    longer at their defaults). `load_config` and the Trainer (for a Config built in Python) call it."""
+    longer at their defaults). `load_config` and `tether.assemble.build_parts` (for a Config built in Python) call
+    it."""
     a = cfg.train.async_
     if a is not None and a.correction and not correction_set(cfg.algo) and worker_records_logp(cfg.rollout.engine.kind):
         for k, v in ASYNC_CORRECTION.items():
