@@ -14,7 +14,7 @@ them; it reads its config's sections each step but builds nothing from it.
     trainer = Trainer(cfg, parts)
 
 ``tether.train.build_trainer(cfg, run_dir)`` is both in one call, for `train`, `resume`, tests and benchmarks; a
-caller that brings its own part (a fake engine, a model already loaded) replaces it in the parts before the Trainer.
+caller with a policy already loaded passes it (``model``, ``tokenizer``).
 """
 
 from __future__ import annotations
