@@ -99,7 +99,7 @@ class Trainer:
         self.needs, self.passes = parts.needs, parts.passes
         self.step, self.skipped_updates = 0, 0
         t = cfg.train
-        self._on_policy = t.epochs == 1 and t.mini_batches == 1  # one optimizer step per (fresh) rollout
+        self._on_policy = self.passes.on_policy  # one optimizer step per (fresh) rollout (build_parts decides)
         # Under FSDP all ranks must make the same forward calls with gradients: the shared-prompt forward
         # makes two when a micro-batch repeats a prompt (data-dependent), so only no-grad passes share.
         self._share_grad = t.share_prompt and not dist.enabled()
@@ -406,6 +406,7 @@ class Trainer:
         latest = next(iter(checkpoints(self.run_dir)), None)  # run.save_every may have written this step's already
         ckpt = latest if latest is not None and latest.name == f"step-{self.step:06d}" else self.save()
         return type(e)(f"{e}; step {self.step}'s checkpoint: {ckpt} (resume with: {resume_hint(self.run_dir)})")
+
 
 def build_trainer(cfg: Config, run_dir: Path, model=None, tokenizer=None, log=print,
                   run_guard: Optional[RunDirectory] = None) -> Trainer:
