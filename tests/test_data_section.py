@@ -81,8 +81,8 @@ def test_a_task_registered_with_a_prefix_reads_every_key():
     options, and a plain registered name has the dataset's keys only."""
     seen = {}
 
-    def countdown(cfg):
-        seen.update(difficulty=cfg.data.difficulty, options=cfg.data.options, task=cfg.data.task)
+    def countdown(data):
+        seen.update(difficulty=data.difficulty, options=data.options, task=data.task)
         return [Example(id=f"c{i}", prompt=f"count down from {i}", answer="0") for i in range(3)]
 
     TASKS.register("countdown_t", prefix="countdown:", reward="arithmetic")(countdown)

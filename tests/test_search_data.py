@@ -132,7 +132,7 @@ def test_search_training_on_a_hub_id_reads_data_split(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     for over, split in [({}, "train"), ({"data.split": "validation"}, "validation")]:
         cfg = load_config(None, {**SEARCH_ENV, "data.task": "org/qa", **over})
-        (ex,) = search_qa_task(cfg)
+        (ex,) = search_qa_task(cfg.data, cfg.rollout.agent.env)
         assert asked.pop() == ("org/qa", None, split) and ex.answer == "Ann"
     f = _write(tmp_path / "qa.jsonl", [json.dumps({"question": "Q", "golden_answers": ["a"]})])
     for task in ("multihop", str(f)):

@@ -641,9 +641,9 @@ def test_a_user_task_and_its_reward_by_spec(tmp_path, monkeypatch):
 
     (tmp_path / "user_task_mod.py").write_text(
         "from tether.tasks import Example\n"
-        "def qa(cfg):\n    return [Example(prompt=f'q{i}', answer=str(i), id=f'u:{i}') for i in range(3)]\n"
+        "def qa(data):\n    return [Example(prompt=f'q{i}', answer=str(i), id=f'u:{i}') for i in range(3)]\n"
         "qa.reward = 'gsm8k'\n"
-        "def gen(cfg):\n    return lambda i: Example(prompt=f'g{i}', answer=str(i), id=f'g:{i}')\n")
+        "def gen(data):\n    return lambda i: Example(prompt=f'g{i}', answer=str(i), id=f'g:{i}')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     s = prompt_stream(load_config(None, {"data.task": "user_task_mod:qa"}))
     assert s.reward_name == "gsm8k" and sorted(e.id for e in s.take(3)) == ["u:0", "u:1", "u:2"]
@@ -651,6 +651,47 @@ def test_a_user_task_and_its_reward_by_spec(tmp_path, monkeypatch):
     assert s.reward_name == "math" and [e.id for e in s.take(2)] == ["g:0", "g:1"]
     with pytest.raises(DataError, match="has no attribute 'nope'"):
         prompt_stream(load_config(None, {"data.task": "user_task_mod:nope"}))
+
+
+def test_a_task_is_given_the_sections_its_parameters_name(tmp_path, monkeypatch):
+    """A task's builder gets the sections it names (data, seed, env; **kwargs: all), not the whole config; an earlier
+    release's ``task(cfg)`` still gets the config, with a FutureWarning naming the new form; a parameter that names
+    nothing is one DataError naming the function and what it may name."""
+    import warnings
+
+    from tether.resolve import load_config
+    from tether.tasks.stream import prompt_stream
+
+    (tmp_path / "sections_task_mod.py").write_text(
+        "from tether.tasks import Example\n"
+        "seen = {}\n"
+        "def named(data, seed, env):\n"
+        "    seen.update(limit=data.limit, seed=seed, env=env)\n"
+        "    return [Example(prompt='q', answer='1', id='n:0')]\n"
+        "def everything(data, **kw):\n"
+        "    seen.update(kw)\n"
+        "    return [Example(prompt='q', answer='1', id='e:0')]\n"
+        "def old(cfg):\n"
+        "    seen.update(old=cfg.train.seed)\n"
+        "    return [Example(prompt='q', answer='1', id='o:0')]\n"
+        "def odd(data, split_name):\n"
+        "    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import sections_task_mod as mod
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new forms warn about nothing
+        prompt_stream(load_config(None, {"data.task": "sections_task_mod:named", "data.limit": 7, "train.seed": 3}))
+        assert mod.seen == {"limit": 7, "seed": 3, "env": None}  # a single-turn run has no environment section
+        prompt_stream(load_config(None, {"data.task": "sections_task_mod:everything", "train.seed": 5}))
+        assert mod.seen["seed"] == 5 and mod.seen["env"] is None and "data" not in mod.seen
+    with pytest.warns(FutureWarning, match=r"task function old \(.*sections_task_mod.py:9\)\(cfg \.\.\.\): a task "
+                                           r"given the whole config is deprecated.*\(data, seed, env;"):
+        s = prompt_stream(load_config(None, {"data.task": "sections_task_mod:old", "train.seed": 11}))
+    assert mod.seen["old"] == 11 and s.examples[0].id == "o:0"
+    with pytest.raises(DataError, match=r"task function odd \(.*sections_task_mod.py:12\): parameter 'split_name' "
+                                        r"names nothing a task is given; it may name: data, seed, env"):
+        prompt_stream(load_config(None, {"data.task": "sections_task_mod:odd"}))
 
 
 def test_the_registries_name_the_config_choices():

@@ -203,36 +203,34 @@ class VerifiersEnv:
 # ---------------------------------------------------------------- its task and its held-out set
 
 
-def _env_section(cfg):
-    e = cfg.rollout.agent.env
-    return e.name[len(PREFIX):], dict(e.options.get("args") or {})
+def _env_section(env):
+    return env.name[len(PREFIX):], dict(env.options.get("args") or {})
 
 
-def _v1(cfg):
-    e = cfg.rollout.agent.env
-    return verifiers_env(e.name[len(PREFIX):], max_turns=e.max_turns or None, **e.options)
+def _v1(env):
+    return verifiers_env(env.name[len(PREFIX):], max_turns=env.max_turns or None, **env.options)
 
 
-def _test_set(cfg, limit: int):
+def _test_set(env, limit: int):
     """The environment's eval dataset (its train dataset when it has none), scored by its rubric (verifiers 0.4:
     its eval taskset, scored by its rewards)."""
     if is_task_api():
-        return _v1(cfg).examples("eval", limit), load_reward("none")
-    env_id, args = _env_section(cfg)
+        return _v1(env).examples("eval", limit), load_reward("none")
+    env_id, args = _env_section(env)
     return dataset_examples(env_id, load_env(env_id, args), "eval", limit), load_reward("none")
 
 
 @TASKS.register("verifiers", reward="none", env=PREFIX, ignores=("task", "prompt_key", "answer_key", "data_dir",
                                                                   "split", "difficulty"),
                 about="rollout.agent.env.name=verifiers:<env_id> (its rows are the environment's dataset)",
-                held_out=lambda cfg: cfg.rollout.agent.env.name, test_set=_test_set)
-def verifiers_task(cfg) -> list:
+                held_out=lambda env: env.name, test_set=_test_set)
+def verifiers_task(data, env) -> list:
     """The training rows of the verifiers environment ``rollout.agent.env.name`` (its ``get_dataset()``; verifiers
     0.4: its taskset's tasks; ``data.limit`` keeps the first rows)."""
     if is_task_api():
-        return _v1(cfg).examples("train", cfg.data.limit or None)
-    env_id, args = _env_section(cfg)
-    return dataset_examples(env_id, load_env(env_id, args), "train", cfg.data.limit or None)
+        return _v1(env).examples("train", data.limit or None)
+    env_id, args = _env_section(env)
+    return dataset_examples(env_id, load_env(env_id, args), "train", data.limit or None)
 
 
 def eval_benchmark(source: str, limit: Optional[int], reward: Optional[str]) -> Benchmark:

@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from ..rollout import ENGINES, engine_reports_logp, worker_records_logp
 from ..search.retrievers import RETRIEVERS
 from ..sections import default
-from ..tasks.registry import TASKS, task_name
+from ..tasks.registry import TASKS, call_task, task_name
 from ..tasks.rewards import REWARDS
 from .held_out import HELD_OUT, eval_benchmarks
 from .validate_train import check_train
@@ -79,7 +79,7 @@ def _check_data(cfg: Config) -> list[str]:
                 users = [n for n in TASKS if k not in TASKS.meta(n)["ignores"]]
                 errs.append(f"data.{k} has no effect with {meta['about']}" if meta["about"] else
                             f"data.{k} only applies to data.task={' or '.join(users)}")
-        errs.extend(meta["check"](cfg) if meta["check"] else [])
+        errs.extend(call_task(meta["check"], cfg) if meta["check"] else [])
     return errs
 
 

@@ -10,10 +10,10 @@ from ..tasks.registry import TASKS
 from .data import SEARCH_DATASETS, load_search_examples
 
 
-def _search_check(cfg) -> list[str]:
+def _search_check(data) -> list[str]:
     """data.split picks a hub id's split; a named QA set or a .jsonl file is one split already (a task that is no
     dataset, such as the default arithmetic, has no split: it is refused where its rows are loaded)."""
-    d = cfg.data
+    d = data
     if "split" in type(d).model_fields and d.split != default(d, "split") and (
             d.task.lower() in SEARCH_DATASETS or Path(d.task).expanduser().is_file()):
         return [f"data.split only applies to a hub dataset id with rollout.agent.env.name=search; "
@@ -29,11 +29,11 @@ def _search_check(cfg) -> list[str]:
     "rollout.agent.kind": "multi_turn", "rollout.agent.env.name": "search", "data.task": "multihop",
     "data.format_weight": 0.0, "rollout.n": 5,
     "rollout.max_new_tokens": 128})
-def search_qa_task(cfg) -> list:
+def search_qa_task(data, env) -> list:
     """QA for the search environment: ``data.task`` names a QA set of the search data dir, a .jsonl file or a hub id
     (its ``data.split``); the prompt carries the search protocol's instruction
     (``load_search_examples``)."""
-    d, env = cfg.data, cfg.rollout.agent.env
+    d = data
     return load_search_examples(d.task, data_dir=env.retriever.data_dir or None,
                                 question_key=d.prompt_key or "question", answers_key=d.answer_key,
                                 max_searches=env.search_turns() - 1, limit=d.limit or None, hub_split=d.split)

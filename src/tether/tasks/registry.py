@@ -1,11 +1,14 @@
 """The task registry: where a run's training prompts come from, by name.
 
-A task is a builder ``stream(cfg)`` (``cfg``: a ``tether.config.Config``) that returns the examples
-of a finite dataset (a list of :class:`~tether.tasks.base.Example`) or, for a generated task,
-``generate(i) -> Example``; ``tether.tasks.stream.prompt_stream`` turns either into the trainer's
-``PromptStream``. Each is registered in :data:`TASKS` with what it needs:
+A task is a builder that returns the examples of a finite dataset (a list of
+:class:`~tether.tasks.base.Example`) or, for a generated task, ``generate(i) -> Example``;
+``tether.tasks.stream.prompt_stream`` turns either into the trainer's ``PromptStream``. A task is given
+the sections it reads, not the whole config: its builder and its functions below name them as parameters
+(`call_task`): ``data`` (the run's data section), ``seed`` (train.seed), ``env`` (rollout.agent.env; None
+for a single-turn agent): ``def countdown(data)``, ``def generated(data, seed)``. Each is registered in
+:data:`TASKS` with what it needs:
 
-``reward``     the reward that fits it (``data.reward=auto``): a name or spec, or ``reward(cfg)``;
+``reward``     the reward that fits it (``data.reward=auto``): a name or spec, or ``reward(data)``;
                None: ``math``
 ``prefix``     ``data.task`` values starting with it pick this task (``reasoning_gym:``), before a user's
                ``module:function``
@@ -16,10 +19,11 @@ of a finite dataset (a list of :class:`~tether.tasks.base.Example`) or, for a ge
                each kind of ``data.task`` has is its section's, `tether.config.data`: an environment's task
                and a user's registered one name here those it does not read) and ``about``, how such an
                error names it (default: "only applies to data.task=...")
-``check``      ``check(cfg) -> list[str]``: problems of its own settings
-``held_out``   ``{data.task: benchmark}`` or ``held_out(cfg) -> benchmark``: the held-out set
+``check``      ``check(data) -> list[str]``: problems of its own settings
+``held_out``   ``{data.task: benchmark}`` or ``held_out(data) -> benchmark``: the held-out set
                ``eval.benchmarks=auto`` evaluates on
-``test_set``   ``test_set(cfg, limit) -> (examples, reward)``: the benchmark named like the task
+``test_set``   ``test_set(data, limit) -> (examples, reward)`` (with ``seed`` or ``env`` if it reads them): the
+               benchmark named like the task
 ``preset``     the settings ``tether train --task NAME`` brings (None: no such option)
 
 ``data.task`` picks the task: a user's ``module:function`` / ``path/to/file.py:function`` (the
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from ..algo.registry import Registry, is_spec
+from ..algo.registry import Registry, call_with_sections, is_spec
 from ..config.data import ArithmeticDataConfig, OrganismDataConfig
 from ..sections import default
 from . import reasoning_gym
@@ -48,23 +52,32 @@ TASKS: Registry[Callable[..., Any]] = Registry("task", error=DataError, defaults
     "held_out": {}, "test_set": None, "preset": None})
 
 
-def _difficulty(cfg, section: type) -> int:
+def call_task(fn: Callable[..., Any], cfg, **extra: Any) -> Any:
+    """``fn``, a task's builder or one of its functions (``reward``, ``check``, ``held_out``, ``test_set``), called
+    with the parts of ``cfg`` its parameters name: ``data`` (the data section), ``seed`` (train.seed), ``env``
+    (rollout.agent.env, None for a single-turn agent), and ``extra`` (test_set's ``limit``); an earlier release's
+    ``task(cfg)`` gets the whole config, with a FutureWarning (`tether.algo.registry.call_with_sections`)."""
+    given = {"data": cfg.data, "seed": cfg.train.seed, "env": getattr(cfg.rollout.agent, "env", None), **extra}
+    return call_with_sections(fn, given, cfg, "task", DataError, old_args=tuple(extra.values()))
+
+
+def _difficulty(data, section: type) -> int:
     """``data.difficulty`` when the run trains on ``section``'s task, else that key's default: the held-out set of a
     generated task evaluated beside another task (``eval.benchmarks=[arithmetic]`` while training on a file)."""
-    return cfg.data.difficulty if isinstance(cfg.data, section) else default(section, "difficulty")
+    return data.difficulty if isinstance(data, section) else default(section, "difficulty")
 
 
-def _arithmetic_test_set(cfg, limit: int):
+def _arithmetic_test_set(data, seed: int, limit: int):
     """The synthetic task's test split (never trained on), with its reward."""
-    task = ArithmeticTask(seed=cfg.train.seed, difficulty=_difficulty(cfg, ArithmeticDataConfig), split="test")
+    task = ArithmeticTask(seed=seed, difficulty=_difficulty(data, ArithmeticDataConfig), split="test")
     return task.examples(limit), load_reward("arithmetic")
 
 
 @TASKS.register("arithmetic", reward="arithmetic", about="the synthetic arithmetic task (an endless seeded stream)",
                 ignores=("limit", "shuffle"), held_out={"arithmetic": "arithmetic"}, test_set=_arithmetic_test_set)
-def arithmetic_task(cfg) -> Callable[[int], Any]:
+def arithmetic_task(data, seed: int) -> Callable[[int], Any]:
     """The seeded synthetic arithmetic task (``data.difficulty`` steps per problem): an endless stream."""
-    return ArithmeticTask(seed=cfg.train.seed, difficulty=cfg.data.difficulty, split="train").example
+    return ArithmeticTask(seed=seed, difficulty=data.difficulty, split="train").example
 
 
 #: ``tether train --task organism``: the organism's RL regime (docs/organism.md): difficulty 3, 200 steps of 6 prompts
@@ -76,51 +89,49 @@ ORGANISM_PRESET = {"model.name": "organism", "data.task": "organism", "data.diff
                    "run.save_every": 50}
 
 
-def _organism_test_set(cfg, limit: int):
+def _organism_test_set(data, limit: int):
     """The organism task's test split (never trained on) at ``data.difficulty``, with its reward."""
-    return (OrganismTask(seed=0, difficulty=_difficulty(cfg, OrganismDataConfig), split="test").examples(limit),
+    return (OrganismTask(seed=0, difficulty=_difficulty(data, OrganismDataConfig), split="test").examples(limit),
             load_reward("arithmetic"))
 
 
 @TASKS.register("organism", reward="arithmetic", about="the model organism's task (docs/organism.md)",
                 ignores=("limit", "shuffle"), held_out={"organism": "organism"}, test_set=_organism_test_set,
                 preset=ORGANISM_PRESET)
-def organism_task(cfg) -> Callable[[int], Any]:
+def organism_task(data, seed: int) -> Callable[[int], Any]:
     """The model organism's problems (``data.difficulty`` operations each; use 3, where it starts weak):
     an endless seeded stream."""
-    return OrganismTask(seed=cfg.train.seed, difficulty=cfg.data.difficulty, split="train").example
+    return OrganismTask(seed=seed, difficulty=data.difficulty, split="train").example
 
 
-def _dataset_reward(cfg) -> str:
-    return default_reward_name(cfg.data.task)
+def _dataset_reward(data) -> str:
+    return default_reward_name(data.task)
 
 
 @TASKS.register("math", reward=_dataset_reward, held_out={"gsm8k": "gsm8k"}, preset={})
-def dataset_task(cfg) -> list:
+def dataset_task(data) -> list:
     """Single-turn math: ``data.task`` is a named dataset (GSM8K, MATH-500, ...), a .jsonl/.json/.parquet
     file or a hub id (``tether.tasks.data.load_examples``); every row is validated here."""
-    d = cfg.data
-    return load_examples(d.task, split=d.split, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                         data_dir=d.data_dir, limit=d.limit or None)
+    return load_examples(data.task, split=data.split, prompt_key=data.prompt_key, answer_key=data.answer_key,
+                         data_dir=data.data_dir, limit=data.limit or None)
 
 
-def _reasoning_gym_test_set(cfg, limit: int):
+def _reasoning_gym_test_set(data, seed: int, limit: int):
     """A reasoning-gym task's held-out problems: its dataset at train.seed + TEST_SEED_OFFSET, ``limit`` of them."""
-    seed, _, opts = reasoning_gym.split_options(cfg.data.options, cfg.train.seed, reasoning_gym.DEFAULT_SIZE)
-    name = reasoning_gym.dataset_name(cfg.data.task)
+    seed, _, opts = reasoning_gym.split_options(data.options, seed, reasoning_gym.DEFAULT_SIZE)
+    name = reasoning_gym.dataset_name(data.task)
     return (reasoning_gym.make_examples(name, seed=seed + reasoning_gym.TEST_SEED_OFFSET, size=limit, options=opts,
                                         split="test"), load_reward("reasoning_gym"))
 
 
 @TASKS.register("reasoning_gym", reward="reasoning_gym", prefix=reasoning_gym.PREFIX,
-                held_out=lambda cfg: cfg.data.task, test_set=_reasoning_gym_test_set)
-def reasoning_gym_task(cfg) -> list:
+                held_out=lambda data: data.task, test_set=_reasoning_gym_test_set)
+def reasoning_gym_task(data, seed: int) -> list:
     """A reasoning-gym dataset (``data.task=reasoning_gym:<name>``): ``data.options`` are its size (default
     1000), seed (default train.seed) and its own difficulty options (`tether.tasks.reasoning_gym`)."""
-    seed, size, opts = reasoning_gym.split_options(cfg.data.options, cfg.train.seed, reasoning_gym.DEFAULT_SIZE)
-    examples = reasoning_gym.make_examples(reasoning_gym.dataset_name(cfg.data.task), seed=seed, size=size,
-                                           options=opts)
-    return examples[:cfg.data.limit] if cfg.data.limit else examples
+    seed, size, opts = reasoning_gym.split_options(data.options, seed, reasoning_gym.DEFAULT_SIZE)
+    examples = reasoning_gym.make_examples(reasoning_gym.dataset_name(data.task), seed=seed, size=size, options=opts)
+    return examples[:data.limit] if data.limit else examples
 
 
 def task_name(cfg) -> Optional[str]:
@@ -154,7 +165,7 @@ def held_out_benchmark(cfg) -> Optional[str]:
     if name is None:
         return None
     held_out = TASKS.meta(name)["held_out"]
-    return held_out(cfg) if callable(held_out) else held_out.get(cfg.data.task)
+    return call_task(held_out, cfg) if callable(held_out) else held_out.get(cfg.data.task)
 
 
 def task_presets() -> dict[str, dict[str, Any]]:

@@ -4,7 +4,8 @@
   deterministic stream, ``position`` (an int) is checkpointed, ``reward_name`` is the reward that
   fits the task (``data.reward=auto``), and ``examples`` holds a finite dataset's rows (None for a
   generated task) so that they can be checked before the first step.
-* `prompt_stream(cfg)` / `held_out_sets(cfg, names)` -- build them from a config, and
+* `prompt_stream(cfg)` / `held_out_sets(cfg, names)` -- build them from a config (a task is given its
+  sections: `tether.tasks.registry.call_task`), and
   `training_reward(cfg.data, stream)` scores the stream's responses. They look the task up in the task
   registry (`tether.tasks.registry.TASKS`: the synthetic ``arithmetic`` task, datasets, the search
   agent's QA data, or a user's ``module:function``); nothing here or in the trainer branches on a name.
@@ -21,7 +22,7 @@ import torch
 
 from .base import Example
 from .benchmarks import load_benchmark, slug
-from .registry import TASKS, held_out_benchmark, resolve_task, task_name
+from .registry import TASKS, call_task, held_out_benchmark, resolve_task, task_name
 from .reward_worker import reward_scorer
 
 
@@ -62,9 +63,9 @@ def prompt_stream(cfg) -> PromptStream:
     """The training stream of the task ``cfg`` picks (`tether.tasks.registry`; ``cfg`` is a
     `tether.config.Config`); every row is validated here, before the (slow) model load."""
     build, meta = resolve_task(cfg)
-    rows = build(cfg)
+    rows = call_task(build, cfg)  # given the sections it names (data, seed, env), not the whole config
     reward = meta["reward"]
-    reward = (reward(cfg) if callable(reward) else reward) or "math"
+    reward = (call_task(reward, cfg) if callable(reward) else reward) or "math"
     seed, shuffle = cfg.train.seed, cfg.data.shuffle
     if callable(rows):
         return PromptStream(generate=rows, reward_name=reward, seed=seed, shuffle=shuffle)
@@ -93,7 +94,8 @@ def held_out_sets(cfg, names: list[str]) -> dict:
         if test_set is None and own is not None and src in (d.task, held_out_benchmark(cfg)):
             test_set = TASKS.meta(own)["test_set"]  # e.g. verifiers:<env_id>: the environment's eval dataset
         if test_set is not None:
-            out[slug(src)] = test_set(cfg, e.limit)  # reasoning_gym:<name> -> reasoning_gym_<name>, as tether eval
+            # reasoning_gym:<name> -> reasoning_gym_<name>, as tether eval names it
+            out[slug(src)] = call_task(test_set, cfg, limit=e.limit)
         else:
             b = load_benchmark(src, limit=e.limit, data_dir=getattr(d, "data_dir", None))  # a dataset task's dir
             out[b.name] = (b.examples, b.reward_fn)
