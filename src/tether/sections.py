@@ -11,7 +11,6 @@ validators never need to know which section they hold. Imports only pydantic (ev
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import difflib
 import types
 import typing
@@ -104,65 +103,45 @@ def alone(info: ValidationInfo) -> bool:
     return _ALONE.get()
 
 
-def is_section(value: Any) -> bool:
-    """Whether ``value`` is a section (a `Section`, or a dataclass such as `tether.algo.RegionConfig`)."""
-    return isinstance(value, Section) or (dataclasses.is_dataclass(value) and not isinstance(value, type))
+def _cls(section: Any) -> type:
+    return section if isinstance(section, type) else type(section)
 
 
 def keys_of(section: Any) -> list[str]:
-    """The key names of a section (a `Section` or a dataclass, an instance or its class), in declaration order."""
-    cls = section if isinstance(section, type) else type(section)
-    if issubclass(cls, BaseModel):
-        return list(cls.model_fields)
-    return [f.name for f in dataclasses.fields(cls)]
+    """The key names of a section (an instance or its class), in declaration order."""
+    return list(_cls(section).model_fields)
 
 
 def key_name(section: Any, name: str) -> str:
     """The key a user writes for field ``name`` (its alias where it has one: ``async`` for ``async_``)."""
-    cls = section if isinstance(section, type) else type(section)
-    if issubclass(cls, BaseModel):
-        return cls.model_fields[name].alias or name
-    return name
+    return _cls(section).model_fields[name].alias or name
 
 
 def field_for_key(section: Any, key: str) -> str | None:
     """The field a user's ``key`` names in ``section`` (by its name or its alias), or None."""
-    for name in keys_of(section):
-        if key in (name, key_name(section, name)):
-            return name
-    return None
+    return next((name for name in keys_of(section) if key in (name, key_name(section, name))), None)
 
 
 def annotation(section: Any, name: str) -> Any:
     """The declared type of field ``name``."""
-    cls = section if isinstance(section, type) else type(section)
-    if issubclass(cls, BaseModel):
-        return cls.model_fields[name].annotation
-    return typing.get_type_hints(cls)[name]
+    return _cls(section).model_fields[name].annotation
 
 
 def default(section: Any, name: str) -> Any:
     """Field ``name``'s default value (a fresh one for a default factory)."""
-    cls = section if isinstance(section, type) else type(section)
-    if issubclass(cls, BaseModel):
-        return cls.model_fields[name].get_default(call_default_factory=True)
-    f = {f.name: f for f in dataclasses.fields(cls)}[name]
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return _cls(section).model_fields[name].get_default(call_default_factory=True)
 
 
 def doc(section: Any, name: str) -> str | None:
-    """The docstring under field ``name``'s declaration (None for a dataclass field)."""
-    cls = section if isinstance(section, type) else type(section)
-    if issubclass(cls, BaseModel):
-        d = cls.model_fields[name].description
-        return " ".join(d.split()) if d else None
-    return None
+    """The docstring under field ``name``'s declaration, on one line."""
+    d = _cls(section).model_fields[name].description
+    return " ".join(d.split()) if d else None
 
 
 def variants(tp: Any) -> list[type]:
     """The section classes a field of type ``tp`` may hold: one, several (a section chosen by its ``kind``),
     or none (a plain value). ``Optional[S]`` gives ``[S]``."""
-    if isinstance(tp, type) and (issubclass(tp, BaseModel) or dataclasses.is_dataclass(tp)):
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
         return [tp]
     if typing.get_origin(tp) is typing.Annotated:
         return variants(typing.get_args(tp)[0])
@@ -262,17 +241,12 @@ def only_with(*names: str, holds: typing.Callable[[dict], bool], text: str | typ
 
 def as_dict(section: Any) -> dict:
     """A plain dict of a section at every depth, with the keys users write (for YAML and logs)."""
-    if isinstance(section, BaseModel):
-        return section.model_dump(mode="python", by_alias=True)
-    return dataclasses.asdict(section)
+    return section.model_dump(mode="python", by_alias=True)
 
 
 def replace(section: Any, **changes: Any) -> Any:
     """A copy of ``section`` with ``changes`` (validated)."""
-    if isinstance(section, BaseModel):
-        data = {name: getattr(section, name) for name in type(section).model_fields}
-        return type(section)(**(data | changes))
-    return dataclasses.replace(section, **changes)
+    return type(section)(**({name: getattr(section, name) for name in type(section).model_fields} | changes))
 
 
 def validation_problems(e: ValidationError, key: str, name: str, section: Any = None) -> list[str]:
@@ -376,6 +350,6 @@ def _field_at(section: Any, loc: tuple) -> Any:
 _TAGS = {"hf", "vllm", "vllm_server", "single_turn", "multi_turn", "other", "local", "remote"}
 
 __all__ = ["Section", "ValidationError", "annotation", "as_dict", "choice_key", "chosen", "default", "doc",
-           "field_for_key", "is_section", "key_name", "keys_of", "kind_of", "kinds_of", "matches", "optional",
+           "field_for_key", "key_name", "keys_of", "kind_of", "kinds_of", "matches", "optional",
            "range_text", "choices", "replace", "unknown_value", "validate_field", "validation_problems", "variant_for",
            "variants"]
