@@ -89,24 +89,10 @@ def test_a_user_agent_by_spec_gets_the_default_options(tmp_path, monkeypatch):
         "class Echo:\n"
         "    def __init__(self, engine, tokenizer, **options):\n        self.options = options\n"
         "    def rollout(self, examples, params):\n        raise NotImplementedError\n"
-        "    def metrics(self):\n        return {}\n"
-        "class Sized(Echo):\n"
-        "    pass\n"
-        "def sized_options(rollout, env):\n    return {'n': rollout.n, 'env': env}\n"
-        "Sized.options = sized_options\n"
-        "class Old(Echo):\n"
-        "    pass\n"
-        "def old_options(cfg):\n    return {'seed': cfg.train.seed}\n"
-        "Old.options = old_options\n")
+        "    def metrics(self):\n        return {}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = load_config(None, {"rollout.agent": "my_agent_mod:Echo", "data.system_prompt": "Be brief."})
     agent = RolloutPlan(cfg).agent(engine=None, tokenizer=None)
     assert agent.options == {"system_prompt": "Be brief.", "prompt_overflow": "error"}
-    # an agent's options function is given the sections it names (here rollout and env: None for a single turn)
-    agent = RolloutPlan(load_config(None, {"rollout.agent": "my_agent_mod:Sized", "rollout.n": 3})).agent(None, None)
-    assert agent.options == {"n": 3, "env": None}
-    with pytest.warns(FutureWarning, match=r"agent function old_options .*\(cfg \.\.\.\): .* deprecated"):
-        agent = RolloutPlan(load_config(None, {"rollout.agent": "my_agent_mod:Old", "train.seed": 4})).agent(None, None)
-    assert agent.options == {"seed": 4}
     with pytest.raises(ConfigError, match="my_agent_mod:Nope"):
         RolloutPlan(load_config(None, {"rollout.agent": "my_agent_mod:Nope"}))

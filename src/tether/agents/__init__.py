@@ -54,20 +54,20 @@ class Agent(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
-def _options(data, rollout) -> dict[str, Any]:
+def _options(cfg) -> dict[str, Any]:
     """The options every agent takes from a tether Config (an agent's default ``options``)."""
-    return {"system_prompt": data.system_prompt, "prompt_overflow": rollout.prompt_overflow}
+    return {"system_prompt": cfg.data.system_prompt, "prompt_overflow": cfg.rollout.prompt_overflow}
 
 
-def _no_tools() -> dict[str, Any]:
+def _no_tools(cfg) -> dict[str, Any]:
     return {}
 
 
-def _env_options(data, rollout, env) -> dict[str, Any]:
-    # search's format and role, and verifiers' role, are fixed by their sections
-    return {**_options(data, rollout), "max_obs_tokens": env.max_obs_tokens, "max_context": env.max_context,
-            "observation_format": env.observation_format, "observation_role": env.observation_role,
-            "reuse_kv": rollout.reuse_kv}
+def _env_options(cfg) -> dict[str, Any]:
+    e = cfg.rollout.agent.env  # search's format and role, and verifiers' role, are fixed by their sections
+    return {**_options(cfg), "max_obs_tokens": e.max_obs_tokens, "max_context": e.max_context,
+            "observation_format": e.observation_format, "observation_role": e.observation_role,
+            "reuse_kv": cfg.rollout.reuse_kv}
 
 
 def env_from_config(e, retriever=None):
@@ -92,15 +92,14 @@ def env_from_config(e, retriever=None):
     return make_env(e.name, **turns, **options)
 
 
-def _env_tools(env) -> dict[str, Any]:
+def _env_tools(cfg) -> dict[str, Any]:
     """The environment ``rollout.agent.env`` (its reward, ``reward``, is the run's when ``data.reward=auto``)."""
-    return {"env": env_from_config(env)}
+    return {"env": env_from_config(cfg.rollout.agent.env)}
 
 
-#: agent name -> builder(engine, tokenizer, **options), with metadata: ``options(...) -> dict`` and
-#: ``tools(...) -> dict`` (how a tether Config configures it; tools such as the environment and its retriever
-#: are built on their own, before the model), each given the sections its parameters name (``data``, ``rollout``,
-#: ``env``: `tether.agents.build.RolloutPlan`). A user's agent (``rollout.agent=module:name``) carries either as
+#: agent name -> builder(engine, tokenizer, **options), with metadata: ``options(cfg) -> dict`` and
+#: ``tools(cfg) -> dict`` (how a tether Config configures it; tools such as the environment and its retriever
+#: are built on their own, before the model). A user's agent (``rollout.agent=module:name``) carries either as
 #: an attribute; by default it gets ``system_prompt`` and ``prompt_overflow`` and no tools.
 AGENTS: Registry[Callable[..., Agent]] = Registry("agent", defaults={"options": _options, "tools": _no_tools},
                                                   error=ConfigError)

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..algo.registry import call_with_sections
 from ..errors import ConfigError
 from ..rollout import Engine, make_engine
 from . import AGENTS, Agent
@@ -46,14 +45,7 @@ class RolloutPlan:
     def __init__(self, cfg, tools: Optional[dict[str, Any]] = None):
         self.cfg = cfg
         self._make, self._meta = AGENTS.resolve(cfg.rollout.agent.kind)
-        self.tools: dict[str, Any] = self._call(self._meta["tools"]) if tools is None else tools
-
-    def _call(self, fn: Callable[..., Any]) -> Any:
-        """An agent's ``options`` or ``tools`` function, given the sections it names: ``data``, ``rollout`` and
-        ``env`` (rollout.agent.env; None without one), or the whole config in an earlier release's ``fn(cfg)``."""
-        c = self.cfg
-        given = {"data": c.data, "rollout": c.rollout, "env": getattr(c.rollout.agent, "env", None)}
-        return call_with_sections(fn, given, c, "agent", ConfigError)
+        self.tools: dict[str, Any] = self._meta["tools"](cfg) if tools is None else tools
 
     @property
     def env_reward(self) -> Optional[str]:
@@ -63,7 +55,7 @@ class RolloutPlan:
 
     def agent(self, engine, tokenizer) -> Agent:
         """The agent, driving ``engine``, with its options from the config and the plan's tools."""
-        return self._make(engine, tokenizer, **self._call(self._meta["options"]), **self.tools)
+        return self._make(engine, tokenizer, **self._meta["options"](self.cfg), **self.tools)
 
     def assemble(self, model, tokenizer, *, engine_cfg=None, record_logp: bool = False,
                  wrap: Optional[Callable[[Engine], Engine]] = None,

@@ -12,12 +12,10 @@ import difflib
 import hashlib
 import importlib
 import importlib.util
-import inspect
 import os
 import re
 import sys
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Generic, Iterator, Optional, TypeVar
 
@@ -115,35 +113,6 @@ class Registry(Generic[F]):
             return obj, self.object_meta(obj)
         self[spec]  # raises the did-you-mean error
         raise AssertionError("unreachable")
-
-
-def call_with_sections(fn: Callable[..., Any], given: dict[str, Any], whole: Any, what: str,
-                       error: type[Exception] = ValueError, old_args: tuple = ()) -> Any:
-    """``fn`` (a plugin's builder or metadata function) called with the parts of a config its parameters name, out of
-    ``given`` (name -> section or value; a ``**kwargs`` gets them all), so a piece reads only the sections it names.
-    A parameter that names none of them (and has no default) raises ``error`` naming the function and what it may
-    name. An earlier release's form, a first parameter ``cfg``, is called ``fn(whole, *old_args)`` (``whole``: the
-    config), with a FutureWarning saying to name its sections instead."""
-    code = getattr(fn, "__code__", None)
-    where = getattr(fn, "__qualname__", repr(fn)) + (f" ({code.co_filename}:{code.co_firstlineno})" if code else "")
-    params = inspect.signature(fn).parameters
-    if next(iter(params), None) == "cfg":
-        warnings.warn(f"{what} function {where}(cfg ...): a {what} given the whole config is deprecated; name the "
-                      f"sections it reads as its parameters instead ({', '.join(given)}; docs/extending.md)",
-                      FutureWarning, stacklevel=3)
-        return fn(whole, *old_args)
-    kw, unknown = {}, []
-    for p in params.values():
-        if p.kind is p.VAR_KEYWORD:
-            kw = given | kw
-        elif p.name in given and p.kind is not p.POSITIONAL_ONLY:
-            kw[p.name] = given[p.name]
-        elif p.default is p.empty and p.kind is not p.VAR_POSITIONAL:
-            unknown.append(p.name)
-    if unknown:
-        raise error(f"{what} function {where}: parameter {', '.join(map(repr, unknown))} names nothing a {what} is "
-                    f"given; it may name: {', '.join(given)} (docs/extending.md)")
-    return fn(**kw)
 
 
 def unknown_choice(what: str, name: object, choices) -> str:

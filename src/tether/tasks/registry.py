@@ -34,9 +34,11 @@ for the environment ``rollout.agent.env.name``, else a registered task of that n
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from typing import Any, Callable, Optional
 
-from ..algo.registry import Registry, call_with_sections, is_spec
+from ..algo.registry import Registry, is_spec
 from ..config.data import ArithmeticDataConfig, OrganismDataConfig
 from ..sections import default
 from . import reasoning_gym
@@ -55,10 +57,30 @@ TASKS: Registry[Callable[..., Any]] = Registry("task", error=DataError, defaults
 def call_task(fn: Callable[..., Any], cfg, **extra: Any) -> Any:
     """``fn``, a task's builder or one of its functions (``reward``, ``check``, ``held_out``, ``test_set``), called
     with the parts of ``cfg`` its parameters name: ``data`` (the data section), ``seed`` (train.seed), ``env``
-    (rollout.agent.env, None for a single-turn agent), and ``extra`` (test_set's ``limit``); an earlier release's
-    ``task(cfg)`` gets the whole config, with a FutureWarning (`tether.algo.registry.call_with_sections`)."""
+    (rollout.agent.env, None for a single-turn agent), and ``extra`` (test_set's ``limit``); a ``**kwargs`` gets
+    them all. A parameter that names none of them (and has no default) is a DataError naming the function. An
+    earlier release's form, a first parameter ``cfg``, is called ``fn(cfg, *extra)``, with a FutureWarning."""
     given = {"data": cfg.data, "seed": cfg.train.seed, "env": getattr(cfg.rollout.agent, "env", None), **extra}
-    return call_with_sections(fn, given, cfg, "task", DataError, old_args=tuple(extra.values()))
+    code = getattr(fn, "__code__", None)
+    where = getattr(fn, "__qualname__", repr(fn)) + (f" ({code.co_filename}:{code.co_firstlineno})" if code else "")
+    params = inspect.signature(fn).parameters
+    if next(iter(params), None) == "cfg":
+        warnings.warn(f"task function {where}(cfg ...): a task given the whole config is deprecated; name the "
+                      f"sections it reads as its parameters instead (data, seed, env; docs/extending.md)",
+                      FutureWarning, stacklevel=2)
+        return fn(cfg, *extra.values())
+    kw, unknown = {}, []
+    for p in params.values():
+        if p.kind is p.VAR_KEYWORD:
+            kw = given | kw
+        elif p.name in given and p.kind is not p.POSITIONAL_ONLY:
+            kw[p.name] = given[p.name]
+        elif p.default is p.empty and p.kind is not p.VAR_POSITIONAL:
+            unknown.append(p.name)
+    if unknown:
+        raise DataError(f"task function {where}: parameter {', '.join(map(repr, unknown))} names nothing a task is "
+                        f"given; it may name: {', '.join(given)} (docs/extending.md)")
+    return fn(**kw)
 
 
 def _difficulty(data, section: type) -> int:
