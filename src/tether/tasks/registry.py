@@ -39,6 +39,7 @@ import warnings
 from typing import Any, Callable, Optional
 
 from ..algo.registry import Registry, is_spec
+from ..config.agent import env_name, env_of
 from ..config.data import ArithmeticDataConfig, OrganismDataConfig
 from ..sections import default
 from . import reasoning_gym
@@ -60,7 +61,7 @@ def call_task(fn: Callable[..., Any], cfg, **extra: Any) -> Any:
     (rollout.agent.env, None for a single-turn agent), and ``extra`` (test_set's ``limit``); a ``**kwargs`` gets
     them all. A parameter that names none of them (and has no default) is a DataError naming the function. An
     earlier release's form, a first parameter ``cfg``, is called ``fn(cfg, *extra)``, with a FutureWarning."""
-    given = {"data": cfg.data, "seed": cfg.train.seed, "env": getattr(cfg.rollout.agent, "env", None), **extra}
+    given = {"data": cfg.data, "seed": cfg.train.seed, "env": env_of(cfg), **extra}
     code = getattr(fn, "__code__", None)
     where = getattr(fn, "__qualname__", repr(fn)) + (f" ({code.co_filename}:{code.co_firstlineno})" if code else "")
     params = inspect.signature(fn).parameters
@@ -165,7 +166,7 @@ def task_name(cfg) -> Optional[str]:
             return name
     if is_spec(task):
         return None
-    env = getattr(getattr(cfg.rollout.agent, "env", None), "name", None)
+    env = env_name(cfg)
     for name in TASKS if env is not None else ():
         want = TASKS.meta(name)["env"]  # an environment's name, or a prefix of its names (``verifiers:``)
         if want is not None and (env == want or (want.endswith(":") and env.startswith(want))):
