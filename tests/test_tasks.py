@@ -655,8 +655,9 @@ def test_a_user_task_and_its_reward_by_spec(tmp_path, monkeypatch):
 
 def test_a_task_is_given_the_sections_its_parameters_name(tmp_path, monkeypatch):
     """A task's builder gets the sections it names (data, seed, env; **kwargs: all), not the whole config; an earlier
-    release's ``task(cfg)`` still gets the config, with a FutureWarning naming the new form; a parameter that names
-    nothing is one DataError naming the function and what it may name."""
+    release's ``task(cfg)`` (a function whose parameters name none of them) still gets the config, with a
+    FutureWarning naming the new form; beside a section, a parameter that names nothing is one DataError naming the
+    function and what it may name."""
     import warnings
 
     from tether.resolve import load_config
@@ -675,7 +676,9 @@ def test_a_task_is_given_the_sections_its_parameters_name(tmp_path, monkeypatch)
         "    seen.update(old=cfg.train.seed)\n"
         "    return [Example(prompt='q', answer='1', id='o:0')]\n"
         "def odd(data, split_name):\n"
-        "    return []\n")
+        "    return []\n"
+        "def old_c(c):\n"
+        "    return [Example(prompt='q', answer='1', id=f'c:{c.data.limit}')]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     import sections_task_mod as mod
 
@@ -685,10 +688,21 @@ def test_a_task_is_given_the_sections_its_parameters_name(tmp_path, monkeypatch)
         assert mod.seen == {"limit": 7, "seed": 3, "env": None}  # a single-turn run has no environment section
         prompt_stream(load_config(None, {"data.task": "sections_task_mod:everything", "train.seed": 5}))
         assert mod.seen["seed"] == 5 and mod.seen["env"] is None and "data" not in mod.seen
-    with pytest.warns(FutureWarning, match=r"task function old \(.*sections_task_mod.py:9\)\(cfg \.\.\.\): a task "
-                                           r"given the whole config is deprecated.*\(data, seed, env;"):
+    with pytest.warns(FutureWarning, match=r"task function old \(.*sections_task_mod.py:9\): a task given the whole "
+                                           r"config is deprecated.*\(data, seed, env;"):
         s = prompt_stream(load_config(None, {"data.task": "sections_task_mod:old", "train.seed": 11}))
     assert mod.seen["old"] == 11 and s.examples[0].id == "o:0"
+    with pytest.warns(FutureWarning, match="task function old_c"):  # the earlier form, whatever its parameter's name
+        s = prompt_stream(load_config(None, {"data.task": "sections_task_mod:old_c", "data.limit": 2}))
+    assert s.examples[0].id == "c:2"
+    from tether.tasks.registry import call_task
+
+    # a test set in either form: (cfg, limit) and (data, limit)
+    cfg = load_config(None, {"data.task": "gsm8k", "data.limit": 4})
+    with pytest.warns(FutureWarning, match=r"task function .*<lambda> \(.*test_tasks.py:\d+\): a task given the whole"):
+        assert call_task(lambda c, limit: (c.data.limit, limit), cfg, limit=9) == (4, 9)
+    assert call_task(lambda data, limit: (data.limit, limit), cfg, limit=9) == (4, 9)
+    assert call_task(lambda limit: limit, cfg, limit=9) == 9
     with pytest.raises(DataError, match=r"task function odd \(.*sections_task_mod.py:12\): parameter 'split_name' "
                                         r"names nothing a task is given; it may name: data, seed, env"):
         prompt_stream(load_config(None, {"data.task": "sections_task_mod:odd"}))

@@ -59,14 +59,17 @@ def call_task(fn: Callable[..., Any], cfg, **extra: Any) -> Any:
     """``fn``, a task's builder or one of its functions (``reward``, ``check``, ``held_out``, ``test_set``), called
     with the parts of ``cfg`` its parameters name: ``data`` (the data section), ``seed`` (train.seed), ``env``
     (rollout.agent.env, None for a single-turn agent), and ``extra`` (test_set's ``limit``); a ``**kwargs`` gets
-    them all. A parameter that names none of them (and has no default) is a DataError naming the function. An
-    earlier release's form, a first parameter ``cfg``, is called ``fn(cfg, *extra)``, with a FutureWarning."""
+    them all. An earlier release's form, ``task(cfg)`` / ``test_set(cfg, limit)`` (whatever it calls the config: a
+    first parameter, and none naming a section), is called ``fn(cfg, *extra)``, with a FutureWarning; in the new
+    form, a parameter that names none of them (and has no default) is a DataError naming the function."""
     given = {"data": cfg.data, "seed": cfg.train.seed, "env": env_of(cfg), **extra}
     code = getattr(fn, "__code__", None)
     where = getattr(fn, "__qualname__", repr(fn)) + (f" ({code.co_filename}:{code.co_firstlineno})" if code else "")
     params = inspect.signature(fn).parameters
-    if next(iter(params), None) == "cfg":
-        warnings.warn(f"task function {where}(cfg ...): a task given the whole config is deprecated; name the "
+    first = next((p for p in params.values() if p.kind is not p.KEYWORD_ONLY), None)  # the config, in that form
+    if first is not None and first.name not in given and not set(params) & {"data", "seed", "env"} and \
+            all(p.kind is not p.VAR_KEYWORD for p in params.values()):
+        warnings.warn(f"task function {where}: a task given the whole config is deprecated; name the "
                       f"sections it reads as its parameters instead (data, seed, env; docs/extending.md)",
                       FutureWarning, stacklevel=2)
         return fn(cfg, *extra.values())
