@@ -13,11 +13,10 @@ from .data import SEARCH_DATASETS, load_search_examples
 def _search_check(data) -> list[str]:
     """data.split picks a hub id's split; a named QA set or a .jsonl file is one split already (a task that is no
     dataset, such as the default arithmetic, has no split: it is refused where its rows are loaded)."""
-    d = data
-    if "split" in type(d).model_fields and d.split != default(d, "split") and (
-            d.task.lower() in SEARCH_DATASETS or Path(d.task).expanduser().is_file()):
+    if "split" in type(data).model_fields and data.split != default(data, "split") and (
+            data.task.lower() in SEARCH_DATASETS or Path(data.task).expanduser().is_file()):
         return [f"data.split only applies to a hub dataset id with rollout.agent.env.name=search; "
-                f"data.task={d.task!r} is one split already (the search data dir's named sets: "
+                f"data.task={data.task!r} is one split already (the search data dir's named sets: "
                 f"{', '.join(SEARCH_DATASETS)})"]
     return []
 
@@ -33,7 +32,6 @@ def search_qa_task(data, env) -> list:
     """QA for the search environment: ``data.task`` names a QA set of the search data dir, a .jsonl file or a hub id
     (its ``data.split``); the prompt carries the search protocol's instruction
     (``load_search_examples``)."""
-    d = data
-    return load_search_examples(d.task, data_dir=env.retriever.data_dir or None,
-                                question_key=d.prompt_key or "question", answers_key=d.answer_key,
-                                max_searches=env.search_turns() - 1, limit=d.limit or None, hub_split=d.split)
+    return load_search_examples(data.task, data_dir=env.retriever.data_dir or None,
+                                question_key=data.prompt_key or "question", answers_key=data.answer_key,
+                                max_searches=env.search_turns() - 1, limit=data.limit or None, hub_split=data.split)
