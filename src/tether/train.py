@@ -99,7 +99,6 @@ class Trainer:
         self.needs, self.passes = parts.needs, parts.passes
         self.step, self.skipped_updates = 0, 0
         t = cfg.train
-        self._on_policy = self.passes.on_policy  # one optimizer step per (fresh) rollout (build_parts decides)
         # Under FSDP all ranks must make the same forward calls with gradients: the shared-prompt forward
         # makes two when a micro-batch repeats a prompt (data-dependent), so only no-grad passes share.
         self._share_grad = t.share_prompt and not dist.enabled()
