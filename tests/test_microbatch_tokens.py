@@ -171,7 +171,7 @@ def fixed_batch_update(trainer, batch, **train):
     for k, v in train.items():
         setattr(t, k, v)
     trainer._share_grad = t.share_prompt
-    trainer.passes = Passes(trainer.model, trainer.anchor, trainer.needs, on_policy=trainer._on_policy,
+    trainer.passes = Passes(trainer.model, trainer.anchor, trainer.needs, on_policy=trainer.passes.on_policy,
                             temperature=trainer.cfg.rollout.temperature, micro_batch_size=t.micro_batch_size,
                             chunk_size=t.logprob_chunk, share_prompt=t.share_prompt,
                             micro_batch_tokens=t.micro_batch_tokens, packed=t.packing)
