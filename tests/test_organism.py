@@ -14,7 +14,18 @@ import pytest
 from helpers import subprocess_env
 from tether.organism import build as organism_build
 from tether.organism.build import OrganismSpec, build_organism, char_tokenizer, organism_path, sft_rows
-from tether.tasks.organism_problems import CALC, MAX_VALUE, QUESTION, content_split, draw, solution_text, solve
+from tether.tasks.organism_problems import (
+    CALC,
+    MAX_DIFFICULTY,
+    MAX_VALUE,
+    QUESTION,
+    RL_DIFFICULTY,
+    content_split,
+    draw,
+    response_tokens,
+    solution_text,
+    solve,
+)
 
 MINI = OrganismSpec(hidden_size=16, layers=1, heads=2, steps=3, choice_steps=2, batch_size=32, context=96)
 
@@ -133,6 +144,37 @@ def test_train_and_eval_run_on_the_organism_task(mini_organism, tmp_path, agent)
                         capture_output=True, text=True, env=subprocess_env(), timeout=600, cwd=tmp_path)
     assert ev.returncode == 0, ev.stderr[-2000:]
     assert "organism_d2" in ev.stdout + ev.stderr
+
+
+def test_a_response_cap_holds_every_worked_solution_of_its_difficulty():
+    """`response_tokens(d)` is at least the longest worked solution of difficulty d and its end token (one token a
+    character), and is the organism regime's rollout and evaluation length at the RL difficulty."""
+    from tether.tasks.registry import ORGANISM_PRESET
+
+    for d in range(1, MAX_DIFFICULTY + 1):
+        longest = max(len(solution_text(*draw(split, 0, d, i))) + 1 for split in ("train", "test") for i in range(400))
+        assert longest <= response_tokens(d) < longest + 16 + 4, d
+    assert ORGANISM_PRESET["rollout.max_new_tokens"] == ORGANISM_PRESET["eval.max_new_tokens"] == 48 \
+        == response_tokens(RL_DIFFICULTY)
+
+
+def test_eval_answers_an_organism_benchmark_within_its_own_cap(mini_organism, tmp_path, capsys):
+    """`tether eval --model organism --benchmarks organism` needs no --max-new-tokens: eval's 512-token default
+    does not fit the organism's context, so each organism-dN benchmark is answered within its own cap
+    (`response_tokens`), recorded per benchmark in results.json; --max-new-tokens, given, still applies to every
+    benchmark."""
+    from tether.cli import main
+
+    assert main(["eval", "--model", str(mini_organism), "--benchmarks", "organism-d2", "organism", "--limit", "2",
+                 "--greedy", "--no-progress", "--out", str(tmp_path / "own")]) == 0
+    report = json.loads((tmp_path / "own" / "results.json").read_text())
+    assert {k: v["max_new_tokens"] for k, v in report["benchmarks"].items()} == {"organism_d2": 32, "organism_d3": 48}
+    assert "max_new_tokens=organism_d2: 32, organism_d3: 48;" in capsys.readouterr().out
+    assert main(["eval", "--model", str(mini_organism), "--benchmarks", "organism-d2", "organism", "--limit", "2",
+                 "--greedy", "--no-progress", "--max-new-tokens", "8", "--out", str(tmp_path / "given")]) == 0
+    report = json.loads((tmp_path / "given" / "results.json").read_text())
+    assert {v["max_new_tokens"] for v in report["benchmarks"].values()} == {8}
+    assert "max_new_tokens=8;" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("spec,runs", [("organism_default.yaml", "1 arm(s) x 10 seed(s) = 10 run(s)"),

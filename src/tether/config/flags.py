@@ -32,7 +32,9 @@ EVAL_PRESET_WHY = ("A standalone evaluation reports avg@n, pass@k and maj@n, whi
                    "(4, sampled at eval.temperature), and can afford 512-token responses on every problem (limit: "
                    "none); the evaluation inside a training run is greedy, one sample, 256 tokens, 100 problems, to "
                    "stay cheap beside training. Held-out evaluation calls take 64 sequences (training's "
-                   "rollout.batch_size is 32).")
+                   "rollout.batch_size is 32). Without --max-new-tokens, a benchmark with its own response cap is "
+                   "answered within it (organism-dN: its longest worked solution; the organism's context is 256 "
+                   "tokens).")
 EVAL_PRESET: dict[str, Any] = {"eval.n": 4, "eval.greedy": False, "eval.max_new_tokens": 512, "eval.limit": None,
                                "rollout.batch_size": 64}
 
@@ -67,7 +69,9 @@ _ENV, _RET = "rollout.agent.env.", "rollout.agent.env.retriever."
 #: ``tether eval``'s flags that are config keys, by option group: sampling, the multi-turn agent, the search
 #: environment (its retriever and budgets)
 EVAL_FLAGS: dict[str, list[Flag]] = {
-    "sampling": [Flag("eval.n", note="1 with --greedy"), Flag("eval.temperature"), Flag("eval.max_new_tokens"),
+    "sampling": [Flag("eval.n", note="1 with --greedy"), Flag("eval.temperature"),
+                 Flag("eval.max_new_tokens", note="not given: a benchmark's own cap where it has one (organism-dN: "
+                      "its longest worked solution)"),
                  Flag("eval.limit", note="the first N problems of each benchmark; none: all"), Flag("eval.greedy"),
                  Flag("eval.top_p"), Flag("rollout.batch_size"),
                  Flag("train.seed", note="here: the sampling seed")],

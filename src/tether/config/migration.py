@@ -1,6 +1,6 @@
 """The keys of the earlier flat layout and their places in the nested one: a config written for the old keys
 gets one clear error per key naming its new place (`moved_key`), and a run directory saved before the change
-is read in the new layout (`migrate_saved`: ``--resume``, ``tether eval --run``, ``tether export``)."""
+is read in the new layout (`migrate_saved`: ``--resume``, ``tether eval --model RUN``, ``tether export``)."""
 
 from __future__ import annotations
 

@@ -304,7 +304,8 @@ class EvalConfig(Section):
     after: bool = True
     """evaluate after the last trainer step; the run then prints the accuracy before -> after"""
     every: int = Field(0, ge=0)
-    """also evaluate every N trainer steps (0 = only before / after)"""
+    """also evaluate every N trainer steps, and after the last one whatever eval.after says, so the curve ends at the
+    run's end (0 = only before / after)"""
     benchmarks: list = Field(default_factory=lambda: ["auto"], min_length=1)
     """auto (the training task's held-out set: arithmetic -> its test split, gsm8k -> GSM8K test; other tasks have
     none, and nothing is evaluated) | arithmetic | gsm8k | math500 | ... | a file"""

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import sys
@@ -20,7 +21,7 @@ from .. import __version__
 from ..agents.build import RolloutPlan
 from ..config import apply_keys
 from ..config.flags import EVAL_FLAGS, EVAL_PRESET, add_flags, flag_problems, value
-from ..errors import ConfigError, EvalError, OutputError
+from ..errors import ConfigError, EvalError, GenerationError, OutputError
 from ..metrics import json_safe, write_json_atomic, write_text_atomic
 from ..models import DTYPES
 from ..resolve import check, check_device
@@ -137,8 +138,11 @@ def _drop_out(out: Path, created: bool, files: Sequence[str]) -> None:
 def _evaluate_bench(b, agent, out: Path, report: dict, table: dict, stopper, *, search: bool,
                     settings: EvalSettings, args) -> bool:
     """Evaluate one benchmark with the run's ``agent``; rows go to ``OUT/<bench>.jsonl`` as each batch
-    finishes (a kill keeps them), then in problem order with ``results.json``. Returns True if a stop
-    signal ended it early."""
+    finishes (a kill keeps them), then in problem order with ``results.json``. Without ``--max-new-tokens``, a
+    benchmark with its own response cap (``organism-dN``) is answered within it. Returns True if a stop signal ended
+    it early."""
+    if args.max_new_tokens is None and b.max_new_tokens is not None:
+        settings = dataclasses.replace(settings, max_new_tokens=b.max_new_tokens)
     path = out / f"{b.name}.jsonl"
     path.write_text("")
 
@@ -146,20 +150,25 @@ def _evaluate_bench(b, agent, out: Path, report: dict, table: dict, stopper, *, 
         with open(path, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(json_safe(r), ensure_ascii=False) + "\n" for r in rows)
 
-    res = evaluate(agent, b.examples, b.reward_fn, settings, show_progress=args.progress, desc=f"eval {b.name}",
-                        should_stop=lambda: bool(stopper.signum), on_rows=append)
+    try:
+        res = evaluate(agent, b.examples, b.reward_fn, settings, show_progress=args.progress, desc=f"eval {b.name}",
+                       should_stop=lambda: bool(stopper.signum), on_rows=append)
+    except GenerationError as e:  # a prompt too long for max_new_tokens, non-finite logits: say which benchmark
+        raise GenerationError(f"benchmark {b.name}: {e}") from None
     if search:
         res.metrics.update({f"search/{k}": v for k, v in search_metrics(res.per_problem, b.examples).items()})
     write_text_atomic(path, "".join(json.dumps(json_safe(r), ensure_ascii=False) + "\n" for r in res.per_problem))
     if res.first_reward_error:
         print(f"[tether] {b.name}: the reward raised {int(res.metrics['reward_errors'])} time(s) "
               f"(scored 0); first traceback:\n{res.first_reward_error}", file=sys.stderr)
-    entry = {"source": b.source, "split": b.split, "reward": b.reward, "file": path.name, "metrics": res.metrics}
+    entry = {"source": b.source, "split": b.split, "reward": b.reward, "max_new_tokens": settings.max_new_tokens,
+             "file": path.name, "metrics": res.metrics}
     if res.stopped:
         entry.update(complete=False, n_problems_total=res.n_total)
         report["stopped"] = signal.Signals(stopper.signum).name
     report["benchmarks"][b.name] = entry
     table[b.name] = res.metrics
+    table["_caps"][b.name] = settings.max_new_tokens
     write_json_atomic(out / "results.json", report)
     return res.stopped
 
@@ -247,7 +256,7 @@ def run_eval_cli(args) -> int:
 def _finish(table: dict, stopper, out: Path, created: bool, files: Sequence[str], settings: EvalSettings,
             search: bool) -> int:
     """Print the table (and say what a stop signal kept); returns the exit code."""
-    desc = table.pop("_desc")
+    desc, caps = table.pop("_desc"), table.pop("_caps")
     s = settings
     if stopper.signum:
         name = signal.Signals(stopper.signum).name
@@ -260,8 +269,10 @@ def _finish(table: dict, stopper, out: Path, created: bool, files: Sequence[str]
             print(f"tether: stopped by {name}: {done} finished problem(s) kept in {out / 'results.json'} "
                   f"(marked incomplete)", file=sys.stderr)
         return exit_code(name)
+    shared = set(caps.values()) or {s.max_new_tokens}  # one cap, or each benchmark's (organism-dN has its own)
+    tokens = str(shared.pop()) if len(shared) == 1 else ", ".join(f"{k}: {v}" for k, v in caps.items())
     print(f"{desc}\n{'greedy' if s.greedy else f'n={s.n} T={s.temperature:g} top_p={s.top_p:g}'}, "
-          f"max_new_tokens={s.max_new_tokens}; accuracies in %, len in tokens")
+          f"max_new_tokens={tokens}; accuracies in %, len in tokens")
     print(format_table(table, s.n, s.ks))
     if search:
         print(format_search_table(table))
@@ -316,7 +327,7 @@ def _evaluate_all(args, benches, info, out: Path, stopper, *, search: bool, plan
         "created": datetime.now().isoformat(timespec="seconds"),
         "tether_version": __version__,
     }
-    table: dict[str, Any] = {"_desc": desc}
+    table: dict[str, Any] = {"_desc": desc, "_caps": {}}  # _caps: each benchmark's max_new_tokens
     for b in benches:
         if _evaluate_bench(b, agent, out, report, table, stopper, search=search, settings=settings, args=args):
             break

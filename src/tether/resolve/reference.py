@@ -131,7 +131,8 @@ def moved_table() -> str:
     """The keys of the earlier flat layout and their new places (`tether.config.migration.MOVED`)."""
     out = ["## Keys of the earlier flat layout", "",
            "A config that sets one of these keys is refused with an error naming its new place; a run directory "
-           "saved before the change is read in the new layout (`--resume`, `tether eval --run`, `tether export`).",
+           "saved before the change is read in the new layout (`--resume`, `tether eval --model RUN`, "
+           "`tether export`).",
            "", "| earlier key | its place now |", "| --- | --- |"]
     out += [f"| `{old}` | `{new}` |" for old, new in MOVED.items()]
     return "\n".join(out + [""])

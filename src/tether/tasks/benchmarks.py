@@ -25,7 +25,7 @@ from . import reasoning_gym
 from .arithmetic import LEVELS, ArithmeticTask
 from .data import default_reward_name, load_examples, resolve_dataset_name
 from .organism import OrganismTask
-from .organism_problems import MAX_DIFFICULTY, RL_DIFFICULTY
+from .organism_problems import MAX_DIFFICULTY, RL_DIFFICULTY, response_tokens
 from .rewards import load_reward
 
 __all__ = ["BENCHMARK_PREFIXES", "Benchmark", "load_benchmark", "load_benchmarks", "slug"]
@@ -49,6 +49,9 @@ class Benchmark:
         examples: The problems.
         reward: The reward spec (``gsm8k``, ``math``, ``file.py:function``, ...).
         reward_fn: The loaded reward function.
+        max_new_tokens: The response cap the benchmark is answered within when the caller sets none
+            (``organism-dN``: its longest worked solution, `tether.tasks.organism_problems.response_tokens`, the
+            organism's context being 256 tokens); None: the caller's.
     """
 
     name: str
@@ -57,6 +60,7 @@ class Benchmark:
     examples: list
     reward: str
     reward_fn: Any
+    max_new_tokens: Optional[int] = None
 
 
 def slug(s: str) -> str:
@@ -79,8 +83,8 @@ def _benchmark_reward(label: str, spec: str):
 
 def _synthetic_benchmark(kind: str, difficulty: int, limit: Optional[int], reward: Optional[str]) -> Benchmark:
     """A generated task's test split at ``difficulty`` (seed 0; never trained on): ``arithmetic`` (``limit``
-    problems, default 100) or ``organism`` (the model organism's, default 200), scored by ``reward`` (default
-    the ``arithmetic`` reward)."""
+    problems, default 100) or ``organism`` (the model organism's, default 200, with its response cap), scored by
+    ``reward`` (default the ``arithmetic`` reward)."""
     task, valid, default_limit = {"arithmetic": (ArithmeticTask, sorted(LEVELS), 100),
                                   "organism": (OrganismTask, list(range(1, MAX_DIFFICULTY + 1)), 200)}[kind]
     if difficulty not in valid:
@@ -89,7 +93,8 @@ def _synthetic_benchmark(kind: str, difficulty: int, limit: Optional[int], rewar
     fn = _benchmark_reward(f"'{kind}-d{difficulty}'", spec)
     examples = task(seed=0, difficulty=difficulty, split="test").examples(limit or default_limit)
     return Benchmark(name=f"{kind}_d{difficulty}", source=f"{kind}-d{difficulty}", split="test",
-                     examples=examples, reward=spec, reward_fn=fn)
+                     examples=examples, reward=spec, reward_fn=fn,
+                     max_new_tokens=response_tokens(difficulty) if kind == "organism" else None)
 
 
 def _reasoning_gym_benchmark(source: str, limit: Optional[int], reward: Optional[str]) -> Benchmark:

@@ -31,7 +31,7 @@ from typing import Sequence
 from ..config.data import ORGANISM_MAX_DIFFICULTY
 
 __all__ = ["TEST_BUCKETS", "RL_DIFFICULTY", "MAX_DIFFICULTY", "MAX_VALUE", "QUESTION", "CALC", "content_split",
-           "solve", "expression", "solution_text", "draw"]
+           "solve", "expression", "solution_text", "response_tokens", "draw"]
 
 #: Buckets (of 100) of problem content held out for ``split="test"``.
 TEST_BUCKETS = 10
@@ -77,6 +77,14 @@ def solution_text(start: int, ops: Sequence[tuple[str, int]]) -> str:
         lines.append(f"{v}{op}{n}={nv}")
         v = nv
     return "\n".join(lines) + f"\n#### {v}"
+
+
+def response_tokens(difficulty: int) -> int:
+    """The response cap an organism problem of ``difficulty`` is answered within: its longest worked solution
+    (``199-99=100`` and a newline a line, then ``#### 199``: 11 d + 8 characters, one token a character) and the end
+    token, rounded up to a multiple of 16: 48 at :data:`RL_DIFFICULTY` (the regime's rollout length), 80 at the
+    largest difficulty."""
+    return -(-(11 * int(difficulty) + 9) // 16) * 16
 
 
 def draw(split: str, seed: int, difficulty: int, i: int) -> tuple[int, list[tuple[str, int]]]:

@@ -47,7 +47,7 @@ from .arithmetic import ArithmeticTask
 from .base import DataError
 from .data import default_reward_name, load_examples
 from .organism import OrganismTask
-from .organism_problems import RL_DIFFICULTY
+from .organism_problems import RL_DIFFICULTY, response_tokens
 from .rewards import load_reward
 
 TASKS: Registry[Callable[..., Any]] = Registry("task", error=DataError, defaults={
@@ -110,8 +110,9 @@ def arithmetic_task(data, seed: int) -> Callable[[int], Any]:
 #: x 8 samples at lr 3e-5 (on an earlier build, 1e-4 made it worse: 10 -> 1.5 % in 100 steps, seed 0); held-out greedy
 #: accuracy on 200 test problems every 25 steps
 ORGANISM_PRESET = {"model.name": "organism", "data.task": "organism", "data.difficulty": RL_DIFFICULTY,
-                   "train.steps": 200, "train.lr": 3e-5, "rollout.max_new_tokens": 48,
-                   "rollout.temperature": 1.0, "eval.limit": 200, "eval.every": 25, "eval.max_new_tokens": 48,
+                   "train.steps": 200, "train.lr": 3e-5, "rollout.max_new_tokens": response_tokens(RL_DIFFICULTY),
+                   "rollout.temperature": 1.0, "eval.limit": 200, "eval.every": 25,
+                   "eval.max_new_tokens": response_tokens(RL_DIFFICULTY),
                    "run.save_every": 50}
 
 
