@@ -180,6 +180,16 @@ def test_fresh_run_refuses_a_non_empty_run_dir(work, tiny_model_dir, base_run, t
     assert str(run) in msg and "not empty" in msg and f"--resume {run}" in msg and "--overwrite" in msg
     assert (run / "config.yaml").read_bytes() == config and [r["step"] for r in rows(run)] == [1, 2]
     assert not (run / ".lock").exists()
+    # a directory that holds no run (the user's, or a run's checkpoints/) is not offered --resume or --overwrite,
+    # which would both be refused
+    for other in (run / "checkpoints", tmp_path / "mine"):
+        other.mkdir(exist_ok=True)
+        (other / "notes.txt").write_text("keep me")
+        with pytest.raises(RunError) as e:
+            train(cfg_for(work, tiny_model_dir, 1), other, log=quiet)
+        msg = str(e.value)
+        assert str(other) in msg and "holds no tether run" in msg and "another --output-dir" in msg, msg
+        assert "--resume" not in msg and "--overwrite" not in msg and (other / "notes.txt").read_text() == "keep me"
 
 
 def test_overwrite_replaces_the_old_run(work, tiny_model_dir, base_run, tmp_path, capsys):

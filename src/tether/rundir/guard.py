@@ -53,7 +53,7 @@ from ..metrics import warn, write_text_atomic
 from ..sections import as_dict
 from ..userio import loads_json
 from .checkpoint import checkpoints, pid_alive
-from .owned import MARKER, RUN_KINDS, check_replaceable, run_kind, write_marker
+from .owned import MARKER, RUN_KINDS, check_replaceable, is_run_dir, run_kind, write_marker
 from .reader import RunDir
 from .stop import resume_hint
 
@@ -232,6 +232,9 @@ class RunDirectory:
                 if old:
                     if not self.overwrite:
                         shown = ", ".join(old[:5]) + (", ..." if len(old) > 5 else "")
+                        if not is_run_dir(p):  # a directory of the user's, or a part of a run: nothing to resume
+                            raise RunError(f"run directory {p} is not empty ({shown}) and holds no tether run (no "
+                                           f"config.yaml) to continue or replace; choose another --output-dir")
                         raise RunError(
                             f"run directory {p} is not empty ({shown}); a fresh run would mix with what is "
                             f"there. To continue that run: {resume_hint(p)}; to start a new one: "
