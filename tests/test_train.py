@@ -258,7 +258,7 @@ def test_lora_bf16_and_checkpointing(over, workdir, tiny_model_dir, tmp_path):
     assert t.anchor.num_updates == 2
 
 
-def test_plot_cli_overlays_runs(workdir, tiny_model_dir, tmp_path):
+def test_plot_cli_overlays_runs(workdir, tiny_model_dir, tmp_path, monkeypatch, capsys):
     from tether.cli import main
 
     a = train(tiny_config(workdir, tiny_model_dir, "dapo", 2), tmp_path / "a", log=lambda *x: None)
@@ -266,6 +266,13 @@ def test_plot_cli_overlays_runs(workdir, tiny_model_dir, tmp_path):
     out = tmp_path / "cmp.png"
     assert main(["plot", str(a), str(b), "--out", str(out)]) == 0
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+    # without --out, an overlay goes to the current directory, not into a run (whose curves.png shows it alone)
+    assert main(["plot", str(a)]) == 0  # one run: its own RUN/curves.png
+    own = (a / "curves.png").read_bytes()
+    monkeypatch.chdir(tmp_path)
+    assert main(["plot", str(a), str(b)]) == 0
+    assert (tmp_path / "curves_a_vs_b.png").read_bytes()[:4] == b"\x89PNG" and (a / "curves.png").read_bytes() == own
+    assert capsys.readouterr().out.splitlines()[-1] == "curves_a_vs_b.png"  # the path written
 
 
 

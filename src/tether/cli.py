@@ -96,12 +96,12 @@ def _interrupted(e: KeyboardInterrupt) -> int:
 
 
 def _plot(args) -> int:
-    """Write the plot and print the path of the file written: ``--out`` as `tether.plot.plot_path`
-    resolves it (an existing directory gets curves.png inside it, a name without an image suffix
+    """Write the plot and print the path of the file written: ``--out`` (default `tether.plot.default_plot_out`) as
+    `tether.plot.plot_path` resolves it (an existing directory gets curves.png inside it, a name without an image suffix
     gets .png); a path that cannot be written is an OutputError naming it (exit 2)."""
-    from .plot import plot_runs  # deferred: pulls in torch
+    from .plot import default_plot_out, plot_runs  # deferred: pulls in torch
 
-    out = args.out if args.out else Path(args.runs[0]) / "curves.png"  # a string: a trailing slash means a directory
+    out = args.out or default_plot_out(args.runs)  # a string: a trailing slash means a directory
     print(plot_runs([Path(r) for r in args.runs], out, smooth=args.smooth))
     return 0
 
@@ -170,8 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="plot the curves of one or more runs, overlaid")
     pl.add_argument("runs", nargs="+", help="run directories")
-    pl.add_argument("--out", help="image path (default RUN/curves.png); an existing directory or a trailing / gets "
-                    "curves.png inside it, a name without an image suffix gets .png; the path written is printed")
+    pl.add_argument("--out", help="image path (default: RUN/curves.png for one run; for several, "
+                    "curves_A_vs_B.png in the current directory, so no run's own curves.png shows another run); an "
+                    "existing directory or a trailing / gets curves.png inside it, a name without an image suffix gets "
+                    ".png; the path written is printed")
     pl.add_argument("--smooth", type=positive_int, default=1, help="moving-average window in steps (default 1: raw)")
     pl.set_defaults(fn=_plot)
 
