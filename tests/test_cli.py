@@ -19,6 +19,28 @@ def test_train_task_choices_include_search_in_a_fresh_process():
     assert "--task {organism,math,search}" in r.stdout
 
 
+def test_config_prints_what_train_would_run_with_the_same_arguments(capsys):
+    """`tether config` takes `tether train`'s config arguments (--task, --model, --data, --steps, --output-dir), so
+    it prints the config of the same train command: here the organism preset with a step count given twice the
+    same way, and a flag and an override that disagree are refused as train refuses them."""
+    import yaml
+
+    from tether.cli import main
+    from tether.config import to_dict
+    from tether.resolve import load_config
+
+    args = ["--task", "organism", "--steps", "7", "--output-dir", "/tmp/x", "--recipe", "grpo", "algo.kl.beta=0.01"]
+    assert main(["config", *args]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    expected = to_dict(load_config(None, {"algo.kl.beta": 0.01, "train.steps": 7, "run.output_dir": "/tmp/x"},
+                                   recipe_name="grpo", task="organism"))
+    assert printed == expected
+    assert printed["model"]["name"] == "organism" and printed["train"]["steps"] == 7 \
+        and printed["rollout"]["max_new_tokens"] == 48 and printed["recipe"] == "grpo"
+    assert main(["config", "--steps", "7", "train.steps=8"]) == 2
+    assert "--steps 7 and train.steps=8 set the same key" in capsys.readouterr().err
+
+
 def test_python_m_tether_recipes():
     r = run_module("recipes")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -14,8 +14,7 @@ def _train(args) -> int:
     from .resolve import load_config  # deferred: pulls in torch
     from .train import resume, train  # deferred: pulls in torch and transformers
 
-    overrides = _overrides(args, (("model", "model.name"), ("data", "data.task"), ("steps", "train.steps"),
-                                  ("output_dir", "run.output_dir")))
+    overrides = _overrides(args, _TRAIN_FLAGS)
     from . import distributed  # deferred: pulls in torch
 
     if args.resume:
@@ -34,6 +33,11 @@ def _train(args) -> int:
     finally:
         distributed.teardown()
     return _stop_status()
+
+
+#: the options of `tether train` (and `tether config`) that set a key: (attribute, key)
+_TRAIN_FLAGS = (("model", "model.name"), ("data", "data.task"), ("steps", "train.steps"),
+                ("output_dir", "run.output_dir"))
 
 
 def _sft(args) -> int:
@@ -68,7 +72,7 @@ def _overrides(args, flags) -> dict:
                 raise ConfigError(f"--{flag.replace('_', '-')} {v} and {key}={overrides[key]} set the same key to "
                                   f"different values; give one")
             overrides[key] = v
-    if args.overwrite:
+    if getattr(args, "overwrite", False):  # tether config has no --overwrite
         overrides["run.overwrite"] = True
     return overrides
 
@@ -107,7 +111,7 @@ def _plot(args) -> int:
 
 
 def _config(args) -> int:
-    from .config import parse_overrides, to_dict
+    from .config import to_dict
     from .resolve import load_config, reference  # deferred: pulls in torch
 
     if args.reference:
@@ -115,7 +119,7 @@ def _config(args) -> int:
         return 0
     import yaml
 
-    cfg = load_config(args.config, parse_overrides(args.overrides), recipe_name=args.recipe)
+    cfg = load_config(args.config, _overrides(args, _TRAIN_FLAGS), recipe_name=args.recipe, task=args.task)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     return 0
 
@@ -126,6 +130,24 @@ def _recipes(args) -> int:
     for name in RECIPES:
         print(describe(recipe(name)))
     return 0
+
+
+def _add_run_config_arguments(p) -> None:
+    """The arguments that make a run's config, which ``tether train`` and ``tether config`` share (so ``tether config``
+    prints what the same ``tether train`` command would run with)."""
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=50")
+    p.add_argument("--config", help="YAML config file")
+    p.add_argument("--recipe", help="named algorithm (tether recipes lists them); default ema_pg")
+    from .resolve import TASK_PRESETS  # deferred: pulls in torch (and registers every task: search's preset too)
+
+    p.add_argument("--task", choices=list(TASK_PRESETS),
+                   help="math (default: single-turn, arithmetic / GSM8K / MATH data) | search (the multi-turn search "
+                   "agent on the closed-pool multi-hop set with BM25) | organism (the model organism's RL regime, "
+                   "docs/organism.md): the settings the task brings (tether.resolve.TASK_PRESETS)")
+    p.add_argument("--model", help="hub id, local directory, .gguf file, or 'smollm2' (the embedded default)")
+    p.add_argument("--data", help="arithmetic | gsm8k | math500 | ... | a .jsonl/.json/.parquet file | a hub id")
+    p.add_argument("--steps", type=int, help="trainer steps (= train.steps)")
+    p.add_argument("--output-dir", dest="output_dir", help="run directory (= run.output_dir)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,18 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "first) aborts at once, without a new checkpoint (the previous one stays the latest and "
                        "resumes; same exit codes). Exit 0: the run finished; 2: an error in the command, config, "
                        "data, model or run directory.")
-    t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=50")
-    t.add_argument("--config", help="YAML config file")
-    t.add_argument("--recipe", help="named algorithm (tether recipes lists them); default ema_pg")
-    from .resolve import TASK_PRESETS  # deferred: pulls in torch (and registers every task: search's preset too)
-
-    t.add_argument("--task", choices=list(TASK_PRESETS),
-                   help="math (default: single-turn, arithmetic / GSM8K / MATH data) | search (the multi-turn search "
-                   "agent on the closed-pool multi-hop set with BM25; tether.resolve.TASK_PRESETS)")
-    t.add_argument("--model", help="hub id, local directory, .gguf file, or 'smollm2' (the embedded default)")
-    t.add_argument("--data", help="arithmetic | gsm8k | math500 | ... | a .jsonl/.json/.parquet file | a hub id")
-    t.add_argument("--steps", type=int, help="trainer steps (= train.steps)")
-    t.add_argument("--output-dir", dest="output_dir", help="run directory (= run.output_dir)")
+    _add_run_config_arguments(t)
     t.add_argument("--overwrite", action="store_true", help="a fresh run into a non-empty --output-dir first deletes "
                    "the old run there (= run.overwrite=true); without it such a run is refused")
     t.add_argument("--resume", metavar="RUN_DIR",
@@ -177,10 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--smooth", type=positive_int, default=1, help="moving-average window in steps (default 1: raw)")
     pl.set_defaults(fn=_plot)
 
-    c = sub.add_parser("config", help="print the resolved config (recipe -> YAML -> overrides), or the key reference")
-    c.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    c.add_argument("--config", help="YAML config file")
-    c.add_argument("--recipe", help="named algorithm")
+    c = sub.add_parser("config", help="print the resolved config (recipe -> task -> YAML -> overrides) that tether "
+                       "train would run with the same arguments, or the key reference")
+    _add_run_config_arguments(c)
     c.add_argument("--reference", action="store_true", help="print the reference of every key (docs/config.md)")
     c.set_defaults(fn=_config)
 

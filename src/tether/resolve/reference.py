@@ -99,7 +99,9 @@ def reference() -> str:
            "with the docstring under its declaration (`tether.config.schema`, `tether.models`, `tether.algo`).",
            "Set keys in a YAML file (`--config`) or as `key=value` overrides; `recipe` picks the `algo.*` defaults",
            "(the `algo.*` defaults below are the bare field defaults: each recipe, the default `ema_pg` included,",
-           "overrides some of them; `tether config --recipe NAME` prints a recipe's resolved values).", ""]
+           "overrides some of them; `tether config --recipe NAME` prints a recipe's resolved values, and",
+           "`tether config` with any `tether train` command's arguments, `--task organism --steps 50 ...`, the config",
+           "that command would run with).", ""]
     out.append(section_tables(Config, None, registered()))
     out.append(flag_table())
     out.append(moved_table())
