@@ -177,6 +177,8 @@ def test_parse_overrides_reads_yaml_scalars():
     (True, Optional[bool], True), ("x", Union[int, str], "x"), (3, Union[int, str], 3), ("3", Union[int, str], "3"),
     (2.0, Union[float, str], 2.0), ("q_proj", Union[list, str], "q_proj"), (["a"], Union[list, str], ["a"]),
     ("1e3", int, 1000), ("1.5e0", int, "1.5e0"), (7, str, "7"), ("a,b", list, ["a", "b"]), (("a",), list, ["a"]),
+    # a typed list's items are read as that type's values are: numbers as text for list[str], 1e-3 for list[float]
+    ([0, 1], list[str], ["0", "1"]), ("0.9,1e-3", list[float], [0.9, 0.001]), ((1,), list[str], ["1"]),
 ])
 def test_a_value_as_written_keeps_a_value_of_a_declared_type(value, tp, want):
     """``sections.user_value`` reads what YAML and ``key=value`` give (none, comma lists, 1e3, a number for a string)
@@ -192,6 +194,23 @@ def test_a_value_as_written_keeps_a_value_of_a_declared_type(value, tp, want):
 def test_never_a_bool_for_a_number_or_a_string(key, value, msg):
     with pytest.raises(ConfigError, match=re.escape(msg)):
         load_config(None, {key: value})
+
+
+@pytest.mark.parametrize("key,value,msg", [
+    ("train.betas", [True, 0.9], "train.betas must be two numbers in [0, 1), got [True, 0.9]"),
+    ("train.betas", ["a", 0.9], "train.betas must be two numbers in [0, 1), got ['a', 0.9]"),
+    ("rollout.stop", ["</answer>", {"a": 1}], "rollout.stop.1: expected a string"),
+    ("eval.benchmarks", [["gsm8k"]], "eval.benchmarks.0: expected a string"),
+])
+def test_a_list_key_types_its_items(key, value, msg):
+    """The list keys are typed to their items (train.betas: list[float], rollout.stop and eval.benchmarks:
+    list[str]): an item of another type is refused naming the key (and the item), and items as users write them
+    are read as for a single key (a bool is never a number, 1e-1 is a number, a number in a list of text is its
+    text)."""
+    with pytest.raises(ConfigError, match=re.escape(msg)):
+        load_config(None, {key: value})
+    cfg = load_config(None, {"train.betas": "0.8,1e-1", "rollout.stop": ["</answer>", 7]})
+    assert cfg.train.betas == [0.8, 0.1] and cfg.rollout.stop == ["</answer>", "7"]
 
 
 def test_one_parse_names_the_source_of_each_problem(tmp_path):

@@ -47,8 +47,9 @@ class Section(BaseModel):
 def user_value(value: Any, tp: Any) -> Any:
     """A value as a user writes it (YAML, ``key=value``) for a field of type ``tp``, before pydantic validates it:
     ``none`` / ``null`` is None for an optional key; a comma-separated string is a list for a list key
-    (``eval.benchmarks=gsm8k,math500``); a number is its text for a string key; ``1e3`` is 1000 for an integer key;
-    and a bool is never taken for a number (YAML reads ``steps: yes`` as true, and ``int(True)`` is 1)."""
+    (``eval.benchmarks=gsm8k,math500``), each item read as its type's value is; a number is its text for a string
+    key; ``1e3`` is 1000 for an integer key; and a bool is never taken for a number (YAML reads ``steps: yes`` as true,
+    and ``int(True)`` is 1)."""
     if typing.get_origin(tp) is typing.Annotated:
         tp = typing.get_args(tp)[0]
     union = typing.get_origin(tp) is typing.Union or isinstance(tp, types.UnionType)
@@ -76,9 +77,11 @@ def user_value(value: Any, tp: Any) -> Any:
         return str(value)
     if (typing.get_origin(t) or t) is list:
         if isinstance(value, str) and not value.strip().startswith("["):
-            return [v for v in value.split(",") if v]
-        if isinstance(value, tuple):
-            return list(value)
+            value = [v for v in value.split(",") if v]
+        elif isinstance(value, tuple):
+            value = list(value)
+        item = next(iter(typing.get_args(t)), None)  # list[float]: each item read as a float key's value is
+        return [user_value(v, item) for v in value] if item is not None and isinstance(value, list) else value
     return value
 
 

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from ..algo.correction import LR_SCALES
 from ..sections import Section, alone, as_dict, only_with
@@ -86,7 +93,7 @@ class RolloutConfig(Section):
 
     _unstopped = only_with("min_new_tokens", holds=_single_turn,
                            text="with rollout.agent.kind=multi_turn: it would be ignored by the multi-turn agents")
-    stop: list = Field(default_factory=list)
+    stop: list[str] = Field(default_factory=list)
     """stop strings; the response ends right after one (the held-out evaluations during training stop at them too)"""
     _stops = only_with("stop", holds=_single_turn, text="with rollout.agent.kind=multi_turn: it would be ignored: the "
                                                         "environment's stop strings end each turn")
@@ -126,15 +133,19 @@ class OptimizerConfig(Section):
     """AdamW learning rate, >= 0 (0: no update, a baseline); set on --resume, it applies from the next step"""
     weight_decay: float = Field(0.0, ge=0, allow_inf_nan=False)
     """AdamW weight decay"""
-    betas: list = Field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.999])
     """AdamW betas, two numbers in [0, 1)"""
 
-    @field_validator("betas")
+    @field_validator("betas", mode="wrap")
     @classmethod
-    def _two_betas(cls, v: list) -> list:
-        if len(v) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in v):
+    def _two_betas(cls, v: Any, numbers: ValidatorFunctionWrapHandler) -> list[float]:
+        try:  # one sentence for every way of missing it: an item that is not a number, a bool, the count, the range
+            betas = numbers(v)
+        except ValidationError:
+            betas = None
+        if betas is None or len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"must be two numbers in [0, 1), got {v!r}")
-        return v
+        return betas
 
     warmup_steps: int = Field(0, ge=0)
     """linear warm-up, in optimizer steps"""
@@ -306,7 +317,7 @@ class EvalConfig(Section):
     every: int = Field(0, ge=0)
     """also evaluate every N trainer steps, and after the last one whatever eval.after says, so the curve ends at the
     run's end (0 = only before / after)"""
-    benchmarks: list = Field(default_factory=lambda: ["auto"], min_length=1)
+    benchmarks: list[str] = Field(default_factory=lambda: ["auto"], min_length=1)
     """auto (the training task's held-out set: arithmetic -> its test split, gsm8k -> GSM8K test; other tasks have
     none, and nothing is evaluated) | arithmetic | gsm8k | math500 | ... | a file"""
     limit: int = Field(100, ge=1)
