@@ -153,7 +153,7 @@ class _Format(Section):
 
 
 class _Options(Section):
-    options: dict = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict)
     """keyword arguments of the environment's constructor"""
 
 
@@ -200,7 +200,7 @@ class SkyRLGymEnvConfig(_Env):
     """chat (its observations are chat messages)"""
     observation_role: Literal["tool", "user"] = "user"
     """the role of an observation turn (user: the role of SkyRL's observations)"""
-    options: dict = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict)
     """env_config, extras (besides each example's reward_spec.ground_truth) and stop (the stop strings of a turn)"""
 
 
@@ -224,7 +224,7 @@ class VerifiersEnvConfig(_Env):
     """chat (its messages are chat turns)"""
     #: its messages carry their own roles (no observation_role to set)
     observation_role: ClassVar[str] = "tool"
-    options: dict = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict)
     """args (load_environment's keyword arguments) and tool_format (auto | hermes | llama3_json: how the policy
     writes tool calls); verifiers 0.4: its own options (docs/ecosystem.md)"""
 

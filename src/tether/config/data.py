@@ -64,7 +64,7 @@ class _Files(Section):
 
 
 class _Options(Section):
-    options: dict = Field(default_factory=dict)
+    options: dict[str, Any] = Field(default_factory=dict)
     """the task's own options; data.task=reasoning_gym:<name>: keyword arguments of reasoning_gym.create_dataset:
     size (default 1000), seed (default train.seed) and the dataset's difficulty options, e.g. {size: 500,
     min_terms: 2, max_terms: 4} (docs/ecosystem.md)"""
