@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 from pathlib import Path
@@ -610,8 +611,12 @@ def test_bad_rows_line_numbers_and_other_errors(tmp_path):
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(DataError, match="unsupported file type"):
         load_examples(str(tmp_path / "x.csv"))
-    with pytest.raises(DataError, match="unknown dataset"):
+    with pytest.raises(DataError, match="unknown dataset") as e:
         load_examples("definitely-not-a-dataset")
+    assert "Did you mean" not in str(e.value)
+    with pytest.raises(DataError, match=re.escape("unknown dataset 'gsm9k'")) as e:  # a slip of one character
+        load_examples("gsm9k")
+    assert str(e.value).endswith("Did you mean 'gsm8k'?")
     assert issubclass(DataError, ValueError)
 
 

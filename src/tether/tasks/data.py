@@ -20,6 +20,7 @@ keys, ``iter_jsonl``), so ``from tether.tasks.data import ...`` is unchanged.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from dataclasses import dataclass
@@ -197,9 +198,11 @@ def _load_file_or_hub(
             label=f"hub dataset {src!r} ({hub_split})", id_prefix=f"{hub_id}_{hub_split}",
             prompt_keys=pkeys, answer_keys=akeys, explicit_prompt=pexp, explicit_answer=aexp, limit=limit,
         )
+    close = difflib.get_close_matches(src.lower(), [*NAMED_DATASETS, *DATASET_ALIASES], n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
     raise DataError(
         f"unknown dataset {src!r}: not an existing file, not a named dataset "
-        f"({', '.join(NAMED_DATASETS)}), and not a hub id 'org/name'"
+        f"({', '.join(NAMED_DATASETS)}), and not a hub id 'org/name'.{hint}"
     )
 
 
