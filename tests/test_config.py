@@ -212,7 +212,7 @@ def test_a_list_key_types_its_items(key, value, msg):
     cfg = load_config(None, {"train.betas": "0.8,1e-1", "rollout.stop": ["</answer>", 7]})
     assert cfg.train.betas == [0.8, 0.1] and cfg.rollout.stop == ["</answer>", "7"]
     # the options mappings are keyword arguments: their keys are names (dict[str, Any])
-    with pytest.raises(ConfigError, match=re.escape("data.options.1.[key]: expected a string")):
+    with pytest.raises(ConfigError, match=re.escape("data.options: its keys are names (text), got the key 1")):
         load_config(None, {"data.task": "reasoning_gym:chain_sum", "data.options": {1: 2}})
 
 

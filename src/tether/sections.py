@@ -262,7 +262,13 @@ def validation_problems(e: ValidationError, key: str, name: str, section: Any = 
         loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and (p in _TAGS or p.startswith("function-")))]
         if loc and loc[0] == name:
             loc = loc[1:]
+        mapping_key = loc[-1:] == ["[key]"]  # a mapping's key (data.options={1: 2}; pydantic's loc: options.1.[key])
+        if mapping_key:
+            loc = loc[:-2]
         where = ".".join([key, *loc] if key else loc)
+        if mapping_key:
+            out.append(f"{where}: its keys are names (text), got the key {err.get('input')!r}")
+            continue
         ctx, value = err.get("ctx") or {}, err.get("input")
         info = _field_at(section, err["loc"]) if section is not None else None
         if err["type"] in ("union_tag_invalid", "union_tag_not_found"):  # pydantic names its discriminator callable
