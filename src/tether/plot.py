@@ -4,13 +4,12 @@ SFT runs (``tether sft``: no reward in their metrics) loss, validation loss, LR,
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Sequence, Union
 
 from .errors import OutputError, RunError
 from .metrics import read_metrics
-from .userio import claim_output_file, image_metadata
+from .userio import claim_output_file, image_metadata, slug
 
 PANELS = [  # (title, metric keys tried in order)
     ("reward", ["reward_mean"]),
@@ -58,11 +57,11 @@ def plot_path(out: Union[str, Path], formats) -> Path:
 
 def default_plot_out(runs: Sequence[Union[str, Path]]) -> Path:
     """Where ``tether plot`` writes without ``--out``: one run's own ``RUN/curves.png``; an overlay of several runs
-    goes to ``curves_<A>_vs_<B>....png`` in the current directory (the runs' directory names, made file-safe and
+    goes to ``curves_<A>_vs_<B>....png`` in the current directory (the runs' directory names, `tether.userio.slug`,
     cut to 120 characters), never into a run, whose curves.png shows that run alone."""
     if len(runs) == 1:
         return Path(runs[0]) / "curves.png"
-    names = "_vs_".join(re.sub(r"[^A-Za-z0-9_.+-]+", "_", Path(r).resolve().name).strip("._") or "run" for r in runs)
+    names = "_vs_".join(slug(Path(r).resolve().name) for r in runs)
     return Path(f"curves_{names[:120]}.png")
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, TextIO
 
@@ -377,6 +378,12 @@ def write_output_text(path, text: str) -> None:
         f.write(text)
 
 
+def slug(s: str) -> str:
+    """``s`` made safe as a file name (an output named after a benchmark, a model or a run): runs of other characters
+    than ``[A-Za-z0-9_.+-]`` become ``_``, leading/trailing ``.``/``_`` go (``"x"`` if nothing is left)."""
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", str(s)).strip("._") or "x"
+
+
 __all__ = ["JSONTooDeep", "MARK_KEY", "claim_output_dir", "claim_output_file", "image_metadata", "json_copy",
            "json_error", "loads_json", "loads_yaml", "mark_line", "output_writer", "read_json", "read_utf8",
-           "read_yaml_mapping", "write_output_text"]
+           "read_yaml_mapping", "slug", "write_output_text"]

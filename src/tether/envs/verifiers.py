@@ -26,9 +26,10 @@ from typing import Any, Optional
 from ..config.agent import VerifiersEnvConfig
 from ..errors import ConfigError, optional_import
 from ..tasks.base import DataError, Example
-from ..tasks.benchmarks import Benchmark, slug
+from ..tasks.benchmarks import Benchmark
 from ..tasks.registry import TASKS
 from ..tasks.rewards import load_reward
+from ..userio import slug
 
 __all__ = ["PREFIX", "OPTIONS", "TOOL_FORMATS", "VerifiersEnv", "eval_benchmark", "message_text", "verifiers_library"]
 

@@ -24,9 +24,9 @@ from ..resolve import load_config
 from ..search.data import load_search_examples
 from ..search.retrievers import RETRIEVERS
 from ..sections import as_dict
-from ..tasks.benchmarks import Benchmark, load_benchmarks, slug
+from ..tasks.benchmarks import Benchmark, load_benchmarks
 from ..tasks.rewards import load_reward
-from ..userio import loads_yaml
+from ..userio import loads_yaml, slug
 from .model import resolve_eval_spec
 
 __all__ = ["add_agent_arguments", "agent_setup", "format_search_table", "search_setup", "env_setup"]

@@ -16,7 +16,7 @@ from .. import models  # models.load_model: an attribute read at call time (test
 from ..errors import EvalError
 from ..models import ModelConfig, ModelLoadError
 from ..rundir.reader import RunDir, is_checkpoint_dir, is_run_dir
-from ..tasks.benchmarks import slug
+from ..userio import slug
 from .run import RunCheckpoint, check_anchor, checkpoint_at, load_run_model
 
 __all__ = ["EvalModelSpec", "check_run_anchor", "load_eval_model", "resolve_eval_spec"]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..errors import EvalError
+from ..userio import slug
 from . import reasoning_gym
 from .arithmetic import LEVELS, ArithmeticTask
 from .data import default_reward_name, load_examples, resolve_dataset_name
@@ -61,12 +62,6 @@ class Benchmark:
     reward: str
     reward_fn: Any
     max_new_tokens: Optional[int] = None
-
-
-def slug(s: str) -> str:
-    """``s`` made safe as a file name: runs of other characters than ``[A-Za-z0-9_.+-]``
-    become ``_``, leading/trailing ``.``/``_`` go (``"x"`` if nothing is left)."""
-    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", str(s)).strip("._") or "x"
 
 
 _ARITHMETIC_RE = re.compile(r"arithmetic(?:-d(\d+))?")

@@ -20,8 +20,9 @@ from typing import Callable, Optional
 
 import torch
 
+from ..userio import slug
 from .base import Example
-from .benchmarks import load_benchmark, slug
+from .benchmarks import load_benchmark
 from .registry import TASKS, call_task, held_out_benchmark, resolve_task, task_name
 from .reward_worker import reward_scorer
 
